@@ -1,0 +1,17 @@
+"""The golden model (NumPy): what every nbattn kernel must compute.
+
+Same names and arguments as :mod:`nbattn.cuda`, so a differential test is one
+comparison.  See SPEC sections 1-4.
+"""
+from .attention import (attend, batch_decode_paged, batch_prefill_paged, batch_prefill_ragged,
+                        block_sparse, cascade, single_decode, single_prefill, split_kv)
+from .page import append_paged_kv_cache
+from .state import (AttentionState, lse_base2_to_natural, lse_natural_to_base2, merge_state,
+                    merge_state_in_place, merge_states)
+
+__all__ = [
+    "attend", "single_prefill", "single_decode", "batch_prefill_ragged", "batch_prefill_paged",
+    "batch_decode_paged", "block_sparse", "cascade", "split_kv", "append_paged_kv_cache",
+    "AttentionState", "merge_state", "merge_states", "merge_state_in_place",
+    "lse_natural_to_base2", "lse_base2_to_natural",
+]

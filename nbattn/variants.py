@@ -1,0 +1,111 @@
+"""Attention variants: the customization points of SPEC section 2.
+
+One frozen :class:`Variant` describes what a kernel (or the golden model)
+computes besides plain softmax attention.  The golden model evaluates it with
+NumPy (:mod:`nbattn.reference.masks`); the kernel factory in
+:mod:`nbattn.cuda` compiles the same fields (and the user's Python functions)
+into device code.  A Variant is hashable so it can key a kernel cache.
+
+Positions.  Every mask and bias is written in *sequence positions*: key j of a
+request sits at ``kv_idx = j``; query i of a request with Q queries and K keys
+sits at ``q_idx = K - Q + i`` (bottom-right alignment, SPEC section 2).  The
+user functions see exactly these, with FlexAttention's argument order:
+
+    score_mod(score, b, h, q_idx, kv_idx) -> new score
+    mask_mod(b, h, q_idx, kv_idx)         -> True to keep the key
+
+where ``b`` is the request index and ``h`` the query head.  Write them with
+plain arithmetic and comparisons (they are called with NumPy arrays by the
+golden model and with scalars inside compiled kernels); functions that use
+``if`` statements or ``math`` still work in the golden model through a slower
+element-wise fallback.
+
+Order (SPEC section 2): scale, ALiBi bias, soft-cap, ``score_mod``, then the
+mask (causal, window with sinks, ``mask_mod``), then softmax -- or, with
+``use_sigmoid``, ``sigmoid(score + sigmoid_bias)`` and no normalization.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
+
+import numpy as np
+
+POS_ENCODING_MODES = ("NONE", "ALIBI")
+
+
+@dataclass(frozen=True)
+class Variant:
+    causal: bool = False
+    sm_scale: Optional[float] = None          # None -> 1/sqrt(head_dim)
+    logits_soft_cap: Optional[float] = None   # None or 0 -> off; c*tanh(s/c)
+    pos_encoding_mode: str = "NONE"           # "ALIBI": bias -slope_h*(q_idx - kv_idx)
+    window_left: int = -1                     # inclusive; -1 = no window
+    sink_size: int = 0                        # first keys always visible (beside the window)
+    use_sigmoid: bool = False                 # sigmoid attention: no softmax, no LSE
+    sigmoid_bias: float = 0.0
+    score_mod: Optional[Callable] = None
+    mask_mod: Optional[Callable] = None
+
+    def __post_init__(self):
+        if self.pos_encoding_mode not in POS_ENCODING_MODES:
+            raise ValueError(f"pos_encoding_mode: must be one of {POS_ENCODING_MODES}, "
+                             f"got {self.pos_encoding_mode!r}")
+        if int(self.window_left) < -1:
+            raise ValueError(f"window_left: must be -1 (no window) or >= 0, got {self.window_left}")
+        if int(self.sink_size) < 0:
+            raise ValueError(f"sink_size: must be >= 0, got {self.sink_size}")
+        if self.logits_soft_cap is not None and self.logits_soft_cap < 0:
+            raise ValueError(f"logits_soft_cap: must be > 0 (or None/0 for off), got {self.logits_soft_cap}")
+        if self.sm_scale is not None and not np.isfinite(self.sm_scale):
+            raise ValueError(f"sm_scale: must be finite, got {self.sm_scale}")
+        for name in ("score_mod", "mask_mod"):
+            f = getattr(self, name)
+            if f is not None and not callable(f):
+                raise ValueError(f"{name}: must be a Python function, got {type(f).__name__}")
+
+    @property
+    def has_soft_cap(self) -> bool:
+        return bool(self.logits_soft_cap)
+
+    @property
+    def has_alibi(self) -> bool:
+        return self.pos_encoding_mode == "ALIBI"
+
+    @property
+    def needs_positions(self) -> bool:
+        """Whether the result depends on absolute positions (not only on the key set)."""
+        return (self.causal or self.has_alibi or self.window_left >= 0 or self.sink_size > 0
+                or self.score_mod is not None or self.mask_mod is not None)
+
+    def scale(self, head_dim: int) -> float:
+        return float(self.sm_scale) if self.sm_scale is not None else 1.0 / math.sqrt(head_dim)
+
+    def with_(self, **kw) -> "Variant":
+        return replace(self, **kw)
+
+
+VARIANT_FIELDS = tuple(Variant.__dataclass_fields__)
+
+
+def make_variant(**kwargs) -> Variant:
+    """Build a Variant from the keyword arguments of a public attention function."""
+    return Variant(**{k: v for k, v in kwargs.items() if k in VARIANT_FIELDS})
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """The usual geometric ALiBi slopes (float32, one per query head).
+
+    For a power of two n: ``2**(-8*(h+1)/n)``.  Otherwise the slopes of the
+    nearest lower power of two m, followed by every other slope of 2m.
+    """
+    def geometric(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    m = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = geometric(m)
+    if m < num_heads:
+        slopes += geometric(2 * m)[0::2][: num_heads - m]
+    return np.asarray(slopes, dtype=np.float32)
