@@ -1,0 +1,486 @@
+"""LPT load-balancing planner (SPEC section 5, "Plan" and "Algorithm (LPT)").
+
+The plan is computed on the CPU once per generation step and then reused by
+every layer, because every layer sees the same lengths.  It answers two
+questions for a fixed grid of ``num_ctas`` CTAs:
+
+1. *Who computes what*: a work queue per CTA.  A work item is one KV chunk of
+   one query tile of one request.
+2. *How partial results are combined*: a reduction map listing, for every query
+   tile whose KV range was split, the partial slots to merge, in KV order.
+
+Fused query rows (GQA)
+----------------------
+With ``group = num_qo_heads // num_kv_heads`` query heads sharing one KV head,
+the kernel processes the ``group`` heads of one KV head together, so request
+``r`` has ``l_qo[r] * group`` *fused rows*.  Fused row ``f`` is query position
+``f // group`` and head-in-group ``f % group`` (SPEC section 2).  Query tiles are
+cut over fused rows: query tile ``t`` of request ``r`` covers fused rows
+``[t*tile_q, min((t+1)*tile_q, l_qo[r]*group))`` of that request (see
+:meth:`Plan.tile_rows`).  The plan is the same for every KV head: the kernel
+grid is ``(num_ctas, num_kv_heads)`` and ``blockIdx.y`` picks the KV head.  So
+``num_ctas`` here counts CTAs *per KV head*; a caller with ``S`` resident CTA
+slots on the device passes ``S // num_kv_heads``.
+
+Algorithm
+---------
+* Total work ``W = sum_r ceil(l_qo[r]*group / tile_q) * l_kv[r]`` (KV tokens
+  summed over query tiles).
+* Chunk limit ``L = max(1, ceil(W / num_ctas))``.
+* Every query tile's KV range ``[0, l_kv)`` is cut into chunks
+  ``[k*L, min((k+1)*L, l_kv))``; all chunks but the last have length ``L``.
+* Chunk cost ``alpha*l_q + beta*l_kv`` with ``l_q`` the tile's fused row count
+  and ``l_kv`` the chunk length.
+* Chunks are sorted by cost, largest first; ties keep the order
+  (request, query tile, chunk index).  The sort is stable, so this is exact.
+* A min-heap keyed by (accumulated cost, CTA id) hands each chunk to the least
+  loaded CTA, the lowest id among equals.  Everything is integer/float
+  arithmetic in a fixed order, so equal inputs give identical plans.
+
+Cost defaults ``alpha = beta = 1``: a memory-traffic model.  A chunk moves each
+of its KV tokens once (K and V, ``2*head_dim`` elements) and each fused query
+row about twice (read Q, write O: ``2*head_dim`` elements), so one fused row and
+one KV token cost about the same.  The ``alpha*l_q`` term is also what makes an
+extra chunk of a tile cost something: splitting is not free.
+
+Edge cases
+----------
+* ``l_qo[r] == 0``: the request has no rows, hence no tiles and no work.
+* ``l_qo[r] > 0`` and ``l_kv[r] == 0``: each of its query tiles gets exactly one
+  work item with ``kv_start == kv_end == 0`` and ``out_slot == DIRECT``.  The
+  kernel must still visit it and write the empty attention state
+  (output 0, LSE -inf, SPEC section 3); it costs ``alpha*l_q``.
+* ``causal=True`` (an extension; the default is the SPEC formula exactly):
+  with bottom-right alignment the last row of a tile sees keys
+  ``< l_kv - l_qo + last_position + 1``, so that tile's KV range is trimmed to
+  it before ``W`` is summed and chunks are cut.  Keys past the trimmed end are
+  masked for every row of the tile, so no work is lost.
+
+Partial slots
+-------------
+Chunks of a split tile (more than one chunk) each write a partial state into
+slot ``out_slot >= 0``; an unsplit tile's single item has ``out_slot == DIRECT``
+(-1) and writes the final output.  Slots are numbered in (request, query tile,
+chunk) order, so a split tile's slots are consecutive and in ``kv_start``
+order.  A slot holds, per KV head, ``tile_q`` fused rows of ``head_dim`` output
+values plus one LSE: ``tile_q * num_kv_heads * (head_dim + 1)`` elements.
+
+Because a split tile has ``l_kv > L`` and therefore ``ceil(l_kv/L) < 2*l_kv/L``
+chunks, ``num_partials <= 2*W/L <= 2*num_ctas``.  Times the slot size this is
+the paper's bound (App. D.3) of ``2*C*T_q*H_qo*(head_dim+1)`` elements, which
+lets the run step preallocate the partial buffer once (CUDA-graph friendly).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+
+from .tiles import choose_tile_q
+
+__all__ = [
+    "DIRECT",
+    "DEFAULT_ALPHA",
+    "DEFAULT_BETA",
+    "Plan",
+    "plan",
+    "partial_buffer_bound",
+    "check_partial_capacity",
+]
+
+DIRECT = -1
+"""``out_slot`` marker: the item is the tile's only chunk and writes the final output."""
+
+DEFAULT_ALPHA = 1.0
+DEFAULT_BETA = 1.0
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """Result of :func:`plan`.  All index arrays are int32 and read-only.
+
+    Work queues (CSR over CTAs): CTA ``c`` runs items
+    ``cta_indptr[c] : cta_indptr[c+1]`` in that order.  Item ``i`` computes
+    attention for fused rows :meth:`tile_rows` ``(request[i], qo_tile[i])``
+    against keys ``kv_start[i] : kv_end[i]`` of request ``request[i]`` and writes
+    partial slot ``out_slot[i]``, or the final output when it is ``DIRECT``.
+
+    Reduction map (CSR over split tiles): split tile ``m`` is
+    ``(merge_request[m], merge_qo_tile[m])`` and its final output is the merge
+    of slots ``merge_slots[merge_indptr[m] : merge_indptr[m+1]]``, in that order
+    (increasing ``kv_start``).  Merging in this fixed order, never with
+    atomics, is what makes the output bitwise reproducible (SPEC section 3).
+    """
+
+    num_ctas: int
+    tile_q: int
+    group: int
+    chunk_limit: int
+    alpha: float
+    beta: float
+    causal: bool
+    qo_lens: np.ndarray
+    kv_lens: np.ndarray
+    cta_indptr: np.ndarray
+    request: np.ndarray
+    qo_tile: np.ndarray
+    kv_start: np.ndarray
+    kv_end: np.ndarray
+    out_slot: np.ndarray
+    merge_indptr: np.ndarray
+    merge_request: np.ndarray
+    merge_qo_tile: np.ndarray
+    merge_slots: np.ndarray
+    num_partials: int
+    cta_cost: np.ndarray
+    makespan: float
+    lower_bound: float
+
+    @property
+    def num_items(self) -> int:
+        return int(self.request.shape[0])
+
+    @property
+    def num_merges(self) -> int:
+        """Number of split query tiles (entries of the reduction map)."""
+        return int(self.merge_request.shape[0])
+
+    def tile_rows(self, request: int, qo_tile: int) -> tuple[int, int]:
+        """Fused rows ``[start, end)`` of query tile ``qo_tile`` of ``request``."""
+        rows = int(self.qo_lens[request]) * self.group
+        start = qo_tile * self.tile_q
+        return start, min(start + self.tile_q, rows)
+
+    def item_rows(self) -> np.ndarray:
+        """Fused row count ``l_q`` of every work item."""
+        rows = self.qo_lens[self.request].astype(np.int64) * self.group
+        start = self.qo_tile.astype(np.int64) * self.tile_q
+        return np.minimum(rows - start, self.tile_q)
+
+    def item_cost(self) -> np.ndarray:
+        """Cost ``alpha*l_q + beta*l_kv`` of every work item (float64)."""
+        kv = (self.kv_end - self.kv_start).astype(np.float64)
+        return self.alpha * self.item_rows() + self.beta * kv
+
+    def item_cta(self) -> np.ndarray:
+        """CTA id of every work item."""
+        counts = np.diff(self.cta_indptr)
+        return np.repeat(np.arange(self.num_ctas, dtype=np.int32), counts)
+
+    def partial_elements(self, num_qo_heads: int, head_dim: int) -> int:
+        """Elements of partial buffer this plan writes (outputs plus LSEs)."""
+        num_kv_heads = _num_kv_heads(num_qo_heads, self.group)
+        return self.num_partials * self.tile_q * num_kv_heads * (head_dim + 1)
+
+
+def _num_kv_heads(num_qo_heads: int, group: int) -> int:
+    if num_qo_heads < 1 or num_qo_heads % group != 0:
+        raise ValueError(
+            f"num_qo_heads={num_qo_heads} must be a positive multiple of group={group}"
+        )
+    return num_qo_heads // group
+
+
+def partial_buffer_bound(num_ctas: int, tile_q: int, num_qo_heads: int, head_dim: int) -> int:
+    """SPEC section 5 bound on partial-output elements: ``2*C*T_q*H_qo*(head_dim+1)``."""
+    return 2 * num_ctas * tile_q * num_qo_heads * (head_dim + 1)
+
+
+def check_partial_capacity(p: Plan, num_qo_heads: int, head_dim: int, capacity: int) -> int:
+    """Raise ValueError if plan ``p`` needs more partial-buffer elements than ``capacity``.
+
+    Returns the number of elements needed.  The message names the SPEC
+    section 5 rule, so a caller who preallocated too little knows what to size
+    the buffer by.
+    """
+    need = p.partial_elements(num_qo_heads, head_dim)
+    if need > capacity:
+        bound = partial_buffer_bound(p.num_ctas, p.tile_q, num_qo_heads, head_dim)
+        raise ValueError(
+            f"partial-buffer capacity exceeded: the plan writes {p.num_partials} partial "
+            f"slots = {need} elements but capacity is {capacity}. Rule (SPEC section 5, "
+            f"paper App. D.3): preallocate 2*C*T_q*H_qo*(head_dim+1) = 2*{p.num_ctas}*"
+            f"{p.tile_q}*{num_qo_heads}*({head_dim}+1) = {bound} elements, which every "
+            f"plan fits"
+        )
+    return need
+
+
+@njit(cache=True)
+def _plan_core(qo_lens, kv_lens, group, tile_q, num_ctas, alpha, beta, causal):
+    batch = qo_lens.shape[0]
+
+    # Query tiles over fused rows, with their (possibly causally trimmed) KV length.
+    num_tiles = 0
+    for r in range(batch):
+        num_tiles += (qo_lens[r] * group + tile_q - 1) // tile_q
+    tile_request = np.empty(num_tiles, np.int32)
+    tile_index = np.empty(num_tiles, np.int32)
+    tile_rows = np.empty(num_tiles, np.int64)
+    tile_kv = np.empty(num_tiles, np.int64)
+    total_work = 0
+    t = 0
+    for r in range(batch):
+        rows = qo_lens[r] * group
+        n = (rows + tile_q - 1) // tile_q
+        for k in range(n):
+            start = k * tile_q
+            end = min(start + tile_q, rows)
+            kv = kv_lens[r]
+            if causal and kv > 0:
+                last_position = (end - 1) // group
+                kv = min(kv, kv - qo_lens[r] + last_position + 1)
+            tile_request[t] = r
+            tile_index[t] = k
+            tile_rows[t] = end - start
+            tile_kv[t] = kv
+            total_work += kv
+            t += 1
+
+    chunk_limit = max(1, (total_work + num_ctas - 1) // num_ctas)
+
+    # Chunk count per tile; a tile with no keys still gets one (empty) item.
+    num_items = 0
+    num_partials = 0
+    num_merges = 0
+    for t in range(num_tiles):
+        n = max(1, (tile_kv[t] + chunk_limit - 1) // chunk_limit)
+        num_items += n
+        if n > 1:
+            num_partials += n
+            num_merges += 1
+
+    request = np.empty(num_items, np.int32)
+    qo_tile = np.empty(num_items, np.int32)
+    kv_start = np.empty(num_items, np.int32)
+    kv_end = np.empty(num_items, np.int32)
+    out_slot = np.empty(num_items, np.int32)
+    cost = np.empty(num_items, np.float64)
+    merge_indptr = np.empty(num_merges + 1, np.int32)
+    merge_request = np.empty(num_merges, np.int32)
+    merge_qo_tile = np.empty(num_merges, np.int32)
+    merge_slots = np.empty(num_partials, np.int32)
+    merge_indptr[0] = 0
+
+    # Items in (request, tile, chunk) order; slots numbered in the same order.
+    i = 0
+    slot = 0
+    m = 0
+    for t in range(num_tiles):
+        n = max(1, (tile_kv[t] + chunk_limit - 1) // chunk_limit)
+        for k in range(n):
+            start = k * chunk_limit
+            end = min(start + chunk_limit, tile_kv[t])
+            request[i] = tile_request[t]
+            qo_tile[i] = tile_index[t]
+            kv_start[i] = start
+            kv_end[i] = end
+            cost[i] = alpha * tile_rows[t] + beta * (end - start)
+            if n > 1:
+                out_slot[i] = slot
+                merge_slots[slot] = slot
+                slot += 1
+            else:
+                out_slot[i] = -1
+            i += 1
+        if n > 1:
+            merge_request[m] = tile_request[t]
+            merge_qo_tile[m] = tile_index[t]
+            merge_indptr[m + 1] = slot
+            m += 1
+
+    # LPT: largest cost first; the stable sort keeps (request, tile, chunk) order on ties.
+    order = np.argsort(-cost, kind="mergesort")
+
+    # Binary min-heap of CTAs keyed by (load, id). All loads start equal and ids
+    # ascend, so the initial array is already a valid heap.
+    heap_load = np.zeros(num_ctas, np.float64)
+    heap_id = np.arange(num_ctas).astype(np.int64)
+    assigned = np.empty(num_items, np.int64)
+    for j in range(num_items):
+        item = order[j]
+        cta = heap_id[0]
+        assigned[j] = cta
+        heap_load[0] += cost[item]
+        # Sift the root down to restore the heap.
+        pos = 0
+        while True:
+            left = 2 * pos + 1
+            if left >= num_ctas:
+                break
+            best = left
+            right = left + 1
+            if right < num_ctas and (
+                heap_load[right] < heap_load[left]
+                or (heap_load[right] == heap_load[left] and heap_id[right] < heap_id[left])
+            ):
+                best = right
+            if heap_load[best] < heap_load[pos] or (
+                heap_load[best] == heap_load[pos] and heap_id[best] < heap_id[pos]
+            ):
+                tmp_load = heap_load[pos]
+                heap_load[pos] = heap_load[best]
+                heap_load[best] = tmp_load
+                tmp_id = heap_id[pos]
+                heap_id[pos] = heap_id[best]
+                heap_id[best] = tmp_id
+                pos = best
+            else:
+                break
+
+    # Per-CTA queues in assignment order (a counting sort by CTA id).
+    cta_indptr = np.zeros(num_ctas + 1, np.int32)
+    for j in range(num_items):
+        cta_indptr[assigned[j] + 1] += 1
+    for c in range(num_ctas):
+        cta_indptr[c + 1] += cta_indptr[c]
+    fill = cta_indptr[:-1].copy()
+    queue = np.empty(num_items, np.int64)
+    cta_cost = np.zeros(num_ctas, np.float64)
+    for j in range(num_items):
+        c = assigned[j]
+        queue[fill[c]] = order[j]
+        fill[c] += 1
+        cta_cost[c] += cost[order[j]]
+
+    total_cost = 0.0
+    max_cost = 0.0
+    for j in range(num_items):
+        total_cost += cost[j]
+        max_cost = max(max_cost, cost[j])
+    lower_bound = max(total_cost / num_ctas, max_cost)
+
+    return (
+        chunk_limit,
+        cta_indptr,
+        request[queue],
+        qo_tile[queue],
+        kv_start[queue],
+        kv_end[queue],
+        out_slot[queue],
+        merge_indptr,
+        merge_request,
+        merge_qo_tile,
+        merge_slots,
+        num_partials,
+        cta_cost,
+        lower_bound,
+    )
+
+
+def _lengths(values, name: str) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be one-dimensional, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size and arr.min() < 0:
+        raise ValueError(f"{name} must be non-negative")
+    if arr.size and arr.max() > np.iinfo(np.int32).max:
+        raise ValueError(f"{name} must fit in int32")
+    return arr
+
+
+def _readonly(arr: np.ndarray) -> np.ndarray:
+    arr.setflags(write=False)
+    return arr
+
+
+def plan(
+    qo_lens,
+    kv_lens,
+    num_ctas: int,
+    tile_q: int | None = None,
+    *,
+    group: int = 1,
+    alpha: float = DEFAULT_ALPHA,
+    beta: float = DEFAULT_BETA,
+    causal: bool = False,
+    num_qo_heads: int | None = None,
+    head_dim: int | None = None,
+    partial_capacity: int | None = None,
+) -> Plan:
+    """Plan one generation step with the LPT algorithm of SPEC section 5.
+
+    Parameters
+    ----------
+    qo_lens, kv_lens:
+        Query and KV length of every request, in positions (tokens).  Lists or
+        integer arrays.
+    num_ctas:
+        CTAs of the fixed grid, per KV head (see the module docstring).
+    tile_q:
+        Query tile size in fused rows; ``None`` picks it with
+        :func:`nbattn.sched.tiles.choose_tile_q`.
+    group:
+        ``num_qo_heads // num_kv_heads``; each position contributes ``group``
+        fused rows.
+    alpha, beta:
+        Chunk cost ``alpha*l_q + beta*l_kv``.
+    causal:
+        Trim each query tile's KV range to what its last row can see
+        (requires ``l_qo <= l_kv`` for non-empty requests).
+    num_qo_heads, head_dim, partial_capacity:
+        If ``partial_capacity`` is given, the plan is checked against it with
+        :func:`check_partial_capacity` (both head parameters then required).
+    """
+    qo = _lengths(qo_lens, "qo_lens")
+    kv = _lengths(kv_lens, "kv_lens")
+    if qo.shape != kv.shape:
+        raise ValueError(f"qo_lens and kv_lens differ in length: {qo.size} vs {kv.size}")
+    num_ctas = int(num_ctas)
+    group = int(group)
+    if num_ctas < 1:
+        raise ValueError(f"num_ctas must be >= 1, got {num_ctas}")
+    if group < 1:
+        raise ValueError(f"group must be >= 1, got {group}")
+    if tile_q is None:
+        tile_q = choose_tile_q(qo, group)
+    tile_q = int(tile_q)
+    if tile_q < 1:
+        raise ValueError(f"tile_q must be >= 1, got {tile_q}")
+    alpha = float(alpha)
+    beta = float(beta)
+    if not (alpha >= 0.0 and beta >= 0.0):
+        raise ValueError("alpha and beta must be non-negative")
+    if causal and np.any((kv > 0) & (qo > kv)):
+        raise ValueError("causal plan needs qo_len <= kv_len for every request with keys")
+    if qo.size and int(qo.max()) * group > np.iinfo(np.int32).max:
+        raise ValueError("qo_lens * group must fit in int32")
+
+    (chunk_limit, cta_indptr, request, qo_tile, kv_start, kv_end, out_slot, merge_indptr,
+     merge_request, merge_qo_tile, merge_slots, num_partials, cta_cost,
+     lower_bound) = _plan_core(qo, kv, group, tile_q, num_ctas, alpha, beta, bool(causal))
+
+    result = Plan(
+        num_ctas=num_ctas,
+        tile_q=tile_q,
+        group=group,
+        chunk_limit=int(chunk_limit),
+        alpha=alpha,
+        beta=beta,
+        causal=bool(causal),
+        qo_lens=_readonly(qo.astype(np.int32)),
+        kv_lens=_readonly(kv.astype(np.int32)),
+        cta_indptr=_readonly(cta_indptr),
+        request=_readonly(request),
+        qo_tile=_readonly(qo_tile),
+        kv_start=_readonly(kv_start),
+        kv_end=_readonly(kv_end),
+        out_slot=_readonly(out_slot),
+        merge_indptr=_readonly(merge_indptr),
+        merge_request=_readonly(merge_request),
+        merge_qo_tile=_readonly(merge_qo_tile),
+        merge_slots=_readonly(merge_slots),
+        num_partials=int(num_partials),
+        cta_cost=_readonly(cta_cost),
+        makespan=float(cta_cost.max()) if num_ctas else 0.0,
+        lower_bound=float(lower_bound),
+    )
+    if partial_capacity is not None:
+        if num_qo_heads is None or head_dim is None:
+            raise ValueError("partial_capacity needs num_qo_heads and head_dim")
+        check_partial_capacity(result, int(num_qo_heads), int(head_dim), int(partial_capacity))
+    return result

@@ -1,0 +1,433 @@
+"""Scheduler simulator (SPEC section 5, "Simulator").
+
+Given the lengths of one generation step and ``num_ctas`` CTAs, each policy
+turns the step into *chunks* (a query tile against a KV range), places the
+chunks on CTAs, and the simulator adds up time under a cost model.  No GPU is
+involved; the point is to see how much of the machine each policy leaves idle.
+
+Cost model (:class:`CostModel`), in abstract time units (one unit ~ the time to
+stream one KV token of one KV head)::
+
+    chunk time = chunk_overhead + alpha*l_q + beta*l_kv
+    merge time = merge_cost * l_q * (number of partials of the split tile)
+
+``l_q`` is the query tile's fused row count and ``l_kv`` the chunk's key count.
+``chunk_overhead`` stands for the fixed price of any work item: reading the
+plan entry, the prologue that loads the Q tile and fills the pipeline, the
+epilogue.  ``merge_cost * l_q`` is the price of reading one partial state of a
+tile (``l_q`` rows) and folding it into the running merge (SPEC section 3
+operator).
+
+Execution model:
+
+* Phase 1 (attention): every CTA runs its chunks back to back.
+* Phase 2 (merge): after all chunks are done (a kernel boundary), each split
+  tile's merge is one job, placed greedily on the least-loaded CTA, in tile
+  order.  Unsplit tiles wrote their output in phase 1 and need no merge.
+* ``busy[c]`` is the time CTA ``c`` spends working in both phases, and
+  ``makespan = max(phase-1 finish) + max(phase-2 finish)``.
+  ``utilization = sum(busy) / (num_ctas * makespan)``; an empty step (no work)
+  has makespan 0 and utilization defined as 1.
+
+Policies:
+
+* ``one_per_cta``: no KV split.  Each query tile of each request is one job over
+  its whole KV range (for decode there is one tile per request, so this is
+  literally one request per CTA, the paper's baseline).  When there are more
+  jobs than CTAs, jobs are dispatched in request order to whichever CTA becomes
+  free first, which is what the hardware block scheduler does with a grid
+  larger than the resident capacity (greedy list scheduling, no sorting).
+* ``fixed_split``: FlashDecoding.  Every tile's KV range is cut into the same
+  number of equal chunks, ``num_splits`` (default: just enough that
+  ``num_tiles * num_splits >= num_ctas``; never more chunks than keys), and the
+  chunks are dispatched in (request, tile, chunk) order like ``one_per_cta``.
+* ``lpt``: the planner of :mod:`nbattn.sched.plan`, CTA queues run in plan order.
+  The planner's cost has no fixed per-chunk term, so it is called with
+  ``alpha = cost.alpha + cost.chunk_overhead / tile_q``: a full tile's chunk
+  then costs the planner exactly what it costs the simulator.  Without this,
+  LPT would treat a 30-key tail chunk as nearly free and pile dozens of them
+  onto one CTA.
+
+Two bounds are reported:
+
+* ``lower_bound``: the same for all policies of a step, so makespans can be
+  compared.  No policy does less than one chunk per tile, so the total work is
+  at least ``sum over tiles (chunk_overhead + alpha*l_q + beta*l_kv)``; divided
+  over the CTAs it bounds the makespan.  A tile's work can also not be split
+  below one chunk of it, so ``max over tiles (chunk_overhead + alpha*l_q)`` is a
+  bound as well; the lower bound is the larger of the two.
+* ``chunk_bound``: SPEC section 5's ``max(sum_j t_j / C, max_j t_j)`` over the
+  policy's own chunks (phase 1 only).
+
+Workloads (:func:`make_workload`) are decode steps by default (``l_qo = 1``):
+``constant``, ``variable`` (uniform 512..2048), ``skewed`` (one long request
+plus many short ones, 1 x 32768 + 63 x 512 by default) and ``zipf``
+(heavy-tailed lengths).  Randomness comes from a seeded ``numpy`` Generator.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from .plan import DIRECT, Plan, plan
+from .tiles import choose_tile_q
+
+__all__ = [
+    "POLICIES",
+    "WORKLOADS",
+    "CostModel",
+    "Workload",
+    "Schedule",
+    "SimResult",
+    "make_workload",
+    "simulate",
+    "simulate_plan",
+    "compare_policies",
+]
+
+POLICIES = ("one_per_cta", "fixed_split", "lpt")
+WORKLOADS = ("constant", "variable", "skewed", "zipf")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Chunk time ``chunk_overhead + alpha*l_q + beta*l_kv``; merge ``merge_cost*l_q`` per partial.
+
+    Units: the time to stream one KV token of one KV head (K and V, fp16,
+    ``4*head_dim`` bytes; ~14 ns for head_dim 128 at an H200 SM's share of
+    4.8 TB/s).  Defaults:
+
+    * ``alpha = beta = 1`` as in the planner (memory-traffic model, see
+      :mod:`nbattn.sched.plan`): a fused query row (read Q, write O) moves about
+      as many bytes as a KV token.
+    * ``chunk_overhead = 32`` (~0.5 us): reading the work item, issuing the
+      first loads and waiting for them before the pipeline is full.
+    * ``merge_cost = 1``: a partial row is ``head_dim + 1`` fp32 values, about
+      the bytes of one KV token, so folding one partial of an ``l_q``-row tile
+      costs ``l_q`` units.
+    """
+
+    alpha: float = 1.0
+    beta: float = 1.0
+    chunk_overhead: float = 32.0
+    merge_cost: float = 1.0
+
+    def chunk_time(self, l_q, l_kv):
+        return self.chunk_overhead + self.alpha * np.asarray(l_q, dtype=np.float64) \
+            + self.beta * np.asarray(l_kv, dtype=np.float64)
+
+
+@dataclass(frozen=True, eq=False)
+class Workload:
+    """One generation step: lengths per request and the GQA group."""
+
+    name: str
+    qo_lens: np.ndarray
+    kv_lens: np.ndarray
+    group: int = 1
+
+    @property
+    def batch(self) -> int:
+        return int(self.qo_lens.shape[0])
+
+
+@dataclass(frozen=True, eq=False)
+class Schedule:
+    """Every job placed in time: parallel arrays, one entry per job.
+
+    ``kind`` is 0 for an attention chunk and 1 for a merge job.  For a merge
+    job ``kv_start``/``kv_end`` are 0 and ``qo_tile`` names the merged tile.
+    """
+
+    cta: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    request: np.ndarray
+    qo_tile: np.ndarray
+    kv_start: np.ndarray
+    kv_end: np.ndarray
+    kind: np.ndarray
+    num_ctas: int
+
+
+@dataclass(eq=False)
+class SimResult:
+    """What one policy does with one step; :meth:`summary` is JSON-ready."""
+
+    policy: str
+    workload: str
+    num_ctas: int
+    tile_q: int
+    num_chunks: int
+    num_partials: int
+    busy: np.ndarray
+    makespan: float
+    utilization: float
+    lower_bound: float
+    chunk_bound: float
+    schedule: Schedule = field(repr=False)
+
+    @property
+    def makespan_over_bound(self) -> float:
+        return self.makespan / self.lower_bound if self.lower_bound > 0 else 1.0
+
+    def summary(self) -> dict:
+        return {
+            "policy": self.policy,
+            "workload": self.workload,
+            "num_ctas": self.num_ctas,
+            "tile_q": self.tile_q,
+            "num_chunks": self.num_chunks,
+            "num_partials": self.num_partials,
+            "makespan": self.makespan,
+            "utilization": self.utilization,
+            "lower_bound": self.lower_bound,
+            "chunk_bound": self.chunk_bound,
+            "makespan_over_bound": self.makespan_over_bound,
+        }
+
+
+def make_workload(
+    name: str,
+    batch: int = 64,
+    *,
+    seed: int = 0,
+    qo_len: int = 1,
+    group: int = 1,
+    kv_len: int = 1024,
+    low: int = 512,
+    high: int = 2048,
+    long_len: int = 32768,
+    short_len: int = 512,
+    zipf_a: float = 1.5,
+    zipf_scale: int = 256,
+    max_len: int = 32768,
+) -> Workload:
+    """Build one of :data:`WORKLOADS` with ``batch`` requests of ``qo_len`` queries each.
+
+    * ``constant``: every KV length ``kv_len``.
+    * ``variable``: KV lengths uniform in ``[low, high]`` (the paper's "Variable").
+    * ``skewed``: one request of ``long_len`` keys, ``batch - 1`` of ``short_len``.
+    * ``zipf``: ``zipf_scale * Zipf(zipf_a)`` keys, capped at ``max_len``: most
+      requests short, a few very long.
+    """
+    rng = np.random.default_rng(seed)
+    if batch < 1:
+        raise ValueError("batch must be >= 1")
+    if name == "constant":
+        kv = np.full(batch, kv_len, dtype=np.int64)
+    elif name == "variable":
+        kv = rng.integers(low, high + 1, size=batch)
+    elif name == "skewed":
+        kv = np.full(batch, short_len, dtype=np.int64)
+        kv[0] = long_len
+    elif name == "zipf":
+        kv = np.minimum(zipf_scale * rng.zipf(zipf_a, size=batch), max_len)
+    else:
+        raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
+    kv = np.maximum(kv, qo_len).astype(np.int32)
+    qo = np.full(batch, qo_len, dtype=np.int32)
+    return Workload(name=name, qo_lens=qo, kv_lens=kv, group=group)
+
+
+def _tiles(qo_lens, kv_lens, group, tile_q):
+    """Query tiles in (request, tile) order: request, tile index, fused rows, keys."""
+    rows = qo_lens.astype(np.int64) * group
+    per_request = -(-rows // tile_q)
+    request = np.repeat(np.arange(qo_lens.shape[0]), per_request)
+    first = np.cumsum(per_request) - per_request
+    tile = np.arange(request.shape[0]) - np.repeat(first, per_request)
+    tile_rows = np.minimum(rows[request] - tile * tile_q, tile_q)
+    return request, tile, tile_rows, kv_lens.astype(np.int64)[request]
+
+
+def _greedy(times, num_ctas, start_loads=None):
+    """Place jobs in the given order on the CTA that is free first (lowest id on ties).
+
+    Returns (cta, start) per job and the final load per CTA.
+    """
+    loads = np.zeros(num_ctas) if start_loads is None else np.array(start_loads, dtype=np.float64)
+    heap = [(float(loads[c]), c) for c in range(num_ctas)]
+    heapq.heapify(heap)
+    cta = np.empty(len(times), dtype=np.int32)
+    start = np.empty(len(times), dtype=np.float64)
+    for j, t in enumerate(times):
+        load, c = heapq.heappop(heap)
+        cta[j] = c
+        start[j] = load
+        heapq.heappush(heap, (load + float(t), c))
+    for load, c in heap:
+        loads[c] = load
+    return cta, start, loads
+
+
+def _finish(policy, workload_name, num_ctas, tile_q, cost, chunks, tiles):
+    """Common tail: merge phase, busy time, bounds.
+
+    ``chunks``: dict of per-chunk arrays (request, qo_tile, kv_start, kv_end, rows,
+    cta, start) for phase 1.  ``tiles``: (request, tile, rows, kv) of all tiles.
+    """
+    rows = chunks["rows"]
+    kv = chunks["kv_end"] - chunks["kv_start"]
+    times = cost.chunk_time(rows, kv)
+    end = chunks["start"] + times
+    busy = np.bincount(chunks["cta"], weights=times, minlength=num_ctas).astype(np.float64)
+    phase1 = float(end.max()) if end.size else 0.0
+
+    # Tiles with more than one chunk need a merge; one job per tile, in tile order.
+    key = chunks["request"].astype(np.int64) * (1 << 31) + chunks["qo_tile"]
+    uniq, first, counts = np.unique(key, return_index=True, return_counts=True)
+    split = counts > 1
+    merge_request = chunks["request"][first[split]]
+    merge_tile = chunks["qo_tile"][first[split]]
+    merge_rows = chunks["rows"][first[split]].astype(np.float64)
+    merge_times = cost.merge_cost * merge_rows * counts[split]
+    order = np.lexsort((merge_tile, merge_request))
+    merge_request, merge_tile, merge_times = merge_request[order], merge_tile[order], merge_times[order]
+    m_cta, m_start, m_loads = _greedy(merge_times, num_ctas)
+    phase2 = float(m_loads.max()) if merge_times.size else 0.0
+    busy += m_loads
+
+    makespan = phase1 + phase2
+    utilization = float(busy.sum() / (num_ctas * makespan)) if makespan > 0 else 1.0
+
+    t_request, t_tile, t_rows, t_kv = tiles
+    tile_min = cost.chunk_time(t_rows, t_kv)
+    lower_bound = max(
+        float(tile_min.sum()) / num_ctas if tile_min.size else 0.0,
+        float(cost.chunk_time(t_rows, 0).max()) if t_rows.size else 0.0,
+    )
+    chunk_bound = max(float(times.sum()) / num_ctas, float(times.max())) if times.size else 0.0
+
+    n_merge = merge_times.size
+    schedule = Schedule(
+        cta=np.concatenate([chunks["cta"], m_cta]).astype(np.int32),
+        start=np.concatenate([chunks["start"], phase1 + m_start]),
+        end=np.concatenate([end, phase1 + m_start + merge_times]),
+        request=np.concatenate([chunks["request"], merge_request]).astype(np.int32),
+        qo_tile=np.concatenate([chunks["qo_tile"], merge_tile]).astype(np.int32),
+        kv_start=np.concatenate([chunks["kv_start"], np.zeros(n_merge)]).astype(np.int32),
+        kv_end=np.concatenate([chunks["kv_end"], np.zeros(n_merge)]).astype(np.int32),
+        kind=np.concatenate([np.zeros(kv.size), np.ones(n_merge)]).astype(np.int8),
+        num_ctas=num_ctas,
+    )
+    return SimResult(
+        policy=policy,
+        workload=workload_name,
+        num_ctas=num_ctas,
+        tile_q=tile_q,
+        num_chunks=int(kv.size),
+        num_partials=int(counts[split].sum()),
+        busy=busy,
+        makespan=makespan,
+        utilization=utilization,
+        lower_bound=lower_bound,
+        chunk_bound=chunk_bound,
+        schedule=schedule,
+    )
+
+
+def simulate_plan(p: Plan, cost: CostModel | None = None, workload: str = "") -> SimResult:
+    """Time a :class:`~nbattn.sched.plan.Plan` under ``cost``; each CTA runs its queue in order."""
+    if p.causal:
+        raise ValueError("simulate_plan supports non-causal plans only")
+    cost = cost or CostModel(alpha=p.alpha, beta=p.beta)
+    rows = p.item_rows()
+    times = cost.chunk_time(rows, p.kv_end - p.kv_start)
+    cta = p.item_cta()
+    # Start of an item = sum of the times of the items before it in the same queue.
+    cumulative = np.cumsum(times)
+    queue_first = np.repeat(p.cta_indptr[:-1], np.diff(p.cta_indptr))
+    before = np.concatenate([[0.0], cumulative])
+    start = cumulative - times - before[queue_first]
+    chunks = {
+        "request": np.asarray(p.request), "qo_tile": np.asarray(p.qo_tile),
+        "kv_start": np.asarray(p.kv_start, dtype=np.int64),
+        "kv_end": np.asarray(p.kv_end, dtype=np.int64),
+        "rows": rows, "cta": cta, "start": start,
+    }
+    tiles = _tiles(p.qo_lens, p.kv_lens, p.group, p.tile_q)
+    result = _finish("lpt", workload, p.num_ctas, p.tile_q, cost, chunks, tiles)
+    assert result.num_partials == p.num_partials
+    return result
+
+
+def _split_chunks(tiles, num_splits):
+    """Cut every tile's KV range into ``num_splits`` near-equal chunks (at least one key each)."""
+    t_request, t_tile, t_rows, t_kv = tiles
+    n = np.clip(np.minimum(num_splits, t_kv), 1, None)
+    request = np.repeat(t_request, n)
+    tile = np.repeat(t_tile, n)
+    rows = np.repeat(t_rows, n)
+    kv = np.repeat(t_kv, n)
+    parts = np.repeat(n, n)
+    first = np.repeat(np.cumsum(n) - n, n)
+    k = np.arange(request.size) - first
+    # Chunk k of n over [0, kv): [floor(k*kv/n), floor((k+1)*kv/n)).
+    return request, tile, rows, (k * kv) // parts, ((k + 1) * kv) // parts
+
+
+def simulate(
+    qo_lens,
+    kv_lens,
+    num_ctas: int,
+    policy: str,
+    *,
+    group: int = 1,
+    tile_q: int | None = None,
+    cost: CostModel | None = None,
+    num_splits: int | None = None,
+    workload: str = "",
+) -> SimResult:
+    """Simulate one step under ``policy`` (one of :data:`POLICIES`)."""
+    cost = cost or CostModel()
+    qo = np.asarray(qo_lens, dtype=np.int64).reshape(-1)
+    kv = np.asarray(kv_lens, dtype=np.int64).reshape(-1)
+    if qo.shape != kv.shape:
+        raise ValueError("qo_lens and kv_lens differ in length")
+    if tile_q is None:
+        tile_q = choose_tile_q(qo, group)
+    if policy == "lpt":
+        # The planner prices a chunk alpha*l_q + beta*l_kv and has no fixed term;
+        # spreading the fixed overhead over a full tile's rows lets it see the
+        # same chunk price as the simulator (exactly so for full tiles).
+        alpha = cost.alpha + cost.chunk_overhead / tile_q
+        p = plan(qo, kv, num_ctas, tile_q, group=group, alpha=alpha, beta=cost.beta)
+        return simulate_plan(p, cost, workload)
+    tiles = _tiles(qo, kv, group, tile_q)
+    if policy == "one_per_cta":
+        splits = 1
+    elif policy == "fixed_split":
+        num_tiles = tiles[0].size
+        splits = num_splits if num_splits is not None else max(1, -(-num_ctas // max(num_tiles, 1)))
+    else:
+        raise ValueError(f"unknown policy {policy!r}; choose from {POLICIES}")
+    request, tile, rows, kv_start, kv_end = _split_chunks(tiles, splits)
+    times = cost.chunk_time(rows, kv_end - kv_start)
+    cta, start, _ = _greedy(times, num_ctas)
+    chunks = {"request": request, "qo_tile": tile, "kv_start": kv_start, "kv_end": kv_end,
+              "rows": rows, "cta": cta, "start": start}
+    return _finish(policy, workload, num_ctas, tile_q, cost, chunks, tiles)
+
+
+def compare_policies(
+    workloads,
+    num_ctas: int,
+    *,
+    policies=POLICIES,
+    cost: CostModel | None = None,
+) -> list[SimResult]:
+    """Run every policy on every :class:`Workload`; results in (workload, policy) order."""
+    results = []
+    for w in workloads:
+        for policy in policies:
+            results.append(simulate(w.qo_lens, w.kv_lens, num_ctas, policy, group=w.group,
+                                    cost=cost, workload=w.name))
+    return results
+
+
+def cost_model_dict(cost: CostModel) -> dict:
+    """The cost model as a plain dict (for JSON records)."""
+    return asdict(cost)
