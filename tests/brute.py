@@ -1,0 +1,125 @@
+"""An independent brute-force reference for the tests (float64, explicit masks).
+
+Written separately from :mod:`nbattn.reference` on purpose: one head and one
+query at a time where that keeps it obvious, explicit boolean masks, pages
+gathered token by token.  Slow, so only for small shapes.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def slopes_pow2(n: int) -> np.ndarray:
+    return np.array([2.0 ** (-8.0 * (h + 1) / n) for h in range(n)])
+
+
+def brute_attention(q, k, v, *, q_pos=None, kv_pos=None, causal=False, sm_scale=None,
+                    logits_soft_cap=None, alibi=False, window_left=-1, sink_size=0,
+                    use_sigmoid=False, sigmoid_bias=0.0, score_mod=None, mask_mod=None,
+                    b=0, extra_mask=None):
+    """q [Q,Hq,D], k/v [K,Hkv,D] -> (o [Q,Hq,D], lse2 [Q,Hq]) in float64."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    nq, hq, d = q.shape
+    nk, hkv = k.shape[:2]
+    g = hq // hkv
+    if q_pos is None:
+        q_pos = np.arange(nk - nq, nk)
+    if kv_pos is None:
+        kv_pos = np.arange(nk)
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    slopes = slopes_pow2(hq) if alibi else None
+    o = np.zeros((nq, hq, d))
+    lse = np.full((nq, hq), -np.inf)
+    for h in range(hq):
+        kh, vh = k[:, h // g], v[:, h // g]
+        for i in range(nq):
+            qi = int(q_pos[i])
+            s = (kh @ q[i, h]) * scale
+            if alibi:
+                s = s - slopes[h] * (qi - kv_pos)
+            if logits_soft_cap:
+                s = logits_soft_cap * np.tanh(s / logits_soft_cap)
+            if score_mod is not None:
+                s = np.array([score_mod(s[j], b, h, qi, int(kv_pos[j])) for j in range(nk)], dtype=np.float64)
+            keep = np.ones(nk, dtype=bool)
+            for j in range(nk):
+                kj = int(kv_pos[j])
+                if causal and kj > qi:
+                    keep[j] = False
+                if window_left >= 0 and qi - kj > window_left and not kj < sink_size:
+                    keep[j] = False
+                if mask_mod is not None and not mask_mod(b, h, qi, kj):
+                    keep[j] = False
+                if extra_mask is not None and not extra_mask[i, j]:
+                    keep[j] = False
+            if use_sigmoid:
+                p = np.where(keep, 1.0 / (1.0 + np.exp(-(s + sigmoid_bias))), 0.0)
+                o[i, h] = p @ vh
+                lse[i, h] = np.nan
+                continue
+            if not keep.any():
+                continue
+            m = s[keep].max()
+            w = np.where(keep, np.exp(s - m), 0.0)
+            o[i, h] = (w @ vh) / w.sum()
+            lse[i, h] = (m + math.log(w.sum())) / math.log(2.0)
+    return o, lse
+
+
+def gather_pages(cache, indptr, indices, last_page_len, r, kv_layout="NHD"):
+    """Token-by-token gather of request r's K and V from a paged cache."""
+    ps = cache.shape[2] if kv_layout == "NHD" else cache.shape[3]
+    n = int(indptr[r + 1] - indptr[r])
+    length = 0 if n == 0 else (n - 1) * ps + int(last_page_len[r])
+    ks, vs = [], []
+    for t in range(length):
+        page = int(indices[int(indptr[r]) + t // ps])
+        slot = t % ps
+        if kv_layout == "NHD":
+            ks.append(cache[page, 0, slot])
+            vs.append(cache[page, 1, slot])
+        else:
+            ks.append(cache[page, 0, :, slot])
+            vs.append(cache[page, 1, :, slot])
+    hkv, d = (cache.shape[3], cache.shape[4]) if kv_layout == "NHD" else (cache.shape[2], cache.shape[4])
+    if not ks:
+        return np.zeros((0, hkv, d)), np.zeros((0, hkv, d))
+    return np.stack(ks), np.stack(vs)
+
+
+def random_paged_batch(rng, *, qo_lens, kv_lens, page_size, num_kv_heads, group, head_dim,
+                       kv_layout="NHD", extra_pages=3, share_first_page=False, dtype=np.float32):
+    """A random batch: shuffled pages in a larger pool, optional shared first page.
+
+    Returns dict(q, cache, qo_indptr, indptr, indices, last).
+    """
+    qo_lens = np.asarray(qo_lens)
+    kv_lens = np.asarray(kv_lens)
+    n_pages = [-(-int(l) // page_size) for l in kv_lens]
+    pool = sum(n_pages) + extra_pages
+    perm = rng.permutation(pool)
+    indices, pos = [], 0
+    for n in n_pages:
+        indices.append(perm[pos:pos + n])
+        pos += n
+    if share_first_page and len(indices) > 1:
+        # requests with >= 2 pages reuse request 0's first page (prefix sharing)
+        for r in range(1, len(indices)):
+            if n_pages[r] >= 2 and n_pages[0] >= 2:
+                indices[r] = indices[r].copy()
+                indices[r][0] = indices[0][0]
+    indptr = np.concatenate([[0], np.cumsum(n_pages)]).astype(np.int32)
+    last = np.array([0 if n == 0 else int(l) - (n - 1) * page_size for n, l in zip(n_pages, kv_lens)],
+                    dtype=np.int32)
+    hq = num_kv_heads * group
+    if kv_layout == "NHD":
+        shape = (pool, 2, page_size, num_kv_heads, head_dim)
+    else:
+        shape = (pool, 2, num_kv_heads, page_size, head_dim)
+    cache = rng.standard_normal(shape).astype(dtype)
+    q = rng.standard_normal((int(qo_lens.sum()), hq, head_dim)).astype(dtype)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    ind = np.concatenate(indices).astype(np.int32) if indices else np.zeros(0, np.int32)
+    return dict(q=q, cache=cache, qo_indptr=qo_indptr, indptr=indptr, indices=ind, last=last)
