@@ -313,7 +313,9 @@ def cascade(q, levels: Sequence[Any], paged_kv_cache, *, kv_layout: str = "NHD",
     req_q = lv[-1][0]
     nreq = req_q.batch_size
     # group index of every request at every level, and each request's total length
-    group_of = [np.searchsorted(qo.qo_indptr, req_q.qo_indptr[:-1], side="right") - 1 for qo, _ in lv]
+    # (a request with no query rows may sit on a group boundary: any group will do, it computes nothing)
+    group_of = [np.clip(np.searchsorted(qo.qo_indptr, req_q.qo_indptr[:-1], side="right") - 1,
+                        0, qo.batch_size - 1) for qo, _ in lv]
     lens = np.stack([p.kv_lens[g] for (_, p), g in zip(lv, group_of)])   # [levels, nreq]
     total = lens.sum(axis=0)
     if var.causal:
