@@ -15,6 +15,7 @@ from .plan import (
     check_partial_capacity,
     partial_buffer_bound,
     plan,
+    plan_from_indptr,
 )
 from .simulate import (
     POLICIES,
@@ -40,7 +41,7 @@ from .tiles import (
 
 __all__ = [
     "DEFAULT_ALPHA", "DEFAULT_BETA", "DIRECT", "Plan", "check_partial_capacity",
-    "partial_buffer_bound", "plan",
+    "partial_buffer_bound", "plan", "plan_from_indptr",
     "POLICIES", "WORKLOADS", "CostModel", "Schedule", "SimResult", "Workload",
     "compare_policies", "make_workload", "simulate", "simulate_plan",
     "KV_TILES", "QUERY_TILES", "choose_tile_kv", "choose_tile_q", "choose_tiles",

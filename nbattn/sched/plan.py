@@ -87,6 +87,7 @@ __all__ = [
     "plan",
     "partial_buffer_bound",
     "check_partial_capacity",
+    "plan_from_indptr",
 ]
 
 DIRECT = -1
@@ -484,3 +485,42 @@ def plan(
             raise ValueError("partial_capacity needs num_qo_heads and head_dim")
         check_partial_capacity(result, int(num_qo_heads), int(head_dim), int(partial_capacity))
     return result
+
+
+def plan_from_indptr(
+    qo_indptr,
+    paged_kv_indptr,
+    paged_kv_last_page_len,
+    page_size: int,
+    num_ctas: int,
+    tile_q: int | None = None,
+    **kwargs,
+) -> Plan:
+    """:func:`plan` from FlashInfer-style metadata (SPEC section 1).
+
+    ``qo_lens = diff(qo_indptr)`` and KV lengths come from the page table via
+    :func:`nbattn.layout.kv_lengths`.  Metadata must be int32 (or Python lists);
+    bad metadata raises :class:`nbattn.layout.LayoutError` (a ValueError).
+    Keyword arguments go to :func:`plan`.
+    """
+    from ..layout import LayoutError, as_int32, check_indptr, kv_lengths
+
+    qo_indptr = check_indptr("qo_indptr", qo_indptr)
+    paged_kv_indptr = check_indptr("paged_kv_indptr", paged_kv_indptr)
+    last = as_int32("paged_kv_last_page_len", paged_kv_last_page_len)
+    batch = qo_indptr.size - 1
+    if paged_kv_indptr.size - 1 != batch or last.size != batch:
+        raise LayoutError(
+            f"batch sizes differ: qo_indptr has {batch} requests, paged_kv_indptr "
+            f"{paged_kv_indptr.size - 1}, paged_kv_last_page_len {last.size}"
+        )
+    pages = np.diff(paged_kv_indptr)
+    bad = (pages > 0) & ((last < 1) | (last > page_size))
+    if np.any(bad):
+        r = int(np.argmax(bad))
+        raise LayoutError(
+            f"paged_kv_last_page_len: request {r} has {int(last[r])}, must be in 1..{page_size}"
+        )
+    qo_lens = np.diff(qo_indptr)
+    kv_lens = kv_lengths(paged_kv_indptr, last, page_size)
+    return plan(qo_lens, kv_lens, num_ctas, tile_q, **kwargs)
