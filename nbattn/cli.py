@@ -1,0 +1,209 @@
+"""``nbattn demo | figures | doctor | bench`` -- the command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------------
+# demo: the SPEC section 4 batch through the golden model
+# ---------------------------------------------------------------------------
+
+def dense_pool_attention(q, cache, qo_indptr, pkv, causal=True):
+    """Brute force without gathering: every query scores every slot of the
+    whole page pool (float64), and a dense boolean mask keeps the request's
+    valid, causally visible slots."""
+    num_pages, _, ps, hkv, d = cache.shape
+    keys = cache[:, 0].reshape(num_pages * ps, hkv, d).astype(np.float64)
+    vals = cache[:, 1].reshape(num_pages * ps, hkv, d).astype(np.float64)
+    hq = q.shape[1]
+    g = hq // hkv
+    out = np.zeros(q.shape, np.float64)
+    for r in range(pkv.batch_size):
+        pages, slots = pkv.token_slots(r)
+        flat = pages.astype(np.int64) * ps + slots            # slot of logical token t
+        rows = range(int(qo_indptr[r]), int(qo_indptr[r + 1]))
+        nq, nk = len(rows), len(flat)
+        for i, row in enumerate(rows):
+            mask = np.zeros(num_pages * ps, bool)
+            visible = flat[: nk - nq + i + 1] if causal else flat
+            mask[visible] = True
+            for h in range(hq):
+                s = keys[:, h // g] @ q[row, h].astype(np.float64) / np.sqrt(d)
+                s[~mask] = -np.inf
+                w = np.exp(s - s.max())
+                out[row, h] = w @ vals[:, h // g] / w.sum()
+    return out
+
+
+def cmd_demo(args) -> int:
+    from . import layout as L
+    from . import reference as R
+    from .plots.layout import causal_visibility, spec4_batch
+
+    qo_indptr, pkv = spec4_batch()
+    rng = np.random.default_rng(args.seed)
+    heads, kv_heads, d = 4, 2, 16
+    cache = rng.standard_normal((pkv.num_pages, 2, pkv.page_size, kv_heads, d)).astype(np.float32)
+    q = rng.standard_normal((int(qo_indptr[-1]), heads, d)).astype(np.float32)
+    print("SPEC section 4: three requests, page size", pkv.page_size)
+    print("  qo_indptr            ", qo_indptr.tolist())
+    print("  paged_kv_indptr      ", pkv.paged_kv_indptr.tolist())
+    print("  paged_kv_indices     ", pkv.paged_kv_indices.tolist())
+    print("  paged_kv_last_page_len", pkv.paged_kv_last_page_len.tolist())
+    print("  KV lengths           ", pkv.kv_lens.tolist())
+    page, slot = pkv.locate(2, 5)
+    print(f"  R2 token 5 lives in page {int(page)}, slot {int(slot)}")
+    page, slot = pkv.locate(2, int(pkv.kv_lens[2]) - 1)
+    print(f"  R2's last token lives in page {int(page)}, slot {int(slot)}")
+    for r, m in enumerate(causal_visibility(qo_indptr, pkv.kv_lens)):
+        print(f"  R{r} visible keys per query row (causal): {m.sum(axis=1).tolist()}")
+    o = R.batch_prefill_paged(q, cache, qo_indptr, pkv.paged_kv_indptr, pkv.paged_kv_indices,
+                              pkv.paged_kv_last_page_len, causal=True)
+    ref = dense_pool_attention(q, cache, qo_indptr, pkv)
+    err = float(np.abs(o - ref).max())
+    print(f"  golden model vs dense brute force over the whole pool: max |diff| = {err:.2e}")
+    _ = L  # layout validated the batch inside spec4_batch
+    return 0 if err < 1e-4 else 1
+
+
+# ---------------------------------------------------------------------------
+# figures
+# ---------------------------------------------------------------------------
+
+def cmd_figures(args) -> int:
+    from . import figures
+    paths = figures.build_all(outdir=args.out, results_root=args.results, progress=not args.quiet)
+    print(f"wrote {len(paths)} figures to {args.out}/")
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# doctor
+# ---------------------------------------------------------------------------
+
+def cmd_doctor(args) -> int:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import nbattn
+    for pkg in ("numba", "numba-cuda", "numpy", "torch", "matplotlib", "llvmlite"):
+        try:
+            v = version(pkg)
+        except PackageNotFoundError:
+            v = "not installed"
+        print(f"{pkg:12s} {v}")
+    print(f"python       {platform.python_version()}")
+    if nbattn.simulator_enabled():
+        print("device       CUDA simulator (no GPU found, or NUMBA_ENABLE_CUDASIM set)")
+    else:
+        from numba import cuda
+        dev = cuda.get_current_device()
+        cc = dev.compute_capability
+        print(f"device       {dev.name.decode() if isinstance(dev.name, bytes) else dev.name} "
+              f"(sm_{cc[0]}{cc[1]})")
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# bench
+# ---------------------------------------------------------------------------
+
+GPU_SUITES = ["gpu_decode.py", "gpu_prefill.py", "gpu_sched.py"]
+
+
+def bench_golden_cpu(batch=8, q_len=1024, kv_len=1024, heads=8, head_dim=128, repeats=3):
+    """Golden batch prefill FLOP/s beside NumPy's own matmul FLOP/s, same run."""
+    from . import reference as R
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((batch * q_len, heads, head_dim)).astype(np.float32)
+    k = rng.standard_normal((batch * kv_len, heads, head_dim)).astype(np.float32)
+    v = rng.standard_normal((batch * kv_len, heads, head_dim)).astype(np.float32)
+    qo = np.arange(0, batch * q_len + 1, q_len, dtype=np.int32)
+    kv = np.arange(0, batch * kv_len + 1, kv_len, dtype=np.int32)
+    R.batch_prefill_ragged(q[:q_len], k[:kv_len], v[:kv_len], qo[:2], kv[:2])  # warm-up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        R.batch_prefill_ragged(q, k, v, qo, kv)
+        times.append(time.perf_counter() - t)
+    flops = 4.0 * batch * q_len * kv_len * head_dim * heads
+    golden = flops / float(np.median(times))
+    # NumPy's matmul at the same operand shapes the golden model uses: [g*Q, D] x [D, K]
+    a = rng.standard_normal((heads, q_len, head_dim)).astype(np.float32)
+    b = rng.standard_normal((heads, head_dim, kv_len)).astype(np.float32)
+    np.matmul(a, b)
+    mt = []
+    for _ in range(max(5, repeats)):
+        t = time.perf_counter()
+        np.matmul(a, b)
+        mt.append(time.perf_counter() - t)
+    matmul = 2.0 * heads * q_len * head_dim * kv_len / float(np.median(mt))
+    return golden, matmul
+
+
+def cmd_bench(args) -> int:
+    import nbattn
+    if args.cpu:
+        golden, matmul = bench_golden_cpu()
+        ratio = golden / matmul
+        print(f"golden batch prefill: {golden / 1e9:.1f} GFLOP/s; NumPy matmul: {matmul / 1e9:.1f} GFLOP/s; "
+              f"ratio {ratio:.2f}")
+        from .perf import results
+        results.write_suite(
+            "golden_cpu", root=args.results, gpu="none (CPU)", date=str(date.today()),
+            command="nbattn bench --cpu",
+            versions={"numpy": np.__version__, "python": platform.python_version()},
+            copy_bandwidth_GBps=None,
+            records=[{"case": {"batch": 8, "q_len": 1024, "kv_len": 1024, "heads": 8, "head_dim": 128},
+                      "metric": "gflops", "value": golden / 1e9, "unit": "GFLOP/s",
+                      "peers": {"numpy_matmul": matmul / 1e9}},
+                     {"case": {"batch": 8, "q_len": 1024, "kv_len": 1024, "heads": 8, "head_dim": 128},
+                      "metric": "fraction_of_matmul", "value": ratio, "unit": "ratio", "peers": {}}])
+        return 0
+    if nbattn.simulator_enabled():
+        print("nbattn bench: no CUDA GPU here (the CUDA simulator cannot be timed); "
+              "run it on a GPU machine, or use `nbattn bench --cpu`", file=sys.stderr)
+        return 2
+    from tqdm import tqdm
+    suites = [REPO / "benchmarks" / s for s in GPU_SUITES if (REPO / "benchmarks" / s).exists()]
+    failed = 0
+    for script in tqdm(suites, desc="GPU suites", unit="suite"):
+        rc = subprocess.call([sys.executable, str(script), "--out", str(args.results)], cwd=REPO)
+        failed += rc != 0
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="nbattn", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="the SPEC section 4 batch through the golden model")
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(fn=cmd_demo)
+    f = sub.add_parser("figures", help="regenerate every figure into figures/")
+    f.add_argument("--out", default=str(REPO / "figures"))
+    f.add_argument("--results", default=str(REPO / "benchmarks" / "results"))
+    f.add_argument("--quiet", action="store_true")
+    f.set_defaults(fn=cmd_figures)
+    doc = sub.add_parser("doctor", help="versions and the device in use")
+    doc.set_defaults(fn=cmd_doctor)
+    b = sub.add_parser("bench", help="GPU benchmark suites (or --cpu for the golden model)")
+    b.add_argument("--cpu", action="store_true", help="time the golden model against NumPy matmul")
+    b.add_argument("--results", default=str(REPO / "benchmarks" / "results"))
+    b.set_defaults(fn=cmd_bench)
+    args = p.parse_args(argv)
+    return int(args.fn(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
