@@ -1,0 +1,750 @@
+"""Build the teaching notebooks of nbattn from this one reviewable Python file.
+
+    .venv/bin/python notebooks/_build.py          # (re)write every notebook
+    .venv/bin/python notebooks/_build.py --check  # exit 1 if a .ipynb is stale
+
+Each notebook is a function returning a list of cells.  Cell helpers:
+
+* ``md``        a markdown cell;
+* ``code``      an ordinary code cell;
+* ``exercise``  a code cell with a placeholder for the reader (tag ``exercise``);
+* ``solution``  a worked solution, collapsed in Jupyter (tag ``solution``).
+                The committed notebooks run it, so they pass top to bottom; a
+                reader who wants to try skips it (or deletes it);
+* ``check``     a cell that compares the reader's answer with the golden model
+                or a closed form (tag ``check``).  It fails on a wrong answer.
+
+The notebooks are written without outputs and with stable cell ids, so
+regenerating them gives no diff unless this file changed.
+"""
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+HERE = Path(__file__).resolve().parent
+
+
+# ---------------------------------------------------------------------------
+# Cell helpers
+# ---------------------------------------------------------------------------
+
+def _src(s: str) -> str:
+    return textwrap.dedent(s).strip("\n")
+
+
+def md(s: str):
+    return new_markdown_cell(_src(s))
+
+
+def code(s: str, tags=()):
+    c = new_code_cell(_src(s))
+    if tags:
+        c.metadata["tags"] = list(tags)
+    return c
+
+
+def exercise(s: str):
+    return code(s, tags=("exercise",))
+
+
+def solution(s: str):
+    c = code("# Worked solution (collapsed). Skip or delete this cell to try the exercise yourself.\n"
+             + _src(s), tags=("solution",))
+    c.metadata["jupyter"] = {"source_hidden": True}
+    return c
+
+
+def check(s: str):
+    return code(s, tags=("check",))
+
+
+SETUP = """
+    import numpy as np
+    import nbattn
+    SMALL = nbattn.simulator_enabled()   # True on a laptop without a GPU: keep shapes small
+    print(f"backend: {nbattn.BACKEND}  (small shapes: {SMALL})")
+"""
+
+
+# ---------------------------------------------------------------------------
+# 01: online softmax and the merge operator
+# ---------------------------------------------------------------------------
+
+def nb01():
+    return [
+        md("""
+        # 01 · Online softmax and the merge operator
+
+        **What you will learn**
+
+        1. What an *attention state* `(o, lse)` is, and why nbattn keeps the log-sum-exp in **base 2**.
+        2. The merge operator that combines the states of two disjoint key sets, worked by hand
+           on the two examples of SPEC section 3.
+        3. Why averaging partial outputs is wrong, and by how much.
+        4. The corner cases every kernel must get right: empty key sets (`lse = -inf`) and
+           huge logits (±1000) that overflow a naive `exp`.
+        5. Online softmax as "merge one tile at a time", and how to convert a natural-log LSE.
+
+        Everything here runs on the NumPy golden model (`nbattn.reference`); no GPU needed.
+        Exercises have a placeholder cell, a collapsed worked solution, and a check cell.
+        """),
+        code(SETUP + """
+    from nbattn.reference import (merge_state, merge_states, split_kv, single_decode,
+                                  lse_natural_to_base2, lse_base2_to_natural)
+    np.set_printoptions(precision=4, suppress=True)
+    """),
+        md("""
+        ## 1. The attention state
+
+        One query attends over a key set $A$ with scores $s_j$ and value vectors $v_j$.
+        The result we keep is a pair:
+
+        $$o_A = \\frac{\\sum_{j\\in A} e^{s_j} v_j}{\\sum_{j\\in A} e^{s_j}}, \\qquad
+          \\mathrm{lse}_A = \\log_2 \\sum_{j \\in A} e^{s_j}.$$
+
+        `o_A` is already normalized; `lse_A` remembers *how much softmax mass* the set carried.
+        The scores use the natural `e`, the statistic is base 2: GPUs have a fast `exp2`
+        instruction, so kernels fold $\\log_2 e$ into the scale once and work in base 2 throughout.
+
+        Here is the state, written directly from the definition (float64, one query):
+        """),
+        code("""
+    def state(scores, values):
+        \"\"\"(o, lse) of one query over a key set; lse in base 2. Empty set -> (0, -inf).\"\"\"
+        s = np.asarray(scores, dtype=np.float64)
+        v = np.asarray(values, dtype=np.float64).reshape(len(s), -1)
+        if len(s) == 0:
+            return np.zeros(v.shape[1]), -np.inf
+        m = s.max()                      # subtract the max: exp never overflows
+        p = np.exp(s - m)
+        o = (p[:, None] * v).sum(0) / p.sum()
+        lse = (m + np.log(p.sum())) / np.log(2)
+        return o, lse
+
+    scores = np.array([1.0, 2.0, 3.0, 4.0])
+    values = np.array([10.0, 20.0, 30.0, 40.0])
+    o_all, lse_all = state(scores, values)
+    print("o =", o_all, " lse =", lse_all)
+    """),
+        md("""
+        ## 2. Merging two states (SPEC section 3)
+
+        For *disjoint* key sets $A$ and $B$:
+
+        ```
+        m = max(lse_A, lse_B);  a = 2^(lse_A - m);  b = 2^(lse_B - m)
+        o = (a*o_A + b*o_B) / (a + b);   lse = m + log2(a + b)
+        ```
+
+        `a` and `b` are the two sets' softmax masses, rescaled so the larger is exactly 1
+        (nothing overflows). **Worked example.** Merge `(o=[1,0], lse=2)` with `(o=[0,1], lse=1)`:
+        `m = 2`, `a = 1`, `b = 0.5`, so `o = [1, 0.5] / 1.5 = [2/3, 1/3]` and
+        `lse = 2 + log2(1.5) ≈ 2.585`. The golden model agrees:
+        """),
+        code("""
+    o, lse = merge_state(np.array([1.0, 0.0]), np.array(2.0), np.array([0.0, 1.0]), np.array(1.0))
+    print("o =", o, " lse =", lse)
+    assert np.allclose(o, [2 / 3, 1 / 3]) and np.isclose(lse, 2 + np.log2(1.5))
+    """),
+        md("""
+        **Second worked example.** Scores `[1, 2, 3, 4]`, values `[10, 20, 30, 40]`, split into
+        halves. Each half is a small attention of its own:
+
+        * first half: `10 + 10·e/(1+e) ≈ 17.31`, second half: `30 + 10·e/(1+e) ≈ 37.31`;
+        * the second half carries `e²` times more mass, so the merge is
+          `17.31 + 20·e²/(1+e²) ≈ 34.93`, exactly the answer over all four keys.
+        """),
+        code("""
+    oA, lseA = state(scores[:2], values[:2])
+    oB, lseB = state(scores[2:], values[2:])
+    o_merged, lse_merged = merge_state(oA, np.array(lseA), oB, np.array(lseB))
+    print(f"halves: {oA[0]:.2f}, {oB[0]:.2f}   merged: {o_merged[0]:.2f}   "
+          f"all keys at once: {o_all[0]:.2f}   average: {(oA[0] + oB[0]) / 2:.2f}")
+    assert np.isclose(o_merged[0], o_all[0]) and np.isclose(lse_merged, lse_all)
+    """),
+        md("""
+        The golden model's FlashDecoding form `split_kv` does exactly this: attend each KV
+        chunk separately, then merge the partial states in chunk order. With `head_dim = 1`,
+        `q = 1` and `sm_scale = 1` the scores are the keys themselves:
+        """),
+        code("""
+    q = np.ones((1, 1, 1), np.float32)                 # [rows, heads, head_dim]
+    k = scores.astype(np.float32).reshape(4, 1, 1)     # [kv_len, kv_heads, head_dim]
+    v = values.astype(np.float32).reshape(4, 1, 1)
+    chunks = np.array([0, 2, 4], np.int32)             # two chunks: keys 0..1 and 2..3
+    o, lse, (part_o, part_lse) = split_kv(q, k, v, chunks, sm_scale=1.0,
+                                          return_lse=True, return_partials=True)
+    print("partial outputs:", part_o.ravel(), " partial lse:", part_lse.ravel())
+    print("merged:", o.ravel(), " lse:", lse.ravel())
+    """),
+        md("""
+        ## 3. Why averaging is wrong
+
+        Averaging gives each half weight ½. The right weights are the halves' shares of the
+        softmax mass, `2^lse_A / (2^lse_A + 2^lse_B)`; here `1/(1+e²) ≈ 0.12` and `≈ 0.88`.
+        The average (≈ 27.3) is off by more than 7.
+        """),
+        code("""
+    w = 2.0 ** np.array([lseA, lseB])
+    w /= w.sum()
+    print("correct weights:", w, "-> weighted:", w @ [oA[0], oB[0]], "  averaged:", (oA[0] + oB[0]) / 2)
+    """),
+        md("""
+        ### Exercise 1 — write the merge yourself
+
+        Implement `my_merge(o_a, lse_a, o_b, lse_b)` for one query: `o_*` are vectors,
+        `lse_*` floats (base 2). It must handle empty states (`lse = -inf`, `o = 0`): merging
+        with an empty state returns the other one, and two empty states give an empty state,
+        never NaN.
+        """),
+        exercise("""
+    def my_merge(o_a, lse_a, o_b, lse_b):
+        # your code here: return (o, lse)
+        raise NotImplementedError
+    """),
+        solution("""
+    def my_merge(o_a, lse_a, o_b, lse_b):
+        m = max(lse_a, lse_b)
+        if m == -np.inf:                       # both empty
+            return np.zeros_like(o_a), -np.inf
+        a, b = 2.0 ** (lse_a - m), 2.0 ** (lse_b - m)
+        return (a * o_a + b * o_b) / (a + b), m + np.log2(a + b)
+    """),
+        check("""
+    rng = np.random.default_rng(1)
+    for trial in range(200):
+        d = 4
+        o_a, o_b = rng.normal(size=d), rng.normal(size=d)
+        lse_a, lse_b = rng.normal(scale=30, size=2)
+        if trial % 5 == 1: lse_a, o_a = -np.inf, np.zeros(d)
+        if trial % 5 == 2: lse_b, o_b = -np.inf, np.zeros(d)
+        if trial % 5 == 3: lse_a = lse_b = -np.inf; o_a = o_b = np.zeros(d)
+        got_o, got_lse = my_merge(o_a, lse_a, o_b, lse_b)
+        want_o, want_lse = merge_state(o_a, np.array(lse_a), o_b, np.array(lse_b))
+        assert np.all(np.isfinite(got_o)), "NaN or inf in the output"
+        np.testing.assert_allclose(got_o, want_o, rtol=1e-12, atol=1e-12)
+        assert got_lse == want_lse or np.isclose(got_lse, want_lse, rtol=1e-12)
+    print("✓ my_merge matches nbattn.reference.merge_state, empty states included")
+    """),
+        md("""
+        ## 4. Empty states
+
+        A chunk whose keys are all masked (or a request with no keys) has no softmax mass:
+        `o = 0`, `lse = -inf`. The textbook formula then computes `-inf - (-inf)` and returns NaN;
+        `merge_state` guards `m = -inf` and returns the other state unchanged.
+        """),
+        code("""
+    empty_o, empty_lse = np.zeros(2), np.array(-np.inf)
+    full_o, full_lse = np.array([3.0, 4.0]), np.array(5.0)
+    with np.errstate(invalid="ignore"):
+        m = np.maximum(empty_lse, empty_lse)
+        naive = 2 ** (empty_lse - m)           # -inf - -inf = nan
+    print("naive weight of two empties:", naive)
+    print("empty + full  ->", merge_state(empty_o, empty_lse, full_o, full_lse))
+    print("empty + empty ->", merge_state(empty_o, empty_lse, empty_o, empty_lse))
+    """),
+        md("""
+        ## 5. Overflow: logits of ±1000
+
+        `exp(1000)` is infinite in every float format, so softmax written literally returns NaN.
+        Subtracting the maximum first (what `state` and the golden model do) keeps every
+        exponent ≤ 0. The merge inherits this: it only ever evaluates `2^(lse - m) ≤ 1`.
+        """),
+        code("""
+    big = np.array([1000.0, -1000.0, 999.0])
+    vals = np.array([1.0, 2.0, 3.0])
+    with np.errstate(over="ignore", invalid="ignore"):
+        literal = (np.exp(big) * vals).sum() / np.exp(big).sum()
+    o_big, lse_big = state(big, vals)
+    print("literal softmax:", literal, "   max-subtracted:", o_big, "  lse:", lse_big)
+
+    # the same keys through the golden model, and split in two chunks
+    qb = np.ones((1, 1, 1), np.float32)
+    kb = big.astype(np.float32).reshape(3, 1, 1)
+    vb = vals.astype(np.float32).reshape(3, 1, 1)
+    print("single_decode:", single_decode(qb[0], kb, vb, sm_scale=1.0).ravel(),
+          "  split_kv:", split_kv(qb, kb, vb, np.array([0, 1, 3], np.int32), sm_scale=1.0).ravel())
+    """),
+        md("""
+        ## 6. Online softmax is merging, one tile at a time
+
+        A kernel cannot hold all `K` scores of a long context. It walks the keys in tiles and
+        keeps a running state; absorbing a tile *is* a merge of the running state with the
+        tile's state. Kernels usually keep an un-normalized accumulator `acc`, the running
+        max `m` and denominator `d` (all base 2 here) and divide once at the end; it is the
+        same algebra.
+
+        ### Exercise 2 — online softmax over tiles
+
+        Write `online_softmax(s, v, tile)` for one query: scores `s[K]`, values `v[K, D]`.
+        Visit the keys `tile` at a time, keep `(m, d, acc)` and return `(o, lse)` with `lse` in
+        base 2. Do not compute a max over all `K` keys up front.
+        """),
+        exercise("""
+    def online_softmax(s, v, tile):
+        # your code here: return (o, lse_base2)
+        raise NotImplementedError
+    """),
+        solution("""
+    def online_softmax(s, v, tile):
+        log2e = 1.0 / np.log(2.0)
+        m, d, acc = -np.inf, 0.0, np.zeros(v.shape[1])
+        for start in range(0, len(s), tile):
+            t = s[start:start + tile] * log2e            # base-2 scores of this tile
+            m_new = max(m, t.max())
+            scale = 2.0 ** (m - m_new) if m > -np.inf else 0.0
+            p = 2.0 ** (t - m_new)
+            d = d * scale + p.sum()
+            acc = acc * scale + p @ v[start:start + tile]
+            m = m_new
+        return acc / d, m + np.log2(d)
+    """),
+        check("""
+    rng = np.random.default_rng(2)
+    for K, D, tile in [(1, 3, 4), (37, 8, 5), (64, 16, 64), (100, 4, 7)]:
+        s_t = rng.normal(scale=8, size=K); v_t = rng.normal(size=(K, D))
+        o, lse = online_softmax(s_t, v_t, tile)
+        # golden model: q = e_0 and k[:, 0] = s make the scores q.k exactly s
+        q_t = np.zeros((1, D)); q_t[0, 0] = 1.0
+        k_t = np.zeros((K, 1, D)); k_t[:, 0, 0] = s_t
+        want_o, want_lse = single_decode(q_t, k_t, v_t[:, None, :], sm_scale=1.0, return_lse=True,
+                                         dtype=np.float64)
+        np.testing.assert_allclose(o, want_o[0], rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(lse, want_lse[0], rtol=1e-12)
+    print("✓ online_softmax matches single_decode for every tile size")
+    """),
+        md("""
+        ## 7. Natural vs base-2 LSE
+
+        PyTorch's `logsumexp` and most papers report `ln Σ e^s`. nbattn's states use
+        `log2 Σ e^s = ln Σ e^s / ln 2`: divide once when importing a natural LSE
+        (`lse_natural_to_base2`), multiply when exporting (`lse_base2_to_natural`). Mixing the
+        two silently distorts the weights: the mass ratio `2^(lse_A - lse_B)` becomes
+        `e^(...)`'s wrong cousin.
+
+        ### Exercise 3 — import a natural-log state
+
+        `state_nat` below comes from a library that reports a natural-log LSE over keys 0..1.
+        Merge it with the base-2 state of keys 2..3 so that the result equals attention over
+        all four keys. Put the merged output into `o_fixed`.
+        """),
+        code("""
+    oA_nat, lseA_nat = oA, lseA * np.log(2.0)        # what the other library hands you
+    print(f"natural lse {lseA_nat:.4f}  vs base-2 lse {lseA:.4f}")
+    o_wrong, _ = merge_state(oA_nat, np.array(lseA_nat), oB, np.array(lseB))
+    print("merging without converting:", o_wrong, " (should be", o_all, ")")
+    """),
+        exercise("""
+    o_fixed = None   # your code here: merge (oA_nat, lseA_nat) with (oB, lseB) correctly
+    """),
+        solution("""
+    o_fixed, _ = merge_state(oA_nat, np.array(lse_natural_to_base2(lseA_nat)), oB, np.array(lseB))
+    """),
+        check("""
+    assert o_fixed is not None, "set o_fixed"
+    np.testing.assert_allclose(o_fixed, o_all, rtol=1e-12)
+    assert np.isclose(lse_base2_to_natural(lse_all), np.log(np.exp(scores).sum()))
+    print("✓ converted once, merged correctly:", o_fixed)
+    """),
+        md("""
+        ## 8. Order, overlap and sigmoid
+
+        * **Order.** The merge is associative and commutative in exact arithmetic, not in
+          float32. The planner therefore fixes the order of every reduction (no atomics): the
+          same lengths give bitwise the same output.
+        * **Overlap.** Merging a state with itself keeps `o` but adds 1 to `lse` (the mass
+          doubled). Key sets must be a *partition*, or keys are double-counted.
+        * **Sigmoid attention** has no softmax and no LSE: its partial outputs simply add.
+        """),
+        code("""
+    rng = np.random.default_rng(3)
+    n = 64
+    po = rng.normal(size=(1, n, 1, 8)).astype(np.float32)
+    pl = (rng.normal(size=(1, n, 1)) * 10).astype(np.float32)
+    fwd = merge_states(po, pl).o
+    rev = merge_states(po[:, ::-1].copy(), pl[:, ::-1].copy()).o
+    print("same order twice bitwise equal:", np.array_equal(fwd, merge_states(po, pl).o))
+    print("reversed order, max difference:", np.abs(fwd - rev).max(), "(float32 rounding)")
+
+    o_dup, lse_dup = merge_state(oA, np.array(lseA), oA, np.array(lseA))
+    print("A merged with itself: o unchanged", np.allclose(o_dup, oA), "; lse grew by", lse_dup - lseA)
+
+    o_sig = split_kv(q, k, v, chunks, sm_scale=1.0, use_sigmoid=True)
+    o_sig_parts = sum(split_kv(q, k[a:b], v[a:b], np.array([0, b - a], np.int32), sm_scale=1.0,
+                               use_sigmoid=True) for a, b in [(0, 2), (2, 4)])
+    print("sigmoid: whole", o_sig.ravel(), " = sum of parts", o_sig_parts.ravel())
+    """),
+        md("""
+        ## Summary
+
+        * A state is `(o, lse₂)`; merging two disjoint states weights them by their softmax mass.
+        * Empty states are `(0, -inf)` and merge to the identity; max-subtraction keeps ±1000 safe.
+        * Online softmax, split-KV (FlashDecoding) and cascade attention are all "compute states,
+          then merge". Notebook 02 shows *which* key sets a batch produces; notebook 03 runs the
+          merge on the GPU (or the simulator).
+        """),
+    ]
+
+
+# ---------------------------------------------------------------------------
+# 02: paged KV cache and BSR views
+# ---------------------------------------------------------------------------
+
+def nb02():
+    return [
+        md("""
+        # 02 · Paged KV cache, causal masks and BSR views
+
+        **What you will learn**
+
+        1. How a paged KV cache stores requests in a pool of fixed-size pages, using the
+           three-request batch of SPEC section 4 (page size 4).
+        2. Bottom-right aligned causal masks for requests that append several tokens.
+        3. The same page table seen as a **block-sparse (BSR) matrix**: `nbattn.layout.page_table_to_bsr`,
+           `BSR.to_block_mask`, and attention over a BSR view (`nbattn.reference.block_sparse`).
+        4. Shared prefixes as **composable formats**: `nbattn.layout.cascade_decompose` splits one
+           page table into a shared-prefix view and a unique-suffix view, and the merge of notebook 01
+           puts the two back together.
+
+        Only index arrays are built here; the KV data is never copied into a new layout.
+        """),
+        code(SETUP + """
+    import matplotlib.pyplot as plt
+    from nbattn import layout as L
+    from nbattn import reference as ref
+    """),
+        md("""
+        ## 1. The batch of SPEC section 4
+
+        | request | prefix (already cached) | new tokens (queries) | KV length |
+        |---|---|---|---|
+        | R0 | 3 | 3 | 6 |
+        | R1 | 1 | 1 | 2 |
+        | R2 | 5 | 4 | 9 |
+
+        Queries are *ragged*: packed back to back, row ranges given by `qo_indptr`.
+        KV lives in pages of 4 slots; request `r` owns pages
+        `kv_indices[kv_indptr[r]:kv_indptr[r+1]]` in logical order, and only
+        `last_page_len[r]` slots of its last page are used. Pages need not be sorted.
+        """),
+        code("""
+    page_size, num_pages = 4, 16
+    qo_indptr = np.array([0, 3, 4, 8], np.int32)
+    kv_indptr = np.array([0, 2, 3, 6], np.int32)
+    kv_indices = np.array([7, 2, 11, 3, 14, 6], np.int32)
+    last_page_len = np.array([2, 2, 1], np.int32)
+
+    pkv = L.PagedKV.validate(kv_indptr, kv_indices, last_page_len, page_size, num_pages)
+    print("kv lengths:", pkv.kv_lens, "  query lengths:", L.RaggedQ(qo_indptr).lengths)
+    print("R2 token 5 lives in (page, slot) =", [int(x) for x in pkv.locate(2, 5)])
+    print("R2 last token (8) lives in       =", [int(x) for x in pkv.locate(2, 8)])
+    """),
+        md("""
+        Drawn: the pool of 16 pages × 4 slots. Each used slot shows `request:token`; grey slots
+        are free or the unused tail of a last page.
+        """),
+        code("""
+    colors = ["#1f77b4", "#2ca02c", "#d62728"]
+
+    def draw_pool(pkv, ax, title):
+        ax.set_xlim(0, pkv.num_pages); ax.set_ylim(pkv.page_size, 0)
+        ax.add_patch(plt.Rectangle((0, 0), pkv.num_pages, pkv.page_size, color="#eeeeee"))
+        for r in range(pkv.batch_size):
+            pages, slots = pkv.token_slots(r)
+            for t, (p, s) in enumerate(zip(pages, slots)):
+                ax.add_patch(plt.Rectangle((p, s), 1, 1, color=colors[r % len(colors)], alpha=0.75))
+                ax.text(p + 0.5, s + 0.5, f"{r}:{t}", ha="center", va="center", fontsize=7, color="white")
+        ax.set_xticks(np.arange(pkv.num_pages) + 0.5, range(pkv.num_pages), fontsize=7)
+        ax.set_yticks(np.arange(pkv.page_size) + 0.5, range(pkv.page_size), fontsize=7)
+        ax.set_xlabel("page id"); ax.set_ylabel("slot"); ax.set_title(title)
+
+    fig, ax = plt.subplots(figsize=(8, 2.2))
+    draw_pool(pkv, ax, "paged KV pool (request:token)")
+    plt.show()
+    """),
+        md("""
+        The layout module rejects bad metadata *before* any kernel runs, naming the argument:
+        """),
+        code("""
+    bad_cases = {
+        "last_page_len 0": dict(paged_kv_last_page_len=np.array([2, 0, 1], np.int32)),
+        "page id out of pool": dict(paged_kv_indices=np.array([7, 2, 11, 3, 14, 99], np.int32)),
+        "int64 metadata": dict(paged_kv_indptr=kv_indptr.astype(np.int64)),
+        "decreasing indptr": dict(paged_kv_indptr=np.array([0, 3, 2, 6], np.int32)),
+    }
+    good = dict(paged_kv_indptr=kv_indptr, paged_kv_indices=kv_indices, paged_kv_last_page_len=last_page_len)
+    for name, change in bad_cases.items():
+        try:
+            L.PagedKV.validate(**{**good, **change}, page_size=page_size, num_pages=num_pages)
+        except L.LayoutError as e:
+            print(f"{name:22s} -> {e}")
+    """),
+        md("""
+        ## 2. Causal masks, bottom-right aligned
+
+        A request's queries are its *last* `Q` tokens, so local query `i` may see key `j` iff
+        `j <= K - Q + i`. For a decode step (`Q = 1`) that is every key.
+        """),
+        code("""
+    kv_lens, qo_lens = pkv.kv_lens, np.diff(qo_indptr)
+    fig, axes = plt.subplots(1, 3, figsize=(9, 2.4))
+    for r, ax in enumerate(axes):
+        Q, K = int(qo_lens[r]), int(kv_lens[r])
+        i, j = np.arange(Q)[:, None], np.arange(K)[None, :]
+        ax.imshow(j <= K - Q + i, cmap="Blues", vmin=0, vmax=1.3)
+        ax.set_title(f"R{r}: Q={Q}, K={K}"); ax.set_xlabel("key j"); ax.set_ylabel("query i")
+        ax.set_xticks(range(K)); ax.set_yticks(range(Q))
+    plt.tight_layout(); plt.show()
+    """),
+        md("""
+        ### Exercise 1 — how many keys does each query row see?
+
+        Write `visible(Q, K)` returning an array with the number of keys each of the `Q` query
+        rows may see under the bottom-right causal mask. (R2's four rows should see 6, 7, 8, 9.)
+
+        The check measures the answer with the golden model: with `q = 0` every score is equal,
+        so attention is a plain mean over the visible keys; with value `v_j = j` that mean is
+        `(n-1)/2`, and `n = 2·o + 1`.
+        """),
+        exercise("""
+    def visible(Q, K):
+        # your code here
+        raise NotImplementedError
+    """),
+        solution("""
+    def visible(Q, K):
+        return np.arange(K - Q + 1, K + 1)
+    """),
+        check("""
+    H, D = 1, 4
+    cache = np.zeros((num_pages, 2, page_size, H, D), np.float32)
+    for r in range(pkv.batch_size):                       # value of token t = t (every channel)
+        pages, slots = pkv.token_slots(r)
+        cache[pages, 1, slots] = np.arange(len(pages), dtype=np.float32)[:, None, None]
+    q0 = np.zeros((int(qo_indptr[-1]), H, D), np.float32)
+    o = ref.batch_prefill_paged(q0, cache, qo_indptr, kv_indptr, kv_indices, last_page_len, causal=True)
+    measured = np.rint(2 * o[:, 0, 0] + 1).astype(int)
+    for r in range(3):
+        mine = np.asarray(visible(int(qo_lens[r]), int(kv_lens[r])))
+        got = measured[qo_indptr[r]:qo_indptr[r + 1]]
+        assert mine.tolist() == got.tolist(), f"R{r}: you said {mine}, the golden model sees {got}"
+    print("✓ rows see", measured.tolist(), "keys")
+    """),
+        md("""
+        Paged or contiguous, the answer must be the same. Fill the cache with random K/V and compare
+        `batch_prefill_paged` with `single_prefill` on each request's gathered keys:
+        """),
+        code("""
+    rng = np.random.default_rng(0)
+    Hq, Hkv, D = 4, 2, 8                                   # GQA: two query heads per KV head
+    cache = rng.normal(size=(num_pages, 2, page_size, Hkv, D)).astype(np.float32)
+    q = rng.normal(size=(int(qo_indptr[-1]), Hq, D)).astype(np.float32)
+    o_paged = ref.batch_prefill_paged(q, cache, qo_indptr, kv_indptr, kv_indices, last_page_len, causal=True)
+    for r in range(3):
+        k, v = L.gather_kv(cache, pkv, r)
+        o_r = ref.single_prefill(q[qo_indptr[r]:qo_indptr[r + 1]], k, v, causal=True)
+        np.testing.assert_allclose(o_paged[qo_indptr[r]:qo_indptr[r + 1]], o_r, rtol=1e-6, atol=1e-6)
+    print("paged == contiguous for all three requests")
+    """),
+        md("""
+        ## 3. The page table as a BSR matrix
+
+        Think of a matrix whose rows are query rows and whose columns are *all slots of the pool*
+        (16 pages × 4 = 64 columns). A block of shape `(B_r, B_c) = (tile_q, page_size)` is
+        non-zero when that query tile reads that page. This is block compressed sparse rows:
+        `row_ptr`, `col_indices`, `block_shape`. Decode (`tile_q = 1`, one row per request):
+        """),
+        code("""
+    decode_qo = np.arange(4, dtype=np.int32)               # one query row per request
+    bsr = L.page_table_to_bsr(decode_qo, pkv, tile_q=1)
+    print("row_ptr    :", bsr.row_ptr)
+    print("col_indices:", bsr.col_indices, " block_shape:", bsr.block_shape, " shape:", bsr.shape)
+    fig, ax = plt.subplots(figsize=(8, 1.4))
+    ax.imshow(bsr.to_block_mask(), cmap="Greys", vmin=0, vmax=1.5, aspect="auto")
+    ax.set_xticks(range(num_pages)); ax.set_yticks(range(3), ["R0", "R1", "R2"])
+    ax.set_xlabel("page id (column block)"); ax.set_title("BSR.to_block_mask(): who reads which page")
+    plt.show()
+    """),
+        md("""
+        A BSR block is all-or-nothing: it does not know that the last page of each request is
+        only partly used. That is why the round trip back to a page table needs the KV lengths
+        (`bsr_to_page_table(bsr, qo_indptr, kv_lens)`).
+
+        ### Exercise 2 — what does the BSR view over-cover?
+
+        Compute `over`, the number of pool slots that `bsr.to_element_mask()` marks as read but
+        that hold no token of the reading request.
+        """),
+        exercise("""
+    over = None   # your code here
+    """),
+        solution("""
+    over = int(np.sum(page_size - last_page_len))
+    """),
+        check("""
+    element = bsr.to_element_mask()                                   # [3 rows, 64 slots]
+    truth = np.zeros_like(element)
+    for r in range(3):
+        pages, slots = pkv.token_slots(r)
+        truth[r, pages * page_size + slots] = True
+    assert not (truth & ~element).any(), "BSR must cover every real token"
+    assert over == int((element & ~truth).sum()), f"you said {over}"
+    back = L.bsr_to_page_table(bsr, decode_qo, pkv.kv_lens)
+    assert np.array_equal(back.paged_kv_indices, kv_indices) and np.array_equal(back.paged_kv_last_page_len, last_page_len)
+    print(f"✓ {over} slots over-covered; the round trip with kv_lens restores the page table")
+    """),
+        md("""
+        With `B_c = 1` (one column per slot) a BSR view is exact, and attention over it is
+        attention over the page table. `block_sparse` reads the pool *as one long KV sequence*
+        and lets the mask pick the keys — no gather, no copy:
+        """),
+        code("""
+    k_pool = cache[:, 0].reshape(num_pages * page_size, Hkv, D)   # a view of the pool, not a copy
+    v_pool = cache[:, 1].reshape(num_pages * page_size, Hkv, D)
+    exact = L.BSR.from_block_mask(truth, (1, 1))
+    q_dec = rng.normal(size=(3, Hq, D)).astype(np.float32)
+    o_bsr = ref.block_sparse(q_dec, k_pool, v_pool, exact)
+    o_dec = ref.batch_decode_paged(q_dec, cache, kv_indptr, kv_indices, last_page_len)
+    print("block_sparse over the pool == batch_decode_paged:", np.allclose(o_bsr, o_dec, atol=1e-6))
+    """),
+        md("""
+        ## 4. Shared prefixes and composable formats
+
+        Four requests share an 8-token system prompt (pages 0 and 1, both full) and each has its
+        own suffix. In one flat page table every request lists the prefix pages again, so a
+        decode kernel reads them four times. `cascade_decompose` finds the shared full pages and
+        builds two page tables over the same pool:
+
+        * **level 0**, the shared prefix: one block row for the whole group (large `B_r`);
+        * **level 1**, the unique suffixes: one block row per request.
+
+        Each level gives attention states; merging them (notebook 01) gives the exact answer.
+        """),
+        code("""
+    n_req, P, S = 4, 8, np.array([3, 5, 2, 6])             # prefix tokens, suffix tokens per request
+    prefix_pages = [0, 1]
+    suffix_pages = [[2], [3, 4], [5], [6, 7]]
+    indptr = np.concatenate([[0], np.cumsum([len(prefix_pages) + len(s) for s in suffix_pages])]).astype(np.int32)
+    indices = np.concatenate([prefix_pages + s for s in suffix_pages]).astype(np.int32)
+    last = np.array([(S[r] - 1) % page_size + 1 for r in range(n_req)], np.int32)
+    shared = L.PagedKV.validate(indptr, indices, last, page_size, 10)
+    print("kv lengths:", shared.kv_lens)
+
+    dec_qo = np.arange(n_req + 1, dtype=np.int32)
+    levels = L.cascade_decompose(dec_qo, shared)
+    for i, lv in enumerate(levels):
+        print(f"level {i}: qo_indptr {lv.qo_indptr}, kv_indptr {lv.paged_kv_indptr}, "
+              f"kv_indices {lv.paged_kv_indices}, last_page_len {lv.paged_kv_last_page_len}")
+    """),
+        code("""
+    fig, axes = plt.subplots(1, 3, figsize=(10, 2), gridspec_kw=dict(width_ratios=[1, 1, 1]))
+    flat = L.page_table_to_bsr(dec_qo, shared).to_block_mask()
+    axes[0].imshow(flat, cmap="Greys", vmin=0, vmax=1.5); axes[0].set_title("flat: prefix read 4x")
+    lv0 = L.PagedKV.validate(levels[0].paged_kv_indptr, levels[0].paged_kv_indices,
+                             levels[0].paged_kv_last_page_len, page_size, 10)
+    m0 = L.page_table_to_bsr(np.array([0, 1], np.int32), lv0).to_block_mask()
+    axes[1].imshow(np.repeat(m0, n_req, axis=0), cmap="Blues", vmin=0, vmax=1.5)
+    axes[1].set_title("level 0: one block row, B_r = 4")
+    lv1 = L.PagedKV.validate(levels[1].paged_kv_indptr, levels[1].paged_kv_indices,
+                             levels[1].paged_kv_last_page_len, page_size, 10)
+    axes[2].imshow(L.page_table_to_bsr(dec_qo, lv1).to_block_mask(), cmap="Reds", vmin=0, vmax=1.5)
+    axes[2].set_title("level 1: unique suffixes")
+    for ax in axes:
+        ax.set_xlabel("page id"); ax.set_ylabel("request")
+    plt.tight_layout(); plt.show()
+    """),
+        code("""
+    cache2 = rng.normal(size=(10, 2, page_size, Hkv, D)).astype(np.float32)
+    q4 = rng.normal(size=(n_req, Hq, D)).astype(np.float32)
+    o_flat = ref.batch_decode_paged(q4, cache2, indptr, indices, last)
+    o_casc = ref.cascade(q4, levels, cache2)
+    print("cascade (two levels, merged) == flat decode:", np.allclose(o_flat, o_casc, atol=1e-6))
+    """),
+        md("""
+        ### Exercise 3 — the traffic you save
+
+        With reuse, the prefix is read once for the group instead of once per request. Compute
+        `naive` (KV tokens read by the flat table) and `reuse` (read by the cascade) for the four
+        requests above, then the ratio for the paper's large case: 64 requests, a 32768-token
+        prefix, 128-token suffixes (`ratio_big`).
+        """),
+        exercise("""
+    naive, reuse, ratio_big = None, None, None   # your code here
+    """),
+        solution("""
+    naive = int(n_req * P + S.sum())
+    reuse = int(P + S.sum())
+    ratio_big = 64 * (32768 + 128) / (32768 + 64 * 128)
+    """),
+        check("""
+    from nbattn.perf import roofline as rl
+    assert naive == int(shared.kv_lens.sum()), "naive: every request reads its full kv length"
+    assert reuse == int(lv0.kv_lens.sum() + lv1.kv_lens.sum()), "reuse: what the two levels read"
+    assert np.isclose(ratio_big, rl.prefix_traffic_ratio(64, 32768, 128))
+    print(f"✓ {naive} -> {reuse} tokens here; {ratio_big:.1f}x less traffic at batch 64 / prefix 32k "
+          "(the paper measured a 16x kernel speedup)")
+    """),
+        md("""
+        ## Summary
+
+        * A paged cache is index arrays over a pool: `kv_indptr`, `kv_indices`, `last_page_len`.
+        * Causal masks align to the bottom right: query `i` of `Q` sees keys `j <= K - Q + i`.
+        * A page table *is* a BSR matrix with `B_c = page_size`; only the last page's fill needs
+          the KV lengths on the side.
+        * Shared prefixes become a second, coarser BSR view of the same pages; the merge operator
+          recombines the views exactly.
+        """),
+    ]
+
+
+NOTEBOOKS = {
+    "01_online_softmax_and_merge.ipynb": nb01,
+    "02_paged_kv_and_bsr.ipynb": nb02,
+}
+
+
+# ---------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------
+
+def make(name: str, cells_fn) -> nbformat.NotebookNode:
+    nb = new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)",
+                                 "language": "python"}
+    nb.metadata["language_info"] = {"name": "python"}
+    stem = name.split("_")[0]
+    for i, cell in enumerate(cells_fn()):
+        cell["id"] = f"nb{stem}-{i:03d}"
+        nb.cells.append(cell)
+    nbformat.validate(nb)
+    return nb
+
+
+def render(nb) -> str:
+    return nbformat.writes(nb) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    stale = []
+    for name, fn in NOTEBOOKS.items():
+        path = HERE / name
+        text = render(make(name, fn))
+        if "--check" in argv:
+            if not path.exists() or path.read_text() != text:
+                stale.append(name)
+        else:
+            path.write_text(text)
+            print("wrote", path.relative_to(HERE.parent))
+    if stale:
+        print("stale notebooks (run notebooks/_build.py):", ", ".join(stale))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

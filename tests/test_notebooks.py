@@ -1,0 +1,87 @@
+"""Execute every teaching notebook top to bottom (nbclient), in the CUDA simulator.
+
+The kernel is the Python running this test (the project's venv), not whatever
+``python3`` kernel spec a machine happens to have installed: we hand nbclient a
+kernel manager whose spec launches ``sys.executable -m ipykernel_launcher``,
+and the first cell of every run reports the kernel's ``sys.prefix`` so the
+test can prove it.
+
+``NUMBA_ENABLE_CUDASIM`` is set to 1 for the kernel unless the caller chose a
+value, so the notebooks take their small-shape path here (``nbattn`` would
+also pick the simulator by itself on a machine without a GPU).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+from jupyter_client.kernelspec import KernelSpec, KernelSpecManager  # noqa: E402
+from jupyter_client.manager import KernelManager  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+NB_DIR = ROOT / "notebooks"
+NOTEBOOKS = sorted(NB_DIR.glob("[0-9][0-9]_*.ipynb"))
+
+PROBE = "import sys, json; print(json.dumps({'prefix': sys.prefix, 'executable': sys.executable}))"
+
+
+class _ThisPythonSpecs(KernelSpecManager):
+    """Every kernel name resolves to an ipykernel running on this interpreter."""
+
+    def get_kernel_spec(self, kernel_name):
+        return KernelSpec(argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                          display_name=f"nbattn test ({sys.executable})", language="python",
+                          resource_dir=str(NB_DIR))
+
+
+def _load_builder():
+    spec = importlib.util.spec_from_file_location("_nb_build", NB_DIR / "_build.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_notebooks_exist():
+    names = {p.name for p in NOTEBOOKS}
+    assert names == set(_load_builder().NOTEBOOKS), "notebooks/ and _build.py disagree"
+
+
+def test_notebooks_are_built_and_clean():
+    """Committed notebooks equal what _build.py writes, and carry no outputs."""
+    build = _load_builder()
+    for name, fn in build.NOTEBOOKS.items():
+        path = NB_DIR / name
+        assert path.read_text() == build.render(build.make(name, fn)), \
+            f"{name} is stale: run .venv/bin/python notebooks/_build.py"
+        nb = nbformat.read(path, as_version=4)
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                assert not cell.outputs and cell.execution_count is None, f"{name} has stored outputs"
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs(path, monkeypatch):
+    nb = nbformat.read(path, as_version=4)
+    nb.cells.insert(0, nbformat.v4.new_code_cell(PROBE))
+    monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", os.environ.get("NUMBA_ENABLE_CUDASIM", "1"))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    km = KernelManager(kernel_name="python3", kernel_spec_manager=_ThisPythonSpecs())
+    client = nbclient.NotebookClient(nb, km=km, timeout=600, kernel_name="python3",
+                                     resources={"metadata": {"path": str(NB_DIR)}})
+    t0 = time.perf_counter()
+    client.execute()
+    elapsed = time.perf_counter() - t0
+    probe = json.loads(nb.cells[0].outputs[0]["text"])
+    assert probe["prefix"] == sys.prefix, f"kernel ran on {probe['executable']}, not {sys.executable}"
+    print(f"{path.name}: {elapsed:.1f} s")
