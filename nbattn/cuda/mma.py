@@ -1,0 +1,167 @@
+"""Tensor-core and wide-load intrinsics written as inline PTX (GPU only).
+
+The prefill tensor-core path (:mod:`nbattn.cuda.prefill`) is built on four
+pieces, each one PTX instruction wrapped with ``numba.cuda.extending.intrinsic``
+and an ``llvmlite.ir.InlineAsm`` call:
+
+- ``mma_f16`` / ``mma_bf16``: ``mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}``,
+  D = A @ B + C with A 16x16, B 16x8, C/D 16x8 fp32.  Operands are the PTX
+  fragments: A four packed uint32 registers, B two, C four floats; the result
+  is a 4-float tuple.  With ``g = lane // 4`` and ``t = lane % 4``:
+
+      A regs: a0 = A[g, 2t:2t+2]   a1 = A[g+8, 2t:2t+2]
+              a2 = A[g, 2t+8:2t+10] a3 = A[g+8, 2t+8:2t+10]
+      B regs: b0 = B[2t:2t+2, g]   b1 = B[2t+8:2t+10, g]       ("col": k pairs of one column)
+      C/D   : c0, c1 = C[g, 2t], C[g, 2t+1];  c2, c3 = C[g+8, 2t], C[g+8, 2t+1]
+
+  The lower 16 bits of a packed register hold the lower k index.  The C
+  layout of two neighbouring n-tiles is exactly the A layout of the next
+  product, which is how softmax probabilities feed P @ V without a trip
+  through shared memory.
+- ``pack_f16x2`` / ``pack_bf16x2``: two floats rounded and packed into one
+  uint32 (``cvt.rn.{f16,bf16}x2.f32``; the first argument lands in the low half).
+- ``load_u32x4``: a 16-byte ``ld.global.nc.v4.u32`` of eight 2-byte elements
+  starting at an array element (which must be 16-byte aligned).
+- ``load_u32``: the 4 bytes (two 2-byte elements) at an array element.
+
+Warp-collective instructions have no meaning in numba's CUDA simulator; this
+module only defines the intrinsics there (importing it is harmless) and the
+kernel factory never picks the tensor-core path under the simulator.
+"""
+from __future__ import annotations
+
+from .. import _compat  # noqa: F401  (numpy shim, simulator choice)
+
+__all__ = ["AVAILABLE", "mma_f16", "mma_bf16", "pack_f16x2", "pack_bf16x2",
+           "load_u32x4", "load_u32"]
+
+AVAILABLE = not _compat.simulator_enabled()
+
+if AVAILABLE:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.api_util import normalize_indices
+    from numba.cuda.extending import intrinsic
+
+    _f32, _u32 = ir.FloatType(), ir.IntType(32)
+
+    def _mma(ptx_types: str):
+        asm = ("mma.sync.aligned.m16n8k16.row.col.f32." + ptx_types + ".f32 "
+               "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};")
+        fnty = ir.FunctionType(ir.LiteralStructType([_f32] * 4), [_u32] * 6 + [_f32] * 4)
+        call = ir.InlineAsm(fnty, asm, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+
+        @intrinsic
+        def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            ret = types.UniTuple(types.float32, 4)
+            sig = ret(*([types.uint32] * 6 + [types.float32] * 4))
+
+            def codegen(context, builder, sig, args):
+                ins = [context.cast(builder, v, t, s) for v, t, s in zip(args, sig.args, sig.args)]
+                out = builder.call(call, ins)
+                parts = [builder.extract_value(out, i) for i in range(4)]
+                return context.make_tuple(builder, sig.return_type, parts)
+
+            return sig, codegen
+
+        return mma
+
+    mma_f16 = _mma("f16.f16")
+    mma_bf16 = _mma("bf16.bf16")
+
+    def _pack(kind: str):
+        # cvt.rn.f16x2.f32 d, hi, lo puts `hi` in the upper half.
+        fnty = ir.FunctionType(_u32, [_f32, _f32])
+        call = ir.InlineAsm(fnty, f"cvt.rn.{kind}x2.f32 $0, $1, $2;", "=r,f,f")
+
+        @intrinsic
+        def pack(typingctx, lo, hi):
+            sig = types.uint32(types.float32, types.float32)
+
+            def codegen(context, builder, sig_, args):
+                lo_v = context.cast(builder, args[0], lo, types.float32)
+                hi_v = context.cast(builder, args[1], hi, types.float32)
+                return builder.call(call, [hi_v, lo_v])
+
+            return sig, codegen
+
+        return pack
+
+    pack_f16x2 = _pack("f16")
+    pack_bf16x2 = _pack("bf16")
+
+    def _element_pointer(context, builder, array_type, array, index_type, index):
+        index_type, indices = normalize_indices(context, builder, index_type, index,
+                                                array_type, array_type.dtype)
+        arr = context.make_array(array_type)(context, builder, value=array)
+        return cgutils.get_item_pointer(context, builder, array_type, arr, indices,
+                                        wraparound=False)
+
+    @intrinsic
+    def load_u32x4(typingctx, array, index):
+        """Eight 2-byte elements from ``array[index]`` on, as 4 uint32 (16 bytes)."""
+        ret = types.UniTuple(types.uint32, 4)
+        sig = ret(array, index)
+
+        def codegen(context, builder, sig_, args):
+            ptr = _element_pointer(context, builder, sig_.args[0], args[0], sig_.args[1], args[1])
+            fnty = ir.FunctionType(ir.LiteralStructType([_u32] * 4), [ir.IntType(64)])
+            call = ir.InlineAsm(fnty, "ld.global.nc.v4.u32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,l")
+            out = builder.call(call, [builder.ptrtoint(ptr, ir.IntType(64))])
+            return context.make_tuple(builder, ret, [builder.extract_value(out, i) for i in range(4)])
+
+        return sig, codegen
+
+    @intrinsic
+    def load_u32(typingctx, array, index):
+        """Two 2-byte elements from ``array[index]`` on, as one uint32."""
+        sig = types.uint32(array, index)
+
+        def codegen(context, builder, sig_, args):
+            ptr = _element_pointer(context, builder, sig_.args[0], args[0], sig_.args[1], args[1])
+            return builder.load(builder.bitcast(ptr, _u32.as_pointer()), align=4)
+
+        return sig, codegen
+
+else:  # simulator: names exist, calling them is an error the factory never makes
+    def _gpu_only(*args, **kwargs):
+        raise RuntimeError("tensor-core intrinsics need a real GPU (the CUDA simulator is active)")
+
+    mma_f16 = mma_bf16 = pack_f16x2 = pack_bf16x2 = load_u32x4 = load_u32 = _gpu_only
+
+
+# ---------------------------------------------------------------------------
+# Bit casts between float32 and uint32 (per-thread, so both faces exist):
+# bf16 values travel as uint16 bit patterns, widened by a shift.
+# ---------------------------------------------------------------------------
+if AVAILABLE:
+    @intrinsic
+    def u32_as_f32(typingctx, x):
+        sig = types.float32(types.uint32)
+
+        def codegen(context, builder, sig_, args):
+            v = context.cast(builder, args[0], x, types.uint32)
+            return builder.bitcast(v, _f32)
+
+        return sig, codegen
+
+    @intrinsic
+    def f32_as_u32(typingctx, x):
+        sig = types.uint32(types.float32)
+
+        def codegen(context, builder, sig_, args):
+            v = context.cast(builder, args[0], x, types.float32)
+            return builder.bitcast(v, _u32)
+
+        return sig, codegen
+else:
+    import numpy as _np
+
+    def u32_as_f32(x):
+        return _np.array(int(x) & 0xFFFFFFFF, dtype=_np.uint32).view(_np.float32)[()]
+
+    def f32_as_u32(x):
+        return _np.array(x, dtype=_np.float32).view(_np.uint32)[()]
+
+__all__ += ["u32_as_f32", "f32_as_u32"]

@@ -1,0 +1,723 @@
+"""Batch prefill / append attention as numba.cuda kernels (SPEC sections 1-3).
+
+What it computes: exactly :func:`nbattn.reference.batch_prefill_paged`,
+``batch_prefill_ragged`` and ``single_prefill`` -- same arguments, same
+variants, output in q's dtype plus the base-2 LSE in float32.
+
+Work decomposition (SPEC section 2).  GQA heads are fused into rows: for one
+KV head, fused row ``r`` of a request is query position ``r // group`` and
+query head ``kv_head*group + r % group``.  A *work item* is one tile of
+``T_q`` consecutive fused rows of one request (or of one cascade group, or one
+BSR block row).  The grid is ``(n_work, num_kv_heads)``; one block per work
+item and KV head, so every KV tile it gathers serves ``T_q`` rows -- all the
+query heads of the group at once.
+
+Keys.  A work item walks its keys ``t = 0 .. kv_len-1`` in tiles of ``T_k``.
+Where key ``t`` lives is the one thing that differs between forms, chosen when
+the kernel is built (``mode``):
+
+- ``"paged"``: page ``kv_indices[kv_ptr + t // page_size]``, slot ``t % page_size``;
+- ``"contig"``: row ``kv_start + t`` of a contiguous ``k``/``v``;
+- ``"bsr"``: column block ``kv_indices[kv_ptr + t // B_c]``, row
+  ``block*B_c + t % B_c`` of a contiguous ``k``/``v`` (keys past N are dropped).
+
+Positions (``nbattn.variants``).  Each query row carries its position
+``q_idx`` (``row_pos``), its request ``b`` (``row_req``) and the position of
+its first key (``row_kvoff``: non-zero only for the later levels of a cascade),
+so key ``t`` sits at ``kv_idx = row_kvoff + t`` ("bsr": at its row in k).
+With positions monotone in ``t``, a causal tile range ends at
+``max(q_idx - kvoff) + 1`` and a window starts at ``min(q_idx - kvoff) - window_left``:
+tiles outside are never loaded.
+
+Per KV tile (both paths): gather K and V into shared memory, scores,
+variant (scale, ALiBi, soft-cap, score_mod; causal, window/sinks, mask_mod),
+online softmax in fp32 (running max ``m``, sum ``l``, rescale ``alpha``),
+accumulate ``P @ V``.  At the end ``o / l`` and ``lse = (m + ln l) / ln 2``;
+a row that kept no key gives ``o = 0`` and ``lse = -inf``; sigmoid attention
+adds ``sigmoid(s + bias) v`` and has no LSE (NaN).
+
+Two paths build the same tile:
+
+- CUDA cores (:func:`_core_kernel`): plain per-thread loops over shared
+  memory; it is the path numba's simulator runs (CI) and the fallback.
+- Tensor cores (:func:`_tc_kernel`, GPU only, fp16/bf16): 4 warps x 16 fused
+  rows; ``S = Q K^T`` and ``O += P V`` on ``mma.sync.m16n8k16``
+  (:mod:`nbattn.cuda.mma`), softmax on the accumulator fragments with quad
+  shuffles, P fed to the second product straight from registers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import _compat
+from .. import layout as L
+from ..reference.attention import _variant as parse_variant
+from ..variants import Variant, alibi_slopes
+
+from numba import cuda, float32, int32, int64, uint32  # noqa: E402  (after the shim)
+
+from . import mma as _mma  # noqa: E402
+
+__all__ = ["batch_prefill_paged", "batch_prefill_ragged", "single_prefill"]
+
+LOG2E = 1.4426950408889634
+NO_KEY = -(2 ** 30)        # kv position of a tile slot that holds no key
+MODES = ("paged", "contig", "bsr")
+
+# ---------------------------------------------------------------------------
+# Host side: device arrays, dtypes, outputs
+# ---------------------------------------------------------------------------
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def dtype_kind(x: Any) -> str:
+    """'f16', 'bf16' or 'f32' of a float tensor (bf16 may arrive as raw 2-byte void)."""
+    name = L.dtype_of(x)
+    if name in ("float16", "half"):
+        return "f16"
+    if name in ("bfloat16", "|V2", "V2", "void16"):
+        return "bf16"
+    if name == "float32":
+        return "f32"
+    raise L.LayoutError(f"q: must be float16, bfloat16 or float32, got {name}")
+
+
+def on_device(x: Any) -> bool:
+    """Whether x already lives on the GPU (torch cuda tensor, numba device array, CAI object)."""
+    if _is_torch(x):
+        return x.device.type == "cuda"
+    return hasattr(x, "copy_to_host") or hasattr(x, "__cuda_array_interface__")
+
+
+def to_device(x: Any):
+    """A numba device array for a NumPy array, torch tensor, numba device
+    array or ``__cuda_array_interface__`` object (bf16 as its uint16 bits)."""
+    if _is_torch(x):
+        import torch
+        if x.dtype == torch.bfloat16:
+            x = x.view(torch.int16)
+        if x.device.type != "cuda":
+            return cuda.to_device(x.detach().numpy().view(np.uint16) if x.dtype == torch.int16 else x.detach().numpy())
+        return cuda.as_cuda_array(x.detach())
+    if hasattr(x, "copy_to_host"):
+        arr = x
+    elif hasattr(x, "__cuda_array_interface__"):
+        arr = cuda.as_cuda_array(x)
+    else:
+        arr = cuda.to_device(np.ascontiguousarray(np.asarray(x)))
+    if arr.dtype.kind == "V" and arr.dtype.itemsize == 2:
+        arr = arr.view(np.uint16)
+    return arr
+
+
+def _meta(x: np.ndarray):
+    return cuda.to_device(np.ascontiguousarray(x, dtype=np.int32))
+
+
+class _Outputs:
+    """Output and LSE buffers in the caller's world (NumPy, torch or numba)."""
+
+    def __init__(self, like: Any, shape: tuple, kind: str, out: Any, lse: Any, want_lse: bool):
+        self.like, self.shape, self.kind = like, shape, kind
+        self.host = not on_device(like)
+        self.out_user, self.lse_user = out, lse
+        if out is not None:
+            if tuple(out.shape) != shape or dtype_kind(out) != kind:
+                raise L.LayoutError(f"out: must have shape {shape} and q's dtype, got "
+                                    f"{tuple(out.shape)} {L.dtype_of(out)}")
+        if lse is not None and (tuple(lse.shape) != shape[:2] or L.dtype_of(lse) != "float32"):
+            raise L.LayoutError(f"lse: must be float32 with shape {shape[:2]}, got "
+                                f"{tuple(lse.shape)} {L.dtype_of(lse)}")
+        np_dtype = {"f16": np.float16, "bf16": np.uint16, "f32": np.float32}[kind]
+        self.d_out = to_device(out) if (out is not None and not self.host) else cuda.device_array(shape, np_dtype)
+        self.d_lse = to_device(lse) if (lse is not None and not self.host) else cuda.device_array(shape[:2], np.float32)
+        self.want_lse = want_lse
+
+    def finish(self):
+        o, s = self._wrap(self.d_out, self.out_user, True), self._wrap(self.d_lse, self.lse_user, False)
+        return (o, s) if self.want_lse else o
+
+    def _wrap(self, d, user, is_out):
+        if user is not None and not self.host:
+            return user
+        if self.host:
+            h = d.copy_to_host()
+            if is_out and self.kind == "bf16":
+                h = (h.astype(np.uint32) << 16).view(np.float32)
+                if _is_torch(self.like):
+                    import torch
+                    h = torch.from_numpy(h).to(torch.bfloat16)
+            elif _is_torch(self.like):
+                import torch
+                h = torch.from_numpy(h)
+            if user is not None:
+                user[...] = h
+                return user
+            return h
+        if _is_torch(self.like):
+            import torch
+            t = torch.as_tensor(d, device=self.like.device)
+            return t.view(torch.bfloat16) if (is_out and self.kind == "bf16") else t
+        return d
+
+
+# ---------------------------------------------------------------------------
+# Kernel specification and device helpers
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KernelSpec:
+    mode: str           # "paged" | "contig" | "bsr"
+    kv_layout: str      # "NHD" | "HND" (for "contig"/"bsr": layout of k, v)
+    kind: str           # element type of q/k/v: "f16" | "bf16" | "f32"
+    out_kind: str       # element type of out (cascade partial states are "f32")
+    head_dim: int
+    group: int
+    num_qo_heads: int
+    variant: Variant
+    tensor_cores: bool
+    tile_q: int
+    tile_k: int
+    threads: int
+
+
+def _element_reader(kind: str) -> Callable:
+    """Device function: one stored element as float32."""
+    if kind == "bf16":
+        to_f32 = _mma.u32_as_f32
+
+        @cuda.jit(device=True, inline=True)
+        def read(x):
+            return to_f32(uint32(x & 0xFFFF) << uint32(16))
+    else:
+        @cuda.jit(device=True, inline=True)
+        def read(x):
+            return float32(x)
+    return read
+
+
+def _element_writer(kind: str) -> Callable:
+    """Device function: float32 to the stored element type (bf16 rounds to nearest even)."""
+    if kind == "bf16":
+        to_u32 = _mma.f32_as_u32
+
+        @cuda.jit(device=True, inline=True)
+        def write(x):
+            bits = to_u32(x)
+            if x != x:
+                return uint32(0x7FC0)
+            return (bits + uint32(0x7FFF) + ((bits >> uint32(16)) & uint32(1))) >> uint32(16)
+    elif kind == "f16":
+        @cuda.jit(device=True, inline=True)
+        def write(x):
+            return x
+    else:
+        @cuda.jit(device=True, inline=True)
+        def write(x):
+            return x
+    return write
+
+
+def _kv_reader(mode: str, kv_layout: str, read: Callable) -> Callable:
+    """Device function ``(src, which, page, slot, head, d) -> float32`` for one
+    K (which=0) or V (which=1) element; ``src`` is the paged cache, or k / v."""
+    if mode == "paged":
+        if kv_layout == "NHD":
+            @cuda.jit(device=True, inline=True)
+            def kv(src, which, page, slot, h, d):
+                return read(src[page, which, slot, h, d])
+        else:
+            @cuda.jit(device=True, inline=True)
+            def kv(src, which, page, slot, h, d):
+                return read(src[page, which, h, slot, d])
+    elif kv_layout == "NHD":
+        @cuda.jit(device=True, inline=True)
+        def kv(src, which, page, slot, h, d):
+            return read(src[slot, h, d])
+    else:
+        @cuda.jit(device=True, inline=True)
+        def kv(src, which, page, slot, h, d):
+            return read(src[h, slot, d])
+    return kv
+
+
+def _key_locator(mode: str) -> Callable:
+    """Device function ``(kv_indices, kv_ptr, kv_base, t, block, n_keys) -> (page, slot, pos)``:
+    where key t of a work item lives and its position (NO_KEY when it does not exist)."""
+    if mode == "paged":
+        @cuda.jit(device=True, inline=True)
+        def locate(kv_indices, kv_ptr, kv_base, t, block, n_keys):
+            return kv_indices[kv_ptr + t // block], t % block, t
+    elif mode == "contig":
+        @cuda.jit(device=True, inline=True)
+        def locate(kv_indices, kv_ptr, kv_base, t, block, n_keys):
+            return 0, kv_base + t, t
+    else:
+        @cuda.jit(device=True, inline=True)
+        def locate(kv_indices, kv_ptr, kv_base, t, block, n_keys):
+            row = kv_indices[kv_ptr + t // block] * block + t % block
+            if row >= n_keys:
+                return 0, 0, NO_KEY
+            return 0, row, row
+    return locate
+
+
+def _variant_functions(var: Variant) -> tuple[Callable, Callable, Callable]:
+    """Device functions of a Variant, with FlexAttention's argument order.
+
+    ``logits(s, b, h, q_idx, kv_idx, slope)``: ALiBi, soft-cap, score_mod on an
+    already-scaled score; ``keep(b, h, q_idx, kv_idx)``: causal, window with
+    sinks, mask_mod; ``prob(s)``: sigmoid attention's weight.
+    """
+    alibi = var.has_alibi
+    cap = float32(var.logits_soft_cap or 0.0)
+    has_cap = var.has_soft_cap
+    causal, window, sinks = var.causal, int(var.window_left), int(var.sink_size)
+    bias = float32(var.sigmoid_bias)
+
+    if var.score_mod is not None:
+        user_score = cuda.jit(device=True)(var.score_mod)
+    else:
+        @cuda.jit(device=True, inline=True)
+        def user_score(s, b, h, q_idx, kv_idx):
+            return s
+
+    if var.mask_mod is not None:
+        user_mask = cuda.jit(device=True)(var.mask_mod)
+    else:
+        @cuda.jit(device=True, inline=True)
+        def user_mask(b, h, q_idx, kv_idx):
+            return True
+
+    @cuda.jit(device=True, inline=True)
+    def logits(s, b, h, q_idx, kv_idx, slope):
+        if alibi:
+            s = s - slope * float32(q_idx - kv_idx)
+        if has_cap:
+            s = cap * math.tanh(s / cap)
+        return float32(user_score(s, b, h, q_idx, kv_idx))
+
+    @cuda.jit(device=True, inline=True)
+    def keep(b, h, q_idx, kv_idx):
+        if causal and kv_idx > q_idx:
+            return False
+        if window >= 0 and q_idx - kv_idx > window and not kv_idx < sinks:
+            return False
+        return bool(user_mask(b, h, q_idx, kv_idx))
+
+    @cuda.jit(device=True, inline=True)
+    def prob(s):
+        return float32(1.0) / (float32(1.0) + math.exp(-(s + bias)))
+
+    return logits, keep, prob
+
+
+# ---------------------------------------------------------------------------
+# The CUDA-core kernel
+# ---------------------------------------------------------------------------
+
+def _core_kernel(spec: KernelSpec):
+    """Scalar path: threads stride over the (row, key) and (row, dim) grids of
+    a tile in shared memory.  Launch: grid (n_work, num_kv_heads), ``threads``."""
+    D, T_q, T_k, NT, group = spec.head_dim, spec.tile_q, spec.tile_k, spec.threads, spec.group
+    var = spec.variant
+    sigmoid = var.use_sigmoid
+    causal, window, sinks = var.causal, int(var.window_left), int(var.sink_size)
+    positional = spec.mode != "bsr"       # key positions grow with t: tile ranges can be cut
+    scale = float32(var.scale(D))
+    read = _element_reader(spec.kind)
+    write = _element_writer(spec.out_kind)
+    kv = _kv_reader(spec.mode, spec.kv_layout, read)
+    locate = _key_locator(spec.mode)
+    logits, keep, prob = _variant_functions(var)
+    neg_inf = float32(-math.inf)
+    inv_ln2 = float32(LOG2E)
+    store_dtype = float32
+
+    @cuda.jit
+    def kernel(q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
+               block, n_keys, out, lse):
+        w = cuda.blockIdx.x
+        kv_head = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        qo_start, qo_len, row0 = work[w, 0], work[w, 1], work[w, 2]
+        kv_ptr, kv_base, kv_begin, kv_end = work[w, 3], work[w, 4], work[w, 5], work[w, 6]
+        out_shift = work[w, 7] - qo_start       # partial states land in their own rows
+        n_rows = min(T_q, qo_len * group - row0)
+
+        s_q = cuda.shared.array((T_q, D), store_dtype)
+        s_o = cuda.shared.array((T_q, D), float32)
+        s_k = cuda.shared.array((T_k, D), store_dtype)
+        s_v = cuda.shared.array((T_k, D), store_dtype)
+        s_p = cuda.shared.array((T_q, T_k), float32)
+        s_kpos = cuda.shared.array(T_k, int32)
+        s_m = cuda.shared.array(T_q, float32)
+        s_l = cuda.shared.array(T_q, float32)
+        s_alpha = cuda.shared.array(T_q, float32)
+        s_qpos = cuda.shared.array(T_q, int32)
+        s_diag = cuda.shared.array(T_q, int32)      # q_idx - kvoff: last key t a causal row sees
+        s_req = cuda.shared.array(T_q, int32)
+        s_range = cuda.shared.array(3, int32)
+
+        # Query tile (fused rows) and its per-row positions.
+        for e in range(tid, T_q * D, NT):
+            r = e // D
+            d = e % D
+            s_o[r, d] = 0.0
+            if r < n_rows:
+                qi = qo_start + (row0 + r) // group
+                h = kv_head * group + (row0 + r) % group
+                s_q[r, d] = read(q[qi, h, d])
+            else:
+                s_q[r, d] = 0.0
+        for r in range(tid, T_q, NT):
+            s_m[r] = neg_inf
+            s_l[r] = 0.0
+            if r < n_rows:
+                qi = qo_start + (row0 + r) // group
+                s_qpos[r] = row_pos[qi]
+                s_diag[r] = row_pos[qi] - row_kvoff[qi]
+                s_req[r] = row_req[qi]
+        cuda.syncthreads()
+
+        # Key range this tile can see: causal ends at the last row's diagonal,
+        # a window starts at the first row's.
+        if tid == 0:
+            lo = kv_begin
+            hi = kv_end
+            if positional and (causal or window >= 0):
+                d_min = s_diag[0]
+                d_max = s_diag[0]
+                for r in range(1, n_rows):
+                    d_min = min(d_min, s_diag[r])
+                    d_max = max(d_max, s_diag[r])
+                if causal:
+                    hi = min(hi, d_max + 1)
+                if window >= 0:
+                    lo = max(lo, d_min - window)
+            # sinks: keys with kv_idx < sink_size, i.e. t < sink_size - kvoff of some row
+            sink_end = 0
+            if positional and window >= 0 and sinks > 0:
+                for r in range(n_rows):
+                    sink_end = max(sink_end, sinks - (s_qpos[r] - s_diag[r]))
+            s_range[0] = lo
+            s_range[1] = hi
+            s_range[2] = sink_end
+        cuda.syncthreads()
+        lo = s_range[0]
+        hi = s_range[1]
+        sink_end = s_range[2]
+
+        for t0 in range(kv_begin, hi, T_k):
+            if t0 + T_k <= lo and t0 >= sink_end:
+                continue   # entirely left of the window and holds no sink
+            # Gather the KV tile once for all T_q rows.
+            for e in range(tid, T_k * D, NT):
+                j = e // D
+                d = e % D
+                t = t0 + j
+                if t < hi:
+                    page, slot, pos = locate(kv_indices, kv_ptr, kv_base, t, block, n_keys)
+                    if pos != NO_KEY:
+                        s_k[j, d] = kv(k_src, 0, page, slot, kv_head, d)
+                        s_v[j, d] = kv(v_src, 1, page, slot, kv_head, d)
+                    else:
+                        s_k[j, d] = 0.0
+                        s_v[j, d] = 0.0
+                    if d == 0:
+                        s_kpos[j] = pos
+                else:
+                    s_k[j, d] = 0.0
+                    s_v[j, d] = 0.0
+                    if d == 0:
+                        s_kpos[j] = NO_KEY
+            cuda.syncthreads()
+
+            # Scores with the variant applied; dropped keys become -inf.
+            for e in range(tid, T_q * T_k, NT):
+                r = e // T_k
+                j = e % T_k
+                s = neg_inf
+                if r < n_rows and s_kpos[j] != NO_KEY:
+                    q_idx = s_qpos[r]
+                    kv_idx = s_kpos[j] + (q_idx - s_diag[r] if positional else 0)
+                    h = kv_head * group + (row0 + r) % group
+                    b = s_req[r]
+                    if keep(b, h, q_idx, kv_idx):
+                        acc = float32(0.0)
+                        for d in range(D):
+                            acc += float32(s_q[r, d]) * float32(s_k[j, d])
+                        s = logits(acc * scale, b, h, q_idx, kv_idx, slopes[h])
+                s_p[r, j] = s
+            cuda.syncthreads()
+
+            # Online softmax, one thread per row: new max, rescale factor, weights.
+            for r in range(tid, T_q, NT):
+                if sigmoid:
+                    for j in range(T_k):
+                        s = s_p[r, j]
+                        s_p[r, j] = prob(s) if s != neg_inf else float32(0.0)
+                    s_alpha[r] = 1.0
+                else:
+                    m_old = s_m[r]
+                    m_new = m_old
+                    for j in range(T_k):
+                        m_new = max(m_new, s_p[r, j])
+                    if m_new == neg_inf:
+                        alpha = float32(1.0)
+                        for j in range(T_k):
+                            s_p[r, j] = 0.0
+                    else:
+                        alpha = math.exp(m_old - m_new)
+                        total = float32(0.0)
+                        for j in range(T_k):
+                            p = math.exp(s_p[r, j] - m_new)
+                            s_p[r, j] = p
+                            total += p
+                        s_l[r] = s_l[r] * alpha + total
+                        s_m[r] = m_new
+                    s_alpha[r] = alpha
+            cuda.syncthreads()
+
+            # O = alpha * O + P @ V.
+            for e in range(tid, T_q * D, NT):
+                r = e // D
+                d = e % D
+                acc = s_o[r, d] * s_alpha[r]
+                for j in range(T_k):
+                    acc += s_p[r, j] * float32(s_v[j, d])
+                s_o[r, d] = acc
+            cuda.syncthreads()
+
+        # Normalize and write; a row that kept no key writes 0 and -inf.
+        for e in range(tid, n_rows * D, NT):
+            r = e // D
+            d = e % D
+            qi = qo_start + (row0 + r) // group
+            h = kv_head * group + (row0 + r) % group
+            o = s_o[r, d]
+            if not sigmoid:
+                l_r = s_l[r]
+                o = o / l_r if l_r > 0 else float32(0.0)
+            out[qi + out_shift, h, d] = write(o)
+        for r in range(tid, n_rows, NT):
+            qi = qo_start + (row0 + r) // group
+            h = kv_head * group + (row0 + r) % group
+            if sigmoid:
+                lse[qi + out_shift, h] = math.nan
+            elif s_l[r] > 0:
+                lse[qi + out_shift, h] = (s_m[r] + math.log(s_l[r])) * inv_ln2
+            else:
+                lse[qi + out_shift, h] = neg_inf
+
+    return kernel
+
+
+_KERNELS: dict = {}
+
+
+def get_kernel(spec: KernelSpec):
+    """Compiled-kernel cache keyed by the spec (a Variant with user functions hashes by identity)."""
+    kern = _KERNELS.get(spec)
+    if kern is None:
+        kern = _tc_kernel(spec) if spec.tensor_cores else _core_kernel(spec)
+        _KERNELS[spec] = kern
+    return kern
+
+
+def _tc_kernel(spec: KernelSpec):
+    return tensor_core_kernel(spec)
+
+
+# ---------------------------------------------------------------------------
+# Tile choice and launch
+# ---------------------------------------------------------------------------
+
+def choose_tiles(head_dim: int, kind: str, tensor_cores: bool) -> tuple[int, int, int]:
+    """(T_q, T_k, threads).  The simulator gets small tiles (each thread is a
+    Python thread); the CUDA-core GPU path fits its shared memory in 48 KB."""
+    if tensor_cores:
+        return 64, 64, 128
+    if _compat.simulator_enabled():
+        return 16, 16, 32
+    budget = 48 * 1024 - 512
+    for tq, tk in ((64, 32), (32, 32), (32, 16), (16, 16), (16, 8), (8, 8)):
+        need = 4 * (2 * tq * head_dim + 2 * tk * head_dim + tq * tk)
+        if need <= budget:
+            return tq, tk, 128
+    raise L.LayoutError(f"q: head_dim {head_dim} too large for the CUDA-core path")
+
+
+def tensor_cores_usable(kind: str, head_dim: int, variant: Variant) -> bool:
+    return (_mma.AVAILABLE and kind in ("f16", "bf16") and head_dim % 16 == 0
+            and head_dim <= 256)
+
+
+def build_work(qo_starts, qo_lens, kv_ptrs, kv_bases, kv_lens, group: int, tile_q: int,
+               kv_chunk: int | None = None, out_starts=None, chunk_stride: int = 0) -> np.ndarray:
+    """The work list: one row per (request-or-group, query tile, KV chunk).
+
+    Columns: qo_start, qo_len, first fused row, kv_ptr, kv_base, kv_begin,
+    kv_end, out_row0.  Keys ``kv_begin <= t < kv_end`` of the request are
+    attended; chunk c (of ``kv_chunk`` keys) writes its rows from
+    ``out_starts + c*chunk_stride`` (a partial state to merge later).  Empty
+    requests get no work.
+    """
+    qo_starts, qo_lens = np.asarray(qo_starts, np.int64), np.asarray(qo_lens, np.int64)
+    kv_lens = np.asarray(kv_lens, np.int64)
+    out_starts = qo_starts if out_starts is None else np.asarray(out_starts, np.int64)
+    rows = []
+    for i in range(len(qo_lens)):
+        fused = int(qo_lens[i]) * group
+        n_chunks = 1 if not kv_chunk else max(1, -(-int(kv_lens[i]) // kv_chunk))
+        for c in range(n_chunks):
+            begin = 0 if not kv_chunk else c * kv_chunk
+            end = int(kv_lens[i]) if not kv_chunk else min(int(kv_lens[i]), begin + kv_chunk)
+            for row0 in range(0, fused, tile_q):
+                rows.append((qo_starts[i], qo_lens[i], row0, kv_ptrs[i], kv_bases[i], begin, end,
+                             out_starts[i] + c * chunk_stride))
+    return np.asarray(rows, dtype=np.int32).reshape(-1, 8)
+
+
+def launch(spec: KernelSpec, q, k_src, v_src, kv_indices: np.ndarray, work: np.ndarray,
+           row_pos: np.ndarray, row_kvoff: np.ndarray, row_req: np.ndarray,
+           block: int, n_keys: int, num_kv_heads: int, out, lse, stream=0):
+    """Launch one prefill kernel over a work list (the shared entry of prefill,
+    block-sparse and cascade)."""
+    if len(work) == 0:
+        return
+    kernel = get_kernel(spec)
+    slopes = alibi_slopes(spec.num_qo_heads) if spec.variant.has_alibi else np.zeros(spec.num_qo_heads, np.float32)
+    idx = kv_indices if len(kv_indices) else np.zeros(1, np.int32)
+    args = (q, k_src, v_src, _meta(idx), _meta(work), _meta(row_pos), _meta(row_kvoff), _meta(row_req),
+            cuda.to_device(slopes), np.int32(block), np.int32(n_keys), out, lse)
+    grid = (len(work), num_kv_heads)
+    if spec.tensor_cores:
+        launch_tensor_core(kernel, spec, grid, args, stream)
+    else:
+        kernel[grid, spec.threads, stream](*args)
+
+
+def make_spec(mode: str, kv_layout: str, kind: str, head_dim: int, num_qo_heads: int,
+              num_kv_heads: int, variant: Variant, tensor_cores: bool | None = None,
+              out_kind: str | None = None) -> KernelSpec:
+    use_tc = tensor_cores_usable(kind, head_dim, variant) if tensor_cores is None else bool(tensor_cores)
+    if use_tc and not tensor_cores_usable(kind, head_dim, variant):
+        raise ValueError("tensor_cores: needs a GPU, fp16/bf16 and head_dim a multiple of 16 up to 256")
+    tq, tk, nt = choose_tiles(head_dim, kind, use_tc)
+    return KernelSpec(mode, kv_layout, kind, out_kind or kind, int(head_dim), num_qo_heads // num_kv_heads,
+                      int(num_qo_heads), variant, use_tc, tq, tk, nt)
+
+
+def _check_kind_match(**tensors):
+    kinds = {k: dtype_kind(v) for k, v in tensors.items()}
+    if len(set(kinds.values())) > 1:
+        listing = ", ".join(f"{k}={v}" for k, v in kinds.items())
+        raise L.LayoutError(f"{list(kinds)[-1]}: dtype must match the other inputs, got {listing}")
+    return next(iter(kinds.values()))
+
+
+def _check_lse(var: Variant, return_lse: bool):
+    if return_lse and var.use_sigmoid:
+        raise ValueError("return_lse: sigmoid attention has no log-sum-exp (its partial outputs add)")
+
+
+def request_rows(qo: L.RaggedQ, kv_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per query row: position (bottom-right aligned), key offset 0, request index."""
+    lens = qo.lengths.astype(np.int64)
+    req = np.repeat(np.arange(qo.batch_size), lens)
+    local = np.arange(qo.total) - np.repeat(qo.qo_indptr[:-1].astype(np.int64), lens)
+    pos = np.asarray(kv_lens, np.int64)[req] - lens[req] + local
+    return pos.astype(np.int32), np.zeros(qo.total, np.int32), req.astype(np.int32)
+
+
+# ---------------------------------------------------------------------------
+# Public forms
+# ---------------------------------------------------------------------------
+
+def batch_prefill_paged(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_indices,
+                        paged_kv_last_page_len, *, kv_layout: str = "NHD", return_lse: bool = False,
+                        out=None, lse=None, tensor_cores: bool | None = None, stream=0, **variant):
+    """Batch prefill/append over a paged KV cache (golden:
+    :func:`nbattn.reference.batch_prefill_paged`).  ``tensor_cores`` forces a
+    path (default: tensor cores on a GPU for fp16/bf16)."""
+    var = parse_variant(variant)
+    _check_lse(var, return_lse)
+    L.check_same_device(q=q, paged_kv_cache=paged_kv_cache)
+    kind = _check_kind_match(q=q, paged_kv_cache=paged_kv_cache)
+    pkv, dims = L.PagedKV.from_cache(paged_kv_cache, paged_kv_indptr, paged_kv_indices,
+                                     paged_kv_last_page_len, kv_layout)
+    qo = L.RaggedQ.validate(qo_indptr, total_rows=q.shape[0] if len(q.shape) == 3 else None)
+    if qo.batch_size != pkv.batch_size:
+        raise L.LayoutError(f"paged_kv_indptr: has {pkv.batch_size} requests, qo_indptr has {qo.batch_size}")
+    shape = L.check_q(q, dims.head_dim, rows=qo.total)
+    L.check_heads(shape[1], dims.num_kv_heads)
+    kv_lens = pkv.kv_lens
+    if var.causal:
+        L.check_causal_lengths(qo.lengths, kv_lens)
+    spec = make_spec("paged", kv_layout, kind, dims.head_dim, shape[1], dims.num_kv_heads, var, tensor_cores)
+    outs = _Outputs(q, shape, kind, out, lse, return_lse)
+    work = build_work(qo.qo_indptr[:-1], qo.lengths, pkv.paged_kv_indptr[:-1],
+                      np.zeros(qo.batch_size, np.int32), kv_lens, spec.group, spec.tile_q)
+    cache = to_device(paged_kv_cache)
+    launch(spec, to_device(q), cache, cache, pkv.paged_kv_indices, work, *request_rows(qo, kv_lens),
+           dims.page_size, 0, dims.num_kv_heads, outs.d_out, outs.d_lse, stream)
+    return outs.finish()
+
+
+def _contig_dims(k, v, kv_layout: str) -> tuple[int, int, int]:
+    """(kv_rows, num_kv_heads, head_dim) of contiguous k / v."""
+    L.check_kv_layout(kv_layout)
+    ks, vs = tuple(int(s) for s in k.shape), tuple(int(s) for s in v.shape)
+    if len(ks) != 3 or ks != vs:
+        raise L.LayoutError(f"v: k and v must both be 3-D with equal shapes, got {ks} and {vs}")
+    n, h, d = ks if kv_layout == "NHD" else (ks[1], ks[0], ks[2])
+    return n, h, d
+
+
+def batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, *, kv_layout: str = "NHD",
+                         return_lse: bool = False, out=None, lse=None,
+                         tensor_cores: bool | None = None, stream=0, **variant):
+    """Ragged Q over ragged contiguous KV (golden: :func:`nbattn.reference.batch_prefill_ragged`)."""
+    var = parse_variant(variant)
+    _check_lse(var, return_lse)
+    L.check_same_device(q=q, k=k, v=v)
+    kind = _check_kind_match(q=q, k=k, v=v)
+    n_kv, hkv, d = _contig_dims(k, v, kv_layout)
+    qo = L.RaggedQ.validate(qo_indptr, total_rows=q.shape[0] if len(q.shape) == 3 else None)
+    kvp = L.RaggedQ.validate(kv_indptr, total_rows=n_kv, name="kv_indptr")
+    if kvp.batch_size != qo.batch_size:
+        raise L.LayoutError(f"kv_indptr: has {kvp.batch_size} requests, qo_indptr has {qo.batch_size}")
+    shape = L.check_q(q, d, rows=qo.total)
+    L.check_heads(shape[1], hkv)
+    if var.causal:
+        L.check_causal_lengths(qo.lengths, kvp.lengths)
+    spec = make_spec("contig", kv_layout, kind, d, shape[1], hkv, var, tensor_cores)
+    outs = _Outputs(q, shape, kind, out, lse, return_lse)
+    work = build_work(qo.qo_indptr[:-1], qo.lengths, np.zeros(qo.batch_size, np.int32),
+                      kvp.qo_indptr[:-1], kvp.lengths, spec.group, spec.tile_q)
+    launch(spec, to_device(q), to_device(k), to_device(v), np.zeros(1, np.int32), work,
+           *request_rows(qo, kvp.lengths), 1, n_kv, hkv, outs.d_out, outs.d_lse, stream)
+    return outs.finish()
+
+
+def single_prefill(q, k, v, *, kv_layout: str = "NHD", return_lse: bool = False, out=None, lse=None,
+                   tensor_cores: bool | None = None, stream=0, **variant):
+    """One request over contiguous KV (golden: :func:`nbattn.reference.single_prefill`)."""
+    n_kv = _contig_dims(k, v, kv_layout)[0]
+    if len(q.shape) != 3:
+        L.check_q(q, int(k.shape[-1]))
+    nq = int(q.shape[0])
+    var = parse_variant(dict(variant))
+    if var.causal:
+        L.check_causal_lengths(np.array([nq]), np.array([n_kv]), name="q")
+    return batch_prefill_ragged(q, k, v, np.array([0, nq], np.int32), np.array([0, n_kv], np.int32),
+                                kv_layout=kv_layout, return_lse=return_lse, out=out, lse=lse,
+                                tensor_cores=tensor_cores, stream=stream, **variant)
