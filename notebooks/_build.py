@@ -702,9 +702,317 @@ def nb02():
     ]
 
 
+# ---------------------------------------------------------------------------
+# 05: the scheduler
+# ---------------------------------------------------------------------------
+
+def nb05():
+    return [
+        md("""
+        # 05 · The scheduler: plan once, run every layer
+
+        **What you will learn**
+
+        1. The tile heuristic: how a batch picks its query tile (`nbattn.sched.choose_tile_q`).
+        2. The LPT planner (`nbattn.sched.plan`): cut each query tile's KV range into chunks of at
+           most `L` keys, then hand the largest chunks first to the least-loaded CTA.
+        3. The **reduction map**: which partial states are merged, in which fixed order.
+        4. Running a plan with the golden model, and why a fixed order makes the output bitwise
+           reproducible (no atomics).
+        5. Gantt charts of three policies — one request per CTA, FlashDecoding's fixed split, and
+           LPT — under the simulator's cost model (`nbattn.sched.simulate`), against the makespan
+           lower bound.
+        6. Why plan/run makes a step CUDA-graph capturable.
+
+        The planner runs on the CPU; nothing here needs a GPU.
+        """),
+        code(SETUP + """
+    import tempfile
+    from pathlib import Path
+    import matplotlib.pyplot as plt
+    from IPython.display import Image, display
+    from nbattn import sched
+    from nbattn.plots import sched as sched_plots
+    from nbattn import reference as ref
+
+    FIGS = Path(tempfile.mkdtemp(prefix="nbattn-05-"))   # figures are written here, then shown
+    def show(fig_fn, *args, name="fig.png", **kw):
+        fig_fn(*args, FIGS / name, **kw)
+        display(Image(filename=str(FIGS / name)))
+    """),
+        md("""
+        ## 1. Choosing the query tile
+
+        A kernel processes a *query tile* of rows against a stream of KV tiles. With GQA the
+        `group` query heads that share a KV head are fused into rows, so a decode request
+        already has `group` rows. The heuristic picks the smallest tile in
+        `{1, 16, 32, 64, 128}` that is at least the batch's average `l_qo * group`.
+        Tile 1 is the CUDA-core decode path.
+        """),
+        code("""
+    for qo_lens, group in [([1] * 8, 1), ([1] * 8, 4), ([3, 1, 4], 1), ([100, 300], 1), ([512] * 2, 8)]:
+        print(f"l_qo = {qo_lens!s:22s} group {group}: tile_q = {sched.choose_tile_q(qo_lens, group)}")
+    """),
+        md("""
+        ## 2. A plan, by hand and by the planner
+
+        Four decode requests with KV lengths 700, 100, 120, 80 on `C = 4` CTAs, `tile_q = 1`.
+        Total work `W = Σ_r ceil(l_qo/T_q)·l_kv = 1000` key-rows, so the chunk limit is
+        `L = ceil(W / C) = 250`. Request 0 is cut into chunks of 250, 250 and 200 keys; the
+        others fit in one chunk. Every chunk costs `alpha·l_q + beta·l_kv` (both 1 by default).
+        Largest first, each to the least-loaded CTA:
+        """),
+        code("""
+    p = sched.plan([1, 1, 1, 1], [700, 100, 120, 80], num_ctas=4)
+    print(f"tile_q={p.tile_q}  chunk limit L={p.chunk_limit}  items={p.num_items}  "
+          f"partials={p.num_partials}  merges={p.num_merges}")
+    cost = p.item_cost()
+    for c in range(p.num_ctas):
+        items = range(p.cta_indptr[c], p.cta_indptr[c + 1])
+        queue = ", ".join(f"r{p.request[i]}[{p.kv_start[i]},{p.kv_end[i]})"
+                          + (f"->slot {p.out_slot[i]}" if p.out_slot[i] != sched.DIRECT else "->out")
+                          for i in items)
+        print(f"CTA {c}: load {p.cta_cost[c]:5.0f}  {queue}")
+    print(f"makespan {p.makespan:.0f}, lower bound {p.lower_bound:.1f}")
+    """),
+        md("""
+        The `->out` items are unsplit tiles: they write the final output directly. Split tiles
+        write **partial states** into slots; the reduction map lists, per split tile, its slots
+        in increasing `kv_start` order:
+        """),
+        code("""
+    for m in range(p.num_merges):
+        slots = p.merge_slots[p.merge_indptr[m]:p.merge_indptr[m + 1]]
+        print(f"output of request {p.merge_request[m]}, tile {p.merge_qo_tile[m]} = merge of slots {slots.tolist()}")
+    show(sched_plots.reduction_map, p, name="reduction_map.png")
+    """),
+        md("""
+        ### Exercise 1 — the chunk limit
+
+        For the SPEC section 4 batch (query lengths `[3, 1, 4]`, KV lengths `[6, 2, 9]`) with
+        `tile_q = 16` and `C = 4` CTAs, compute the planner's chunk limit `L` from the SPEC formula
+        `W = Σ_r ceil(l_qo[r] / T_q) · l_kv[r]`, `L = max(1, ceil(W / C))`.
+        """),
+        exercise("""
+    L_mine = None   # your code here
+    """),
+        solution("""
+    qo, kv, T_q, C = np.array([3, 1, 4]), np.array([6, 2, 9]), 16, 4
+    W = int(np.sum(-(-qo // T_q) * kv))
+    L_mine = max(1, -(-W // C))
+    """),
+        check("""
+    p4 = sched.plan([3, 1, 4], [6, 2, 9], num_ctas=4, tile_q=16)
+    assert L_mine == p4.chunk_limit, f"you said {L_mine}, the planner uses {p4.chunk_limit}"
+    print("✓ L =", L_mine)
+    """),
+        md("""
+        ### Exercise 2 — LPT yourself
+
+        Below are the planner's chunks in their stable order (request, tile, chunk) with their
+        costs. Write `lpt(costs, C)` returning the final load of every CTA: sort by cost, largest
+        first (ties keep the given order), and give each chunk to the least-loaded CTA, the
+        lowest id among equals (a min-heap of `(load, cta)`). Your loads must equal the
+        planner's `cta_cost` exactly.
+        """),
+        code("""
+    wl = sched.make_workload("variable", batch=12, seed=1)
+    big = sched.plan(wl.qo_lens, wl.kv_lens, num_ctas=16)
+    order = np.lexsort((big.kv_start, big.qo_tile, big.request))   # (request, tile, chunk) order
+    chunk_costs = big.item_cost()[order]
+    print(len(chunk_costs), "chunks; first costs:", chunk_costs[:6])
+    """),
+        exercise("""
+    def lpt(costs, C):
+        # your code here: return an array of C loads
+        raise NotImplementedError
+    """),
+        solution("""
+    import heapq
+
+    def lpt(costs, C):
+        heap = [(0.0, c) for c in range(C)]
+        loads = np.zeros(C)
+        for i in sorted(range(len(costs)), key=lambda i: -costs[i]):   # stable: ties keep order
+            load, c = heapq.heappop(heap)
+            loads[c] = load + costs[i]
+            heapq.heappush(heap, (loads[c], c))
+        return loads
+    """),
+        check("""
+    mine = np.asarray(lpt(chunk_costs, big.num_ctas))
+    np.testing.assert_array_equal(mine, big.cta_cost)
+    bound = max(chunk_costs.sum() / big.num_ctas, chunk_costs.max())
+    print(f"✓ same loads as the planner; makespan {mine.max():.0f} vs bound max(Σt/C, max t) = {bound:.1f}")
+    """),
+        md("""
+        ## 3. Running a plan (with the golden model)
+
+        The *run* step is a fixed grid of `C` CTAs. CTA `c` walks its queue; each item attends
+        its query tile to keys `[kv_start, kv_end)` and writes either the output or a partial
+        slot. A second pass merges each split tile's slots in the reduction map's order.
+        Here is that executor in NumPy, with `nbattn.reference.attend` standing in for a CTA
+        (MHA, `group = 1`, so a tile's rows are query positions and every head rides along):
+        """),
+        code("""
+    def run_plan(p, q, ks, vs):
+        \"\"\"q: [batch, H, D] (decode); ks/vs: per request [kv_len, H, D].\"\"\"
+        out = np.zeros_like(q)
+        part_o = np.zeros((p.num_partials,) + q.shape[1:], q.dtype)
+        part_lse = np.full((p.num_partials, q.shape[1]), -np.inf, q.dtype)
+        var = nbattn.variants.Variant()
+        for c in range(p.num_ctas):                        # every CTA, in any order
+            for i in range(p.cta_indptr[c], p.cta_indptr[c + 1]):
+                r, a, b = p.request[i], p.kv_start[i], p.kv_end[i]
+                st = ref.attend(q[r:r + 1], ks[r][a:b], vs[r][a:b], np.array([ks[r].shape[0] - 1]),
+                                np.arange(a, b), var)
+                if p.out_slot[i] == sched.DIRECT:
+                    out[r] = st.o[0]
+                else:
+                    part_o[p.out_slot[i]], part_lse[p.out_slot[i]] = st.o[0], st.lse[0]
+        for m in range(p.num_merges):                      # the reduction map, in its fixed order
+            s = p.merge_slots[p.merge_indptr[m]:p.merge_indptr[m + 1]]
+            o, _ = ref.merge_states(part_o[s][None], part_lse[s][None])
+            out[p.merge_request[m]] = o[0]
+        return out
+    """),
+        code("""
+    import nbattn.variants
+    rng = np.random.default_rng(0)
+    batch, H, D = (6, 2, 16) if SMALL else (32, 8, 64)
+    kv_lens = rng.integers(1, 400, size=batch)
+    kv_lens[0] = 3000                                      # one long request: it will be split
+    q = rng.normal(size=(batch, H, D)).astype(np.float32)
+    ks = [rng.normal(size=(n, H, D)).astype(np.float32) for n in kv_lens]
+    vs = [rng.normal(size=(n, H, D)).astype(np.float32) for n in kv_lens]
+
+    p_run = sched.plan(np.ones(batch, int), kv_lens, num_ctas=8)
+    o_plan = run_plan(p_run, q, ks, vs)
+    o_ref = np.stack([ref.single_decode(q[r], ks[r], vs[r]) for r in range(batch)])
+    print(f"{p_run.num_partials} partials, {p_run.num_merges} merged tiles; "
+          f"max |plan - golden| = {np.abs(o_plan - o_ref).max():.2e}")
+    """),
+        md("""
+        ### Exercise 3 — determinism
+
+        Same lengths in, bitwise-same output out. Check it: plan the step twice and run both,
+        and compare the runs **bitwise** (`np.array_equal`). Then plan with a different `C`
+        (the split points move) and measure how far the result drifts. Set `same` to the bitwise
+        comparison and `drift` to the max absolute difference.
+        """),
+        exercise("""
+    same, drift = None, None   # your code here
+    """),
+        solution("""
+    again = run_plan(sched.plan(np.ones(batch, int), kv_lens, num_ctas=8), q, ks, vs)
+    same = np.array_equal(o_plan, again)
+    other = run_plan(sched.plan(np.ones(batch, int), kv_lens, num_ctas=5), q, ks, vs)
+    drift = float(np.abs(other - o_plan).max())
+    """),
+        check("""
+    assert same is True or same == np.True_, "two runs of the same plan must agree bitwise"
+    p_a = sched.plan(np.ones(batch, int), kv_lens, num_ctas=8)
+    for field in ("cta_indptr", "request", "kv_start", "kv_end", "out_slot", "merge_slots"):
+        assert np.array_equal(getattr(p_a, field), getattr(p_run, field)), field
+    assert 0 <= drift < 1e-5, "another C changes the order, so only rounding may differ"
+    print(f"✓ bitwise reproducible for one plan; another C drifts by {drift:.1e} (float32 rounding)")
+    """),
+        md("""
+        ## 4. Policies compared: Gantt charts
+
+        The simulator places chunks on CTAs under a cost model
+        (`chunk_overhead + alpha·l_q + beta·l_kv`, plus a merge pass) and reports the makespan,
+        the utilization and a lower bound that no policy can beat. The skewed step — one long
+        request among short ones — is where balancing matters: with one request per CTA, the
+        long request's CTA works alone while the others idle. (FlashDecoding's fixed split only
+        splits when there are fewer tiles than CTAs: here 24 tiles ≥ 16 CTAs, so it does nothing.)
+        """),
+        code("""
+    C = 16
+    wl = sched.make_workload("skewed", batch=24, long_len=8192 if not SMALL else 4096, short_len=512)
+    results = {pol: sched.simulate(wl.qo_lens, wl.kv_lens, C, pol, workload=wl.name)
+               for pol in sched.POLICIES}
+    for pol, res in results.items():
+        print(f"{pol:12s} makespan {res.makespan:7.0f}  utilization {res.utilization:.2f}  "
+              f"makespan/bound {res.makespan_over_bound:.2f}  partials {res.num_partials}")
+    """),
+        code("""
+    show(sched_plots.gantt, results["one_per_cta"], name="gantt_one.png")
+    show(sched_plots.gantt, results["lpt"], name="gantt_lpt.png")
+    """),
+        code("""
+    workloads = [sched.make_workload(name, batch=32, seed=0) for name in sched.WORKLOADS]
+    show(sched_plots.policy_utilization, sched.compare_policies(workloads, 32), name="policies.png")
+    """),
+        md("""
+        ### Exercise 4 — the partial buffer fits, always
+
+        The run step preallocates the partial buffer once (for CUDA graphs, addresses must not
+        change). SPEC section 5 bounds it by `2·C·T_q·H_qo·(head_dim+1)` elements. Find the
+        largest `p.partial_elements(H_qo, head_dim)` over 200 random decode and prefill steps and
+        store it as a fraction of `sched.partial_buffer_bound(...)` in `worst` (a float).
+        """),
+        exercise("""
+    worst = None   # your code here
+    """),
+        solution("""
+    rng2 = np.random.default_rng(5)
+    worst = 0.0
+    for _ in range(200):
+        b = int(rng2.integers(1, 20))
+        qo = rng2.integers(1, 300, size=b) if rng2.random() < 0.5 else np.ones(b, int)
+        kv = qo + rng2.integers(0, 5000, size=b)
+        C, H_qo, d = int(rng2.integers(1, 64)), 8, 64
+        pp = sched.plan(qo, kv, C)
+        worst = max(worst, pp.partial_elements(H_qo, d) / sched.partial_buffer_bound(C, pp.tile_q, H_qo, d))
+    """),
+        check("""
+    assert worst is not None and 0 < worst <= 1.0, f"worst fraction {worst} should be in (0, 1]"
+    print(f"✓ the fullest plan used {worst:.0%} of the bound")
+    """),
+        md("""
+        ## 5. Plan/run and CUDA graphs
+
+        A CUDA graph replays a fixed sequence of kernel launches with fixed arguments. Plan/run
+        is built for it: the plan is written into a **preallocated** device workspace (the bound
+        above), the run kernel always launches the same grid of `C` CTAs and reads its work from
+        the workspace, and the merge pass reads the reduction map from the same place. Per step,
+        only the *contents* of the workspace change (a host-to-device copy before replay);
+        every layer then replays the captured graph.
+
+        The break-even of planning (SPEC section 6): with `L` layers, per-layer times `u`
+        (no plan) and `v` (with plan), plan cost `p` and integration cost `h`, planning pays
+        when `L·(u − v) > p + h`:
+        """),
+        code("""
+    from nbattn.perf import roofline as rl
+    import time
+    wl = sched.make_workload("variable", batch=64, seed=0)
+    t0 = time.perf_counter(); sched.plan(wl.qo_lens, wl.kv_lens, 132); plan_us = (time.perf_counter() - t0) * 1e6
+    u = sched.simulate(wl.qo_lens, wl.kv_lens, 132, "one_per_cta").makespan
+    v = sched.simulate(wl.qo_lens, wl.kv_lens, 132, "lpt").makespan
+    print(f"plan cost on this CPU: {plan_us:.0f} us; simulated per-layer makespan {u:.0f} -> {v:.0f} units")
+    for unit_ns in (5, 14, 50):          # what one cost unit is worth in time (SPEC 5 model: ~14 ns)
+        gain_us = (u - v) * unit_ns / 1000
+        print(f"  1 unit = {unit_ns:2d} ns: saves {gain_us:6.1f} us/layer -> pays after "
+              f"{rl.planning_breakeven_layers(u * unit_ns / 1000, v * unit_ns / 1000, plan_us):.0f} layers")
+    """),
+        md("""
+        ## Summary
+
+        * The plan is computed once per step on the CPU and reused by every layer.
+        * LPT over chunks of at most `L = ceil(W/C)` keys keeps the makespan near
+          `max(Σt/C, max t)`; unsplit tiles write directly, split ones merge in a fixed order.
+        * A fixed order (never atomics) makes results bitwise reproducible for given lengths.
+        * A fixed grid and a preallocated workspace make the run step graph-capturable.
+        """),
+    ]
+
+
 NOTEBOOKS = {
     "01_online_softmax_and_merge.ipynb": nb01,
     "02_paged_kv_and_bsr.ipynb": nb02,
+    "05_scheduler.ipynb": nb05,
 }
 
 

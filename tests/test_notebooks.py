@@ -75,7 +75,6 @@ def test_notebook_runs(path, monkeypatch):
     nb = nbformat.read(path, as_version=4)
     nb.cells.insert(0, nbformat.v4.new_code_cell(PROBE))
     monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", os.environ.get("NUMBA_ENABLE_CUDASIM", "1"))
-    monkeypatch.setenv("MPLBACKEND", "Agg")
     km = KernelManager(kernel_name="python3", kernel_spec_manager=_ThisPythonSpecs())
     client = nbclient.NotebookClient(nb, km=km, timeout=600, kernel_name="python3",
                                      resources={"metadata": {"path": str(NB_DIR)}})
