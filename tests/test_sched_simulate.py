@@ -154,6 +154,20 @@ def test_simulate_plan_with_plan_costs_reproduces_plan():
     assert r.num_partials == p.num_partials
 
 
+def test_simulate_causal_plan():
+    qo, kv = [4, 1, 3], [10, 7, 3]
+    p = plan(qo, kv, 3, 2, group=2, causal=True)
+    r = simulate_plan(p, CostModel(alpha=p.alpha, beta=p.beta, chunk_overhead=0, merge_cost=0))
+    np.testing.assert_allclose(r.busy, p.cta_cost)
+    # Bottom-right causal: a tile sees kv - qo + (last position) + 1 keys; the
+    # bound sums those keys plus 2 fused rows for each of the 8 tiles.
+    visible = {(0, 0): 7, (0, 1): 8, (0, 2): 9, (0, 3): 10, (1, 0): 7, (2, 0): 1, (2, 1): 2,
+               (2, 2): 3}
+    assert {(int(a), int(b)): int(c) for a, b, c in
+            zip(p.request, p.qo_tile, p.kv_end)} == visible
+    assert r.lower_bound == pytest.approx((sum(visible.values()) + 2 * 8) / 3)
+
+
 def test_lpt_policy_passes_overhead_to_planner():
     # With a fixed per-chunk overhead the planner sees alpha + overhead/tile_q.
     cost = CostModel(alpha=1, beta=1, chunk_overhead=32, merge_cost=1)

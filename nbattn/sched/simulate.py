@@ -67,11 +67,11 @@ plus many short ones, 1 x 32768 + 63 x 512 by default) and ``zipf``
 from __future__ import annotations
 
 import heapq
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from .plan import DIRECT, Plan, plan
+from .plan import Plan, plan
 from .tiles import choose_tile_q
 
 __all__ = [
@@ -232,15 +232,24 @@ def make_workload(
     return Workload(name=name, qo_lens=qo, kv_lens=kv, group=group)
 
 
-def _tiles(qo_lens, kv_lens, group, tile_q):
-    """Query tiles in (request, tile) order: request, tile index, fused rows, keys."""
+def _tiles(qo_lens, kv_lens, group, tile_q, causal=False):
+    """Query tiles in (request, tile) order: request, tile index, fused rows, keys.
+
+    With ``causal`` a tile's keys are those its last row can see (as the
+    planner trims them, see :mod:`nbattn.sched.plan`).
+    """
     rows = qo_lens.astype(np.int64) * group
     per_request = -(-rows // tile_q)
     request = np.repeat(np.arange(qo_lens.shape[0]), per_request)
     first = np.cumsum(per_request) - per_request
     tile = np.arange(request.shape[0]) - np.repeat(first, per_request)
     tile_rows = np.minimum(rows[request] - tile * tile_q, tile_q)
-    return request, tile, tile_rows, kv_lens.astype(np.int64)[request]
+    keys = kv_lens.astype(np.int64)[request]
+    if causal:
+        last_position = (tile * tile_q + tile_rows - 1) // group
+        visible = keys - qo_lens.astype(np.int64)[request] + last_position + 1
+        keys = np.where(keys > 0, np.minimum(keys, visible), 0)
+    return request, tile, tile_rows, keys
 
 
 def _greedy(times, num_ctas, start_loads=None):
@@ -331,8 +340,6 @@ def _finish(policy, workload_name, num_ctas, tile_q, cost, chunks, tiles):
 
 def simulate_plan(p: Plan, cost: CostModel | None = None, workload: str = "") -> SimResult:
     """Time a :class:`~nbattn.sched.plan.Plan` under ``cost``; each CTA runs its queue in order."""
-    if p.causal:
-        raise ValueError("simulate_plan supports non-causal plans only")
     cost = cost or CostModel(alpha=p.alpha, beta=p.beta)
     rows = p.item_rows()
     times = cost.chunk_time(rows, p.kv_end - p.kv_start)
@@ -348,7 +355,7 @@ def simulate_plan(p: Plan, cost: CostModel | None = None, workload: str = "") ->
         "kv_end": np.asarray(p.kv_end, dtype=np.int64),
         "rows": rows, "cta": cta, "start": start,
     }
-    tiles = _tiles(p.qo_lens, p.kv_lens, p.group, p.tile_q)
+    tiles = _tiles(p.qo_lens, p.kv_lens, p.group, p.tile_q, p.causal)
     result = _finish("lpt", workload, p.num_ctas, p.tile_q, cost, chunks, tiles)
     assert result.num_partials == p.num_partials
     return result
@@ -426,8 +433,3 @@ def compare_policies(
             results.append(simulate(w.qo_lens, w.kv_lens, num_ctas, policy, group=w.group,
                                     cost=cost, workload=w.name))
     return results
-
-
-def cost_model_dict(cost: CostModel) -> dict:
-    """The cost model as a plain dict (for JSON records)."""
-    return asdict(cost)
