@@ -292,11 +292,16 @@ def decode_bandwidth_figure(results_root=None):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("KV length")
             ax.set_title(f"batch {batch}")
-            ax.legend(loc="center right")
             if not panel:
                 style.note_no_measured(ax, "benchmarks/results/decode.json", loc="upper center")
         axes[0].set_ylabel("achieved / copy bandwidth")
         axes[0].set_ylim(0, 1.25)
+        # One legend for all panels, outside them, so no data is covered.
+        handles = {}
+        for ax in axes:
+            for h, lab in zip(*ax.get_legend_handles_labels()):
+                handles.setdefault(lab, h)
+        fig.legend(handles.values(), handles.keys(), loc="outside right upper")
         src = _source(suite) if recs else "none yet"
         style.footer(fig, f"measured: {src}; 1.0 = copy bandwidth of the same run (SPEC 6); "
                           "grey: occupancy model (heads of the first case, else 32 q / 8 kv, "
@@ -337,7 +342,7 @@ def split_kv_figure(results_root=None):
             pts.sort()
             ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o",
                     color=["#2a9d3a", "#8e44ad", "#e07b00", "#16a085"][i % 4],
-                    label=f"ours, KV {kv} ({_source(suite)})", gid=f"measured:kv{kv}")
+                    label=f"ours, KV {kv}", gid=f"measured:kv{kv}")
         ax.axhline(1.0, color="black", lw=0.8)
         if not measured:
             style.note_no_measured(ax, "model only; measured comes from\n"
@@ -349,8 +354,9 @@ def split_kv_figure(results_root=None):
         ax.set_ylabel("speedup of split-KV over no split (x)")
         ax.set_title("Split-KV pays when batch x KV heads cannot fill the SMs")
         ax.legend(loc="upper right")
-        style.footer(fig, f"model: {spec.name}, {spec.num_sms} SMs, one SM draws <= 2x its fair "
-                          "bandwidth share, fp32 partial states merged (SPEC 3)")
+        src = f"ours: {_source(suite)}; " if measured else ""
+        style.footer(fig, f"{src}model: {spec.name}, {spec.num_sms} SMs, one SM draws <= 2x its "
+                          "fair bandwidth share, fp32 partial states merged (SPEC 3)")
     return fig
 
 
