@@ -68,6 +68,11 @@ def choose_backend() -> str:
     if driver_gpu_count() > 0:
         return "gpu"
     os.environ[_ENV] = "1"
+    # numba.core.config may already have read the environment (pytest imports
+    # numba.core.errors for its warning filters); numba.cuda reads that config.
+    core_config = sys.modules.get("numba.core.config")
+    if core_config is not None:
+        core_config.reload_config()
     log.warning("nbattn: no CUDA GPU found; numba.cuda kernels run in the CUDA simulator "
                 "(set %s=0 or =1 to choose yourself)", _ENV)
     return "simulator"

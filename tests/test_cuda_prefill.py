@@ -1,0 +1,186 @@
+"""nbattn.cuda prefill kernels against the golden model (SPEC sections 1-3).
+
+Under the simulator (CI) the CUDA-core path runs on tiny shapes; on a GPU the
+same cases also run the tensor-core path (``gpu`` marks the real-size ones).
+"""
+import numpy as np
+import pytest
+
+import nbattn  # noqa: F401  (compat first)
+from nbattn import _compat
+from nbattn import layout as L
+from nbattn import reference as R
+from nbattn.cuda import prefill as P
+
+SIM = _compat.simulator_enabled()
+PATHS = [False] if SIM else [False, True]      # tensor_cores off / on
+gpu = pytest.mark.skipif(SIM, reason="needs a real GPU")
+
+
+def f32(x):
+    return np.asarray(x, np.float32)
+
+
+def check(got, ref, tol=2e-3):
+    """Output within fp16 rounding; LSE exact in where it is -inf, close elsewhere."""
+    if isinstance(ref, tuple):
+        (o, lse), (o_r, lse_r) = got, ref
+        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_r))
+        fin = np.isfinite(lse_r)
+        np.testing.assert_allclose(lse[fin], lse_r[fin], rtol=tol, atol=tol)
+    else:
+        o, o_r = got, ref
+    assert np.isfinite(f32(o)).all()
+    np.testing.assert_allclose(f32(o), o_r, rtol=tol, atol=tol)
+
+
+def paged_case(rng, qo_lens, kv_lens, page_size, hq=4, hk=2, d=16, dtype=np.float16, share=False,
+               layout="NHD"):
+    pool = int(sum(-(-k // page_size) for k in kv_lens)) + 3
+    pkv = L.PagedKV.allocate(kv_lens, page_size, num_pages=pool, rng=rng)
+    ind = pkv.paged_kv_indices.copy()
+    if share and len(kv_lens) > 1 and kv_lens[0] >= page_size and kv_lens[1] > page_size:
+        ind[pkv.paged_kv_indptr[1]] = ind[0]            # request 1 reuses request 0's first page
+    shape = (pool, 2, page_size, hk, d) if layout == "NHD" else (pool, 2, hk, page_size, d)
+    cache = rng.standard_normal(shape).astype(dtype)
+    q = rng.standard_normal((sum(qo_lens), hq, d)).astype(dtype)
+    qo = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    return q, cache, qo, pkv.paged_kv_indptr, ind, pkv.paged_kv_last_page_len
+
+
+def both(fn_cuda, fn_ref, args, tc, **kw):
+    got = fn_cuda(*args, tensor_cores=tc, **kw)
+    ref = fn_ref(*args, **kw)
+    return got, ref
+
+
+@pytest.mark.parametrize("tc", PATHS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_paged_gqa_partial_and_shared_pages(tc, causal):
+    rng = np.random.default_rng(1)
+    args = paged_case(rng, [3, 1, 5, 0], [6, 2, 9, 3], 4, share=True)
+    check(*both(P.batch_prefill_paged, R.batch_prefill_paged, args, tc, causal=causal, return_lse=True))
+
+
+@pytest.mark.parametrize("tc", PATHS)
+def test_paged_hnd_page1_mha_and_empty_kv(tc):
+    rng = np.random.default_rng(2)
+    args = paged_case(rng, [2, 3], [0, 5], 1, hq=2, hk=2, layout="HND")
+    got, ref = both(P.batch_prefill_paged, R.batch_prefill_paged, args, tc, kv_layout="HND",
+                    return_lse=True)
+    check(got, ref)
+    assert np.isneginf(got[1][:2]).all() and (f32(got[0][:2]) == 0).all()   # no keys: o=0, lse=-inf
+
+
+@pytest.mark.parametrize("tc", PATHS)
+@pytest.mark.parametrize("kw", [
+    dict(causal=True, window_left=2),
+    dict(causal=True, window_left=1, sink_size=2),
+    dict(logits_soft_cap=3.0, pos_encoding_mode="ALIBI", sm_scale=0.3),
+    dict(use_sigmoid=True, sigmoid_bias=-1.0, causal=True),
+    dict(score_mod=lambda s, b, h, qi, kj: s + 0.1 * (h + b) - 0.05 * (qi - kj)),
+])
+def test_variants(tc, kw):
+    rng = np.random.default_rng(3)
+    args = paged_case(rng, [4, 2], [7, 5], 3)
+    lse = not kw.get("use_sigmoid")
+    check(*both(P.batch_prefill_paged, R.batch_prefill_paged, args, tc, return_lse=lse, **kw))
+
+
+@pytest.mark.parametrize("tc", PATHS)
+def test_fully_masked_rows_and_huge_logits(tc):
+    rng = np.random.default_rng(4)
+    q, cache, qo, ip, ix, lp = paged_case(rng, [3], [6], 4, hq=2, hk=1, dtype=np.float32 if not tc else np.float16)
+    q = (q * 40).astype(q.dtype)                    # scores of order +-1000
+    cache = (cache * 40).astype(cache.dtype)
+    mask = lambda b, h, qi, kj: qi != 4            # the middle query row keeps nothing
+    args = (q, cache, qo, ip, ix, lp)
+    got, ref = both(P.batch_prefill_paged, R.batch_prefill_paged, args, tc, mask_mod=mask, return_lse=True)
+    assert np.abs(ref[1][np.isfinite(ref[1])]).max() > 500
+    check(got, ref, tol=2e-2 if tc else 2e-3)
+    assert np.isneginf(got[1][1]).all() and (f32(got[0][1]) == 0).all()
+
+
+@pytest.mark.parametrize("tc", PATHS)
+def test_ragged_and_single(tc):
+    rng = np.random.default_rng(5)
+    hq, hk, d = 4, 1, 16
+    q = rng.standard_normal((5, hq, d)).astype(np.float16)
+    k = rng.standard_normal((9, hk, d)).astype(np.float16)
+    v = rng.standard_normal((9, hk, d)).astype(np.float16)
+    qo, kv = np.array([0, 2, 5], np.int32), np.array([0, 3, 9], np.int32)
+    check(*both(P.batch_prefill_ragged, R.batch_prefill_ragged, (q, k, v, qo, kv), tc, causal=True,
+                return_lse=True))
+    check(*both(P.single_prefill, R.single_prefill, (q[:3], k, v), tc, causal=True, return_lse=True))
+
+
+def test_torch_in_torch_out():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(6)
+    q, cache, qo, ip, ix, lp = paged_case(rng, [2], [5], 2)
+    o = P.batch_prefill_paged(torch.from_numpy(q), torch.from_numpy(cache), qo, ip, ix, lp)
+    assert isinstance(o, torch.Tensor) and o.dtype == torch.float16
+    check(o.numpy(), R.batch_prefill_paged(q, cache, qo, ip, ix, lp))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(qo=np.array([0, 3, 4], np.int64)), "must be int32"),
+    (dict(lp=np.array([0, 2], np.int32)), "paged_kv_last_page_len"),
+    (dict(ix=np.array([0, 1, 99], np.int32)), "page ids must be"),
+    (dict(q_heads=3), "num_qo_heads"),
+    (dict(qdtype=np.float32), "dtype must match"),
+    (dict(causal_long=True), "qo length"),
+])
+def test_bad_inputs_raise_before_launch(bad, match, monkeypatch):
+    rng = np.random.default_rng(7)
+    q, cache, qo, ip, ix, lp = paged_case(rng, [3, 1], [5, 2], 4)
+    launched = []
+    monkeypatch.setattr(P, "launch", lambda *a, **k: launched.append(1))
+    qo = bad.get("qo", qo)
+    lp = bad.get("lp", lp)
+    ix = bad.get("ix", ix)
+    if "q_heads" in bad:
+        q = q[:, :3]
+    if "qdtype" in bad:
+        q = q.astype(np.float32)
+    causal = bool(bad.get("causal_long"))
+    if causal:
+        qo = np.array([0, 3, 6], np.int32)
+        q = np.concatenate([q, q[:2]])
+    with pytest.raises(ValueError, match=match):
+        P.batch_prefill_paged(q, cache, qo, ip, ix, lp, causal=causal)
+    assert not launched
+
+
+def test_sigmoid_has_no_lse():
+    rng = np.random.default_rng(8)
+    with pytest.raises(ValueError, match="return_lse"):
+        P.batch_prefill_paged(*paged_case(rng, [1], [2], 2), use_sigmoid=True, return_lse=True)
+
+
+# ---------------------------------------------------------------------------
+# Real sizes on the GPU (both paths)
+# ---------------------------------------------------------------------------
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("tc", [False, True])
+@pytest.mark.parametrize("page_size, group, d, dtype", [
+    (1, 1, 64, "f16"), (5, 4, 128, "bf16"), (16, 8, 256, "f16"), (16, 4, 128, "bf16")])
+def test_gpu_real_sizes(tc, page_size, group, d, dtype):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(page_size * 10 + group)
+    qo_lens = [1, 17, 577, 64, 0, 130]
+    kv_lens = [1, 300, 2000, 8192, 40, 130]
+    hk = 2
+    npd = np.float16
+    q, cache, qo, ip, ix, lp = paged_case(rng, qo_lens, kv_lens, page_size, hq=hk * group, hk=hk, d=d,
+                                          dtype=np.float32)
+    tdt = torch.float16 if dtype == "f16" else torch.bfloat16
+    tq, tc_ = torch.from_numpy(q).to("cuda", tdt), torch.from_numpy(cache).to("cuda", tdt)
+    for causal in (False, True):
+        o, lse = P.batch_prefill_paged(tq, tc_, qo, ip, ix, lp, causal=causal, return_lse=True, tensor_cores=tc)
+        ref = R.batch_prefill_paged(tq.float().cpu().numpy(), tc_.float().cpu().numpy(), qo, ip, ix, lp,
+                                    causal=causal, return_lse=True)
+        check((o.float().cpu().numpy(), lse.cpu().numpy()), ref, tol=2e-2)
+    del npd
