@@ -50,18 +50,22 @@ def plan_records(runs):
     records = []
     cases = [
         # (workload, qo_len, group): decode MHA, decode GQA (Llama-3 8B: 32/8),
-        # and the heavy-tailed mix.
+        # the heavy-tailed mix, and one 128k request among 1023 short ones (the
+        # only case here where a tile is split, exercising the partial slots).
         ("variable", 1, 1),
         ("variable", 1, 4),
         ("zipf", 1, 1),
+        ("skewed", 1, 1),
     ]
     for name, qo_len, group in cases:
-        w = make_workload(name, BATCH, seed=0, qo_len=qo_len, group=group)
+        w = make_workload(name, BATCH, seed=0, qo_len=qo_len, group=group, long_len=131072)
         median_us, min_us = time_plan(w.qo_lens, w.kv_lens, NUM_CTAS, group, runs)
         p = plan(w.qo_lens, w.kv_lens, NUM_CTAS, group=group)
         case = {"workload": name, "batch": BATCH, "qo_len": qo_len, "group": group,
                 "num_ctas": NUM_CTAS, "tile_q": p.tile_q, "num_items": p.num_items,
                 "num_partials": p.num_partials, "runs": runs}
+        if name == "skewed":
+            case.update(long_len=131072, short_len=512)
         print(f"plan {name:8s} batch={BATCH} group={group} C={NUM_CTAS}: median "
               f"{median_us:7.1f} us, min {min_us:7.1f} us ({p.num_items} items, "
               f"{p.num_partials} partials, tile_q={p.tile_q})")
