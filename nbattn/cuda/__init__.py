@@ -1,0 +1,24 @@
+"""numba.cuda kernels with the golden model's signatures (:mod:`nbattn.reference`).
+
+Run on a GPU when one is present, else in numba's CUDA simulator (chosen by
+:mod:`nbattn._compat` when :mod:`nbattn` is imported, before numba.cuda).
+
+Public:
+    batch_decode_paged(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices,
+                       paged_kv_last_page_len, *, kv_layout="NHD", return_lse=False,
+                       out=None, lse=None, **variant)
+    merge_state(v_a, s_a, v_b, s_b), merge_states(v, s),
+    merge_state_in_place(v, s, v_other, s_other, mask=None)
+
+Building blocks for other kernels and the scheduler's plan()/run():
+    nbattn.cuda._arrays     input kinds, streams, raw word views
+    nbattn.cuda.primitives  16-byte loads, fp16/bf16 unpack, exp2 (GPU + simulator faces)
+    nbattn.cuda.variants    variant_device_fns(variant) -> (transform, keep)
+    nbattn.cuda.decode      prepare_decode, WorkList, run_decode_work, split_work
+    nbattn.cuda.merge       MergeMap, run_merge_partials
+"""
+from .. import _compat  # noqa: F401  (numpy shim + simulator choice before numba.cuda)
+from .decode import batch_decode_paged
+from .merge import merge_state, merge_state_in_place, merge_states
+
+__all__ = ["batch_decode_paged", "merge_state", "merge_states", "merge_state_in_place"]

@@ -1,0 +1,597 @@
+"""Batch decode over a paged KV cache (SPEC sections 1-3, 6): one query row per
+request reads its whole KV history.  Memory-bound, so the design is about
+reading each K/V byte once: a CTA owns one (work item, KV head) pair, gathers
+each KV tile from its scattered pages into shared memory with 16-byte loads and
+uses it for every query head of the GQA group (``group`` heads fused).
+
+Work items (FlashDecoding split-KV, and the scheduler's interface)
+------------------------------------------------------------------
+The kernel runs a *work list* in CSR form over CTAs: CTA ``c`` runs items
+``cta_indptr[c]:cta_indptr[c+1]``; item ``i`` attends request ``request[i]``'s
+keys ``kv_start[i]:kv_end[i]`` and writes either the final output
+(``out_slot[i] == -1``) or a partial state (normalized fp32 output + base-2
+LSE) into slot ``out_slot[i]`` of ``partial_o [slots, num_qo_heads, head_dim]``
+/ ``partial_lse [slots, num_qo_heads]``.  :mod:`nbattn.cuda.merge` then
+contracts partial slots in the order a reduction map gives.  Positions stay the
+request's: the query sits at ``kv_len - 1`` and key j at ``j`` whatever chunk
+it falls in, so masks and ALiBi are chunk-independent.
+
+Launch shape
+------------
+grid ``(num_ctas, num_qo_heads // heads_per_cta)``; ``blockIdx.y`` picks a
+block of ``HG`` query heads of one KV head (``HG`` = the group, or a divisor of
+it <= 8).  Block ``NT = NX * NY`` threads: lane ``tx`` of a row owns one
+16-byte chunk of head_dim (``VEC`` elements), ``ty`` picks tokens
+``ty, ty+NY, ...`` of a tile of ``T = NY * TPT`` tokens.
+
+Per tile: (1) gather K and V into shared memory; (2) each thread dots its
+chunk of every head's q (kept in registers) with its tokens' K chunk, partial
+sums go to shared memory; (3) one thread per (head, token) adds the partials,
+applies scale, variant transform and mask; (4) online softmax in base 2
+(running max per head, rescale factor); (5) each thread accumulates
+``p * V`` for its tokens and chunk in registers.  At the end the NY partial
+accumulators are added through shared memory and the state is written.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+from numba import cuda, float32, int64
+
+from .. import layout as L
+from ..variants import VARIANT_FIELDS, Variant, alibi_slopes, make_variant
+from . import _arrays as A
+from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f,
+                         ld_v4, load_v4, st_v4)
+from .variants import LOG2E, kernel_variant_key, variant_device_fns
+
+__all__ = ["batch_decode_paged", "DecodeProblem", "WorkList", "prepare_decode", "run_decode_work",
+           "split_work", "decode_kernel", "DecodeConfig", "MAX_HEAD_DIM"]
+
+MAX_HEAD_DIM = 256
+NEG_INF = float32(-math.inf)
+SMEM_BUDGET = 46 * 1024   # static shared memory stays under the 48 KB default
+
+
+class WorkList(NamedTuple):
+    """Device int32 arrays of a work list (see module doc)."""
+    cta_indptr: Any
+    request: Any
+    kv_start: Any
+    kv_end: Any
+    out_slot: Any
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    code: str           # "f16" | "bf16" | "f32"
+    head_dim: int
+    heads_per_cta: int  # HG
+    kv_layout: str
+    variant: Variant    # kernel_variant_key(...)
+    nthreads: int
+    tile_tokens: int
+    aligned: bool       # 16-byte aligned q / cache: vector global loads
+
+    @property
+    def words_per_row(self) -> int:
+        return self.head_dim // ELEMS_PER_WORD[self.code]
+
+    @property
+    def lanes(self) -> int:
+        return self.words_per_row // 4
+
+
+def heads_per_cta(group: int) -> int:
+    """Largest divisor of the group that is <= 8 (registers hold 2*HG*VEC floats)."""
+    for hg in range(min(group, 8), 0, -1):
+        if group % hg == 0:
+            return hg
+    return 1
+
+
+def make_config(code: str, head_dim: int, group: int, kv_layout: str, variant: Variant,
+                aligned: bool = True) -> DecodeConfig:
+    hg = heads_per_cta(group)
+    w = head_dim // ELEMS_PER_WORD[code]
+    nx = w // 4
+    if SIMULATOR:
+        ny = 4              # each simulated thread is a Python thread: keep blocks tiny
+        t = 8
+    else:
+        ny = max(1, 128 // nx)
+        t = ny
+        for cand in (64, 32, 16, 8, 4, 2, 1):
+            if cand % ny and cand > ny:
+                continue
+            cand = max(cand, ny)
+            smem = 4 * (2 * cand * w + max(hg * cand * nx, ny * head_dim) + hg * cand + 2 * hg)
+            if smem <= SMEM_BUDGET and (hg <= 2 or cand <= 32):
+                t = cand
+                break
+    return DecodeConfig(code, head_dim, hg, kv_layout, kernel_variant_key(variant), nx * ny, t,
+                        aligned)
+
+
+# ---------------------------------------------------------------------------
+# The kernel factory
+# ---------------------------------------------------------------------------
+
+_kernels: dict = {}
+
+
+def decode_kernel(cfg: DecodeConfig):
+    """The compiled decode kernel for ``cfg`` (cached; on disk too on the GPU)."""
+    k = _kernels.get(cfg)
+    if k is None:
+        k = _kernels[cfg] = _build(cfg)
+    return k
+
+
+def _build(cfg: DecodeConfig):
+    D = cfg.head_dim
+    HG = cfg.heads_per_cta
+    W = cfg.words_per_row
+    NX = cfg.lanes
+    NT = cfg.nthreads
+    NY = NT // NX
+    T = cfg.tile_tokens
+    TPT = T // NY
+    VEC = 4 * ELEMS_PER_WORD[cfg.code]
+    RED = max(HG * T * NX, NY * D)
+    NHD = cfg.kv_layout == "NHD"
+    SIGMOID = cfg.variant.use_sigmoid
+    ALIGNED = cfg.aligned
+    _, store_elem, unpack4 = element_io(cfg.code)
+    transform, keep = variant_device_fns(cfg.variant)
+
+    @device_fn
+    def read4(arr, i):   # 16-byte global load when the base pointers allow it
+        if ALIGNED:
+            return load_v4(arr, i)
+        return arr[i], arr[i + 1], arr[i + 2], arr[i + 3]
+
+    def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, num_kv_heads, num_qo_heads,
+               cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
+               out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias):
+        k_s = cuda.shared.array(T * W, np.uint32, alignment=SHARED_ALIGN)
+        v_s = cuda.shared.array(T * W, np.uint32, alignment=SHARED_ALIGN)
+        red = cuda.shared.array(RED, np.float32)
+        p_s = cuda.shared.array(HG * T, np.float32)
+        m_s = cuda.shared.array(HG, np.float32)
+        f_s = cuda.shared.array(HG, np.float32)
+        qv = cuda.local.array(HG * VEC, np.float32)
+        acc = cuda.local.array(HG * VEC, np.float32)
+        lacc = cuda.local.array(HG, np.float32)
+        xf = cuda.local.array(VEC, np.float32)
+
+        tid = cuda.threadIdx.x
+        tx = tid % NX
+        ty = tid // NX
+        h0 = cuda.blockIdx.y * HG
+        group = num_qo_heads // num_kv_heads
+        kvh = h0 // group
+        ps = int64(page_size)
+        hkv = int64(num_kv_heads)
+
+        for item in range(cta_indptr[cuda.blockIdx.x], cta_indptr[cuda.blockIdx.x + 1]):
+            r = w_request[item]
+            kv_start = w_kv_start[item]
+            kv_end = w_kv_end[item]
+            slot = w_out_slot[item]
+            page_base = kv_indptr[r]
+            n_pages = kv_indptr[r + 1] - page_base
+            kv_len = (n_pages - 1) * page_size + kv_last[r] if n_pages > 0 else 0
+            q_idx = kv_len - 1
+
+            # q chunk of every head of the block, in registers
+            for g in range(HG):
+                w0, w1, w2, w3 = read4(q_w, (int64(r) * num_qo_heads + h0 + g) * W + tx * 4)
+                unpack4(w0, w1, w2, w3, qv, g * VEC)
+                lacc[g] = 0.0
+                for e in range(VEC):
+                    acc[g * VEC + e] = 0.0
+            if tid < HG:
+                m_s[tid] = NEG_INF
+
+            for tile in range(kv_start, kv_end, T):
+                # (1) gather this tile's K and V rows from their pages
+                for i in range(TPT):
+                    t = ty + i * NY
+                    pos = tile + t
+                    k0 = k1 = k2 = k3 = v0 = v1 = v2 = v3 = np.uint32(0)
+                    if pos < kv_end:
+                        page = int64(kv_indices[page_base + pos // page_size])
+                        within = int64(pos % page_size)
+                        if NHD:
+                            row_k = ((page * 2 * ps + within) * hkv + kvh) * W
+                            row_v = (((page * 2 + 1) * ps + within) * hkv + kvh) * W
+                        else:
+                            row_k = ((page * 2 * hkv + kvh) * ps + within) * W
+                            row_v = (((page * 2 + 1) * hkv + kvh) * ps + within) * W
+                        k0, k1, k2, k3 = read4(kv_w, row_k + tx * 4)
+                        v0, v1, v2, v3 = read4(kv_w, row_v + tx * 4)
+                    st_v4(k_s, t * W + tx * 4, k0, k1, k2, k3)
+                    st_v4(v_s, t * W + tx * 4, v0, v1, v2, v3)
+                cuda.syncthreads()
+
+                # (2) partial dot products: my chunk of q . my chunk of k
+                for i in range(TPT):
+                    t = ty + i * NY
+                    w0, w1, w2, w3 = ld_v4(k_s, t * W + tx * 4)
+                    unpack4(w0, w1, w2, w3, xf, 0)
+                    for g in range(HG):
+                        dot = float32(0.0)
+                        for e in range(VEC):
+                            dot += qv[g * VEC + e] * xf[e]
+                        red[(g * T + t) * NX + tx] = dot
+
+                cuda.syncthreads()
+                # (3) full scores, variant, mask
+                for j in range(tid, HG * T, NT):
+                    g = j // T
+                    t = j - g * T
+                    s = float32(0.0)
+                    for x in range(NX):
+                        s += red[j * NX + x]
+                    pos = tile + t
+                    h = h0 + g
+                    s = transform(s * sm_scale, r, h, q_idx, pos, slopes[h])
+                    ok = pos < kv_end and keep(r, h, q_idx, pos)
+                    if SIGMOID:
+                        p_s[j] = float32(1.0) / (float32(1.0) + math.exp(-(s + sigmoid_bias))) if ok else 0.0
+                    else:
+                        p_s[j] = s * float32(LOG2E) if ok else NEG_INF
+                cuda.syncthreads()
+
+                # (4) online softmax: new running max per head, rescale factor
+                if not SIGMOID:
+                    if tid < HG:
+                        m_old = m_s[tid]
+                        m_new = m_old
+                        for t in range(T):
+                            m_new = max(m_new, p_s[tid * T + t])
+                        f_s[tid] = float32(1.0) if m_new == NEG_INF else exp2f(m_old - m_new)
+                        m_s[tid] = m_new
+                    cuda.syncthreads()
+                    for j in range(tid, HG * T, NT):
+                        m = m_s[j // T]
+                        p_s[j] = float32(0.0) if m == NEG_INF else exp2f(p_s[j] - m)
+                    cuda.syncthreads()
+                    for g in range(HG):
+                        f = f_s[g]
+                        lacc[g] *= f
+                        for e in range(VEC):
+                            acc[g * VEC + e] *= f
+
+                # (5) accumulate p * V for my tokens and chunk
+                for i in range(TPT):
+                    t = ty + i * NY
+                    w0, w1, w2, w3 = ld_v4(v_s, t * W + tx * 4)
+                    unpack4(w0, w1, w2, w3, xf, 0)
+                    for g in range(HG):
+                        p = p_s[g * T + t]
+                        lacc[g] += p
+                        for e in range(VEC):
+                            acc[g * VEC + e] += p * xf[e]
+                cuda.syncthreads()   # the next tile overwrites k_s, v_s, p_s
+
+            # add the NY partial accumulators of each head and write the state
+            for g in range(HG):
+                for e in range(VEC):
+                    red[ty * D + tx * VEC + e] = acc[g * VEC + e]
+                if tx == 0:
+                    p_s[ty] = lacc[g]
+                cuda.syncthreads()
+                h = h0 + g
+                l = float32(0.0)
+                for y in range(NY):
+                    l += p_s[y]
+                if SIGMOID:
+                    inv_l = float32(1.0)
+                    row_lse = float32(math.nan)
+                elif l > 0:
+                    inv_l = float32(1.0) / l
+                    row_lse = m_s[g] + math.log2(l)
+                else:
+                    inv_l = float32(0.0)
+                    row_lse = NEG_INF
+                for d in range(tid, D, NT):
+                    o = float32(0.0)
+                    for y in range(NY):
+                        o += red[y * D + d]
+                    o *= inv_l
+                    if slot < 0:
+                        store_elem(out, (int64(r) * num_qo_heads + h) * D + d, o)
+                    else:
+                        part_o[(int64(slot) * num_qo_heads + h) * D + d] = o
+                if tid == 0:
+                    if slot < 0:
+                        lse[int64(r) * num_qo_heads + h] = row_lse
+                    else:
+                        part_lse[int64(slot) * num_qo_heads + h] = row_lse
+                cuda.syncthreads()
+
+    if SIMULATOR:
+        return cuda.jit(kernel)
+    return cuda.jit(kernel, cache=True)
+
+
+# ---------------------------------------------------------------------------
+# Validation and device arrays: everything checked before any launch
+# ---------------------------------------------------------------------------
+
+@dataclass
+class DecodeProblem:
+    """A validated decode call: device arrays, sizes, variant, output handles."""
+    code: str
+    kind: str
+    stream: Any
+    variant: Variant
+    sm_scale: float
+    batch: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    kv_layout: str
+    kv_lens: np.ndarray       # host int32
+    q_w: Any
+    kv_w: Any
+    kv_indptr: Any
+    kv_indices: Any
+    kv_last: Any
+    slopes: Any
+    out_user: Any
+    out_dev: Any
+    lse_user: Any
+    lse_dev: Any
+    aligned: bool
+
+    @property
+    def group(self) -> int:
+        return self.num_qo_heads // self.num_kv_heads
+
+    def config(self) -> DecodeConfig:
+        return make_config(self.code, self.head_dim, self.group, self.kv_layout, self.variant,
+                           self.aligned)
+
+
+def _variant_of(kw: dict) -> Variant:
+    v = kw.pop("variant", None)
+    unknown = set(kw) - set(VARIANT_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown keyword argument(s): {sorted(unknown)}")
+    if v is not None:
+        return v.with_(**kw) if kw else v
+    return make_variant(**kw)
+
+
+def _check_head_dim(head_dim: int) -> None:
+    if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
+        raise L.LayoutError(f"paged_kv_cache: head_dim must be a multiple of 8 in 8..{MAX_HEAD_DIM} "
+                            f"(16-byte vector loads), got {head_dim}")
+
+
+def _check_out(name: str, x: Any, shape: tuple, code: str | None, kind: str) -> None:
+    got = tuple(int(s) for s in x.shape)
+    if got != shape:
+        raise L.LayoutError(f"{name}: must have shape {shape}, got {got}")
+    if code is not None and A.dtype_code(x, name) != code:
+        raise L.LayoutError(f"{name}: dtype must match q ({code}), got {A.dtype_code(x, name)}")
+    if code is None and L.dtype_of(x) != "float32":
+        raise L.LayoutError(f"{name}: must be float32, got {L.dtype_of(x)}")
+    if A.is_device_kind(kind) != A.is_device_kind(A.kind_of(x)):
+        raise L.LayoutError(f"{name}: must live where q lives ({kind}), got {A.kind_of(x)}")
+    if A.is_device_kind(kind):
+        A.check_contiguous(x, name)
+
+
+def _aligned(*devs) -> bool:
+    if SIMULATOR:
+        return True
+    return all(d.__cuda_array_interface__["data"][0] % 16 == 0 for d in devs)
+
+
+def prepare_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+                   *, kv_layout="NHD", return_lse=False, out=None, lse=None, **variant) -> DecodeProblem:
+    """Validate every argument (nothing is launched or modified on error) and
+    bring the arrays to the device."""
+    var = _variant_of(dict(variant))
+    if return_lse and var.use_sigmoid:
+        raise ValueError("return_lse: sigmoid attention has no log-sum-exp (its partial outputs add)")
+    L.check_kv_layout(kv_layout)
+    code = A.dtype_code(q, "q")
+    kv_code = A.dtype_code(paged_kv_cache, "paged_kv_cache")
+    if kv_code != code:
+        raise L.LayoutError(f"paged_kv_cache: dtype must match q, got q={L.dtype_of(q)}, "
+                            f"paged_kv_cache={L.dtype_of(paged_kv_cache)}")
+    L.check_same_device(q=q, paged_kv_cache=paged_kv_cache, out=out, lse=lse)
+    kind = A.kind_of(q)
+    if A.is_device_kind(kind) != A.is_device_kind(A.kind_of(paged_kv_cache)):
+        raise L.LayoutError(f"paged_kv_cache: must live where q lives ({kind}), "
+                            f"got {A.kind_of(paged_kv_cache)}")
+    host = {n: A.host_meta(n, x) for n, x in (("paged_kv_indptr", paged_kv_indptr),
+                                              ("paged_kv_indices", paged_kv_indices),
+                                              ("paged_kv_last_page_len", paged_kv_last_page_len))}
+    pkv, dims = L.PagedKV.from_cache(paged_kv_cache, host["paged_kv_indptr"], host["paged_kv_indices"],
+                                     host["paged_kv_last_page_len"], kv_layout)
+    _check_head_dim(dims.head_dim)
+    L.check_q(q, dims.head_dim, rows=pkv.batch_size)
+    L.check_heads(int(q.shape[1]), dims.num_kv_heads)
+    if var.causal:
+        L.check_causal_lengths(np.ones(pkv.batch_size, np.int64), pkv.kv_lens, name="q")
+    shape = tuple(int(s) for s in q.shape)
+    if out is not None:
+        _check_out("out", out, shape, code, kind)
+    if lse is not None:
+        _check_out("lse", lse, shape[:2], None, kind)
+    if A.is_device_kind(kind):
+        A.check_contiguous(q, "q")
+        A.check_contiguous(paged_kv_cache, "paged_kv_cache")
+
+    # -- all checks passed: device arrays (zero-copy for device inputs) --
+    stream = A.launch_stream(q, paged_kv_cache, out, lse)
+    q_dev = A.to_device(q, "q", stream, code)
+    kv_dev = A.to_device(paged_kv_cache, "paged_kv_cache", stream, code)
+    meta = [A.device_meta(x, host[n], stream) for n, x in (("paged_kv_indptr", paged_kv_indptr),
+                                                           ("paged_kv_indices", paged_kv_indices),
+                                                           ("paged_kv_last_page_len", paged_kv_last_page_len))]
+    if out is None:
+        out_user, out_dev = A.new_output(kind, shape, code, stream, like=q)
+    else:
+        out_user, out_dev = out, (A.to_device(out, "out", stream, code) if A.is_device_kind(kind)
+                                  else cuda.device_array(shape, A.RAW[code], stream=stream))
+    if lse is None:
+        lse_user, lse_dev = A.new_output(kind, shape[:2], "f32", stream, like=q)
+    else:
+        lse_user, lse_dev = lse, (A.to_device(lse, "lse", stream, "f32") if A.is_device_kind(kind)
+                                  else cuda.device_array(shape[:2], np.float32, stream=stream))
+    slopes = alibi_slopes(shape[1]) if var.has_alibi else np.zeros(shape[1], np.float32)
+    q_w, kv_w = A.words(q_dev), A.words(kv_dev)
+    return DecodeProblem(code, kind, stream, var, var.scale(dims.head_dim), pkv.batch_size, shape[1],
+                         dims.num_kv_heads, dims.head_dim, dims.page_size, kv_layout,
+                         pkv.kv_lens.astype(np.int32), q_w, kv_w, *meta,
+                         cuda.to_device(slopes, stream=stream), out_user, out_dev, lse_user, lse_dev,
+                         _aligned(q_dev, kv_dev))
+
+
+# ---------------------------------------------------------------------------
+# Work lists: the unsplit list, FlashDecoding chunks, and running them
+# ---------------------------------------------------------------------------
+
+def split_work(kv_lens: np.ndarray, kv_chunk_size: int | None):
+    """Host work list and reduction map for fixed-size KV chunks.
+
+    One CTA per item.  A request longer than ``kv_chunk_size`` becomes
+    ``ceil(len / chunk)`` items writing consecutive partial slots in KV order;
+    shorter ones (and empty ones) write their final output directly.
+    Returns ``(cta_indptr, request, kv_start, kv_end, out_slot,
+    merge_indptr, merge_row, merge_slots, num_slots)`` as int32 NumPy arrays
+    (and an int).
+    """
+    req, ks, ke, slot = [], [], [], []
+    m_indptr, m_row, m_slots = [0], [], []
+    n_slots = 0
+    for r, n in enumerate(np.asarray(kv_lens, np.int64)):
+        if kv_chunk_size is None or n <= kv_chunk_size:
+            req.append(r); ks.append(0); ke.append(int(n)); slot.append(-1)
+            continue
+        starts = range(0, int(n), int(kv_chunk_size))
+        for a in starts:
+            req.append(r); ks.append(a); ke.append(min(int(n), a + int(kv_chunk_size)))
+            slot.append(n_slots); m_slots.append(n_slots); n_slots += 1
+        m_row.append(r)
+        m_indptr.append(len(m_slots))
+    i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
+    return (np.arange(len(req) + 1, dtype=np.int32), i32(req), i32(ks), i32(ke), i32(slot),
+            i32(m_indptr), i32(m_row), i32(m_slots), n_slots)
+
+
+def device_count_sms() -> int:
+    if SIMULATOR:
+        return 4
+    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+
+
+def choose_chunk(p: DecodeProblem) -> int | None:
+    """Built-in split heuristic: split only when the unsplit grid leaves the
+    GPU underfilled (fewer than ~4 CTAs per SM), into chunks no shorter than
+    a few tiles; None means no split."""
+    cfg = p.config()
+    ctas = p.batch * (p.num_qo_heads // cfg.heads_per_cta)
+    target = 4 * device_count_sms()
+    longest = int(p.kv_lens.max()) if p.batch else 0
+    if ctas >= target or longest == 0:
+        return None
+    splits = -(-target // max(ctas, 1))
+    floor = 8 * cfg.tile_tokens
+    chunk = max(floor, -(-longest // splits))
+    chunk = -(-chunk // cfg.tile_tokens) * cfg.tile_tokens
+    return None if chunk >= longest else chunk
+
+
+def run_decode_work(p: DecodeProblem, work: WorkList, partial_o=None, partial_lse=None) -> None:
+    """Launch the decode kernel over a work list (device int32 arrays).
+
+    ``partial_o [slots, num_qo_heads, head_dim]`` / ``partial_lse [slots,
+    num_qo_heads]`` (float32 device arrays) receive items with ``out_slot >= 0``;
+    items with ``-1`` write ``p.out_dev`` / ``p.lse_dev``.  Grid ``(len(work.cta_indptr)-1,
+    num_qo_heads // heads_per_cta)``.  Asynchronous on ``p.stream``.
+    """
+    cfg = p.config()
+    num_ctas = int(work.cta_indptr.shape[0]) - 1
+    if num_ctas <= 0:
+        return
+    if partial_o is None:
+        partial_o = cuda.device_array(1, np.float32, stream=p.stream)
+        partial_lse = cuda.device_array(1, np.float32, stream=p.stream)
+    out_flat = p.out_dev.reshape(int(np.prod(p.out_dev.shape)))
+    lse_flat = p.lse_dev.reshape(int(np.prod(p.lse_dev.shape)))
+    po = partial_o.reshape(int(np.prod(partial_o.shape)))
+    pl = partial_lse.reshape(int(np.prod(partial_lse.shape)))
+    grid = (num_ctas, p.num_qo_heads // cfg.heads_per_cta)
+    decode_kernel(cfg)[grid, cfg.nthreads, p.stream](
+        p.q_w, p.kv_w, p.kv_indptr, p.kv_indices, p.kv_last, p.page_size, p.num_kv_heads,
+        p.num_qo_heads, *work, out_flat, lse_flat, po, pl, p.slopes, np.float32(p.sm_scale),
+        np.float32(p.variant.sigmoid_bias))
+
+
+def _upload(stream, *arrays):
+    return [cuda.to_device(np.ascontiguousarray(a, dtype=np.int32), stream=stream) for a in arrays]
+
+
+def run_split(p: DecodeProblem, kv_chunk_size: int | None) -> None:
+    """Decode with fixed-size KV chunks (None: unsplit), merging partials in KV order."""
+    from .merge import MergeMap, run_merge_partials
+
+    (cta_indptr, req, ks, ke, slot, m_indptr, m_row, m_slots, n_slots) = split_work(
+        p.kv_lens, kv_chunk_size)
+    work = WorkList(*_upload(p.stream, cta_indptr, req, ks, ke, slot))
+    if n_slots == 0:
+        run_decode_work(p, work)
+        return
+    po = cuda.device_array((n_slots, p.num_qo_heads, p.head_dim), np.float32, stream=p.stream)
+    pl = cuda.device_array((n_slots, p.num_qo_heads), np.float32, stream=p.stream)
+    run_decode_work(p, work, po, pl)
+    mmap = MergeMap(*_upload(p.stream, m_indptr, m_row, m_slots))
+    run_merge_partials(po, pl, mmap, p.out_dev, p.lse_dev, code=p.code,
+                       use_sigmoid=p.variant.use_sigmoid, stream=p.stream)
+
+
+def finish_decode(p: DecodeProblem, return_lse: bool, out=None, lse=None):
+    """Copy host results back (host kinds) or hand back the device objects."""
+    if out is not None and not A.is_device_kind(p.kind):
+        o = p.out_dev.copy_to_host(stream=p.stream).view(A.NP_DTYPE[p.code])
+        A.copy_into_host(out, o)
+        o_res = out
+    else:
+        o_res = A.finish(p.kind, p.out_user, p.out_dev, p.code, p.stream)
+    if not return_lse:
+        if lse is not None and not A.is_device_kind(p.kind):
+            A.copy_into_host(lse, p.lse_dev.copy_to_host(stream=p.stream))
+        return o_res
+    if lse is not None and not A.is_device_kind(p.kind):
+        A.copy_into_host(lse, p.lse_dev.copy_to_host(stream=p.stream))
+        l_res = lse
+    else:
+        l_res = A.finish(p.kind, p.lse_user, p.lse_dev, "f32", p.stream)
+    return o_res, l_res
+
+
+def batch_decode_paged(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+                       *, kv_layout="NHD", return_lse=False, out=None, lse=None, **variant):
+    """One query row per request over a paged KV cache; same arguments as
+    :func:`nbattn.reference.batch_decode_paged` plus optional ``out=``/``lse=``.
+
+    Returns ``o [batch, num_qo_heads, head_dim]`` in q's dtype (and the base-2
+    ``lse [batch, num_qo_heads]`` float32 with ``return_lse=True``), of q's kind.
+    Splits long requests into KV chunks when the batch alone cannot fill the GPU.
+    """
+    p = prepare_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+                       kv_layout=kv_layout, return_lse=return_lse, out=out, lse=lse, **variant)
+    run_split(p, choose_chunk(p))
+    return finish_decode(p, return_lse, out, lse)

@@ -1,0 +1,295 @@
+"""Merging attention states on the GPU (SPEC section 3).
+
+A state over a key set is ``(o, lse)``: the normalized output and the base-2
+log-sum-exp.  Merging two disjoint sets weighs each output by its share of the
+total exponent mass, normalized *before* combining so nothing overflows:
+
+    m = max(lse_a, lse_b); a = 2^(lse_a - m); b = 2^(lse_b - m)
+    o = a/(a+b) * o_a + b/(a+b) * o_b;   lse = m + log2(a + b)
+
+Two empty states (lse = -inf) give an empty state (o = 0, lse = -inf), never
+NaN.  A fold is always left to right in the order given -- no atomics -- so the
+same inputs give bitwise the same output.  Sigmoid attention has no LSE: its
+partial outputs simply add.
+
+Launch shape: one CTA per (row, head), threads over head_dim (looping when
+head_dim exceeds the block); every thread computes the row's weights itself
+(a few flops) so no shared memory is needed.
+
+Public (same signatures as :mod:`nbattn.reference`):
+    merge_state(v_a, s_a, v_b, s_b) -> AttentionState(o, lse)
+    merge_states(v, s)              -> AttentionState(o, lse)     v [rows, n, H, D]
+    merge_state_in_place(v, s, v_other, s_other, mask=None) -> None
+
+Internal entry point for split-KV runs (decode now; the scheduler's run() and
+the prefill/cascade kernels later):
+    MergeMap(merge_indptr, merge_row, merge_slots)   device int32 arrays (CSR)
+    run_merge_partials(partial_o, partial_lse, merge_map, out, lse, *, code,
+                       use_sigmoid=False, stream=0)
+        out[merge_row[m], h, :] / lse[merge_row[m], h] <- fold over slots
+        merge_slots[merge_indptr[m]:merge_indptr[m+1]] of partial_o[slot, h, :]
+        (float32 [slots, H, D]) and partial_lse[slot, h] (float32 [slots, H]);
+        ``out`` is raw-typed (uint16 for 16-bit floats) [rows, H, D].
+    merge_weights                 the device function (la, lb) -> (wa, wb, lse)
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+from numba import cuda, float32, int64
+
+from ..layout import LayoutError, dtype_of
+from ..reference.state import AttentionState
+from . import _arrays as A
+from .primitives import SIMULATOR, device_fn, element_io
+
+__all__ = ["merge_state", "merge_states", "merge_state_in_place", "MergeMap", "run_merge_partials",
+           "merge_weights"]
+
+NEG_INF = float32(-math.inf)
+
+
+class MergeMap(NamedTuple):
+    """Reduction map (CSR over merged outputs), device int32 arrays."""
+    merge_indptr: Any
+    merge_row: Any
+    merge_slots: Any
+
+
+@device_fn
+def merge_weights(la, lb):
+    """Normalized weights of two states and the merged LSE (empty+empty -> 0, 0, -inf)."""
+    m = max(la, lb)
+    if m == NEG_INF:
+        return float32(0.0), float32(0.0), NEG_INF
+    a = math.exp2(la - m)
+    b = math.exp2(lb - m)
+    total = a + b
+    return float32(a / total), float32(b / total), float32(m + math.log2(total))
+
+
+def _threads(head_dim: int) -> int:
+    if SIMULATOR:
+        return min(head_dim, 8)
+    return min(128, -(-head_dim // 32) * 32)
+
+
+_kernels: dict = {}
+
+
+def _jit(fn):
+    return cuda.jit(fn) if SIMULATOR else cuda.jit(fn, cache=True)
+
+
+def _partials_kernel(code: str, head_dim: int, use_sigmoid: bool):
+    key = ("partials", code, head_dim, use_sigmoid)
+    if key in _kernels:
+        return _kernels[key]
+    D, NB, SIGMOID = head_dim, _threads(head_dim), use_sigmoid
+    _, store_elem, _ = element_io(code)
+
+    def kernel(part_o, part_lse, merge_indptr, merge_row, merge_slots, out, lse, num_heads):
+        m = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        row = merge_row[m]
+        first = merge_indptr[m]
+        last = merge_indptr[m + 1]
+        for d in range(cuda.threadIdx.x, D, NB):
+            o = float32(0.0)
+            l = NEG_INF
+            for k in range(first, last):
+                slot = int64(merge_slots[k])
+                o_k = part_o[(slot * num_heads + h) * D + d]
+                if SIGMOID:
+                    o += o_k
+                else:
+                    wa, wb, l = merge_weights(l, part_lse[slot * num_heads + h])
+                    o = wa * o + wb * o_k
+            store_elem(out, (int64(row) * num_heads + h) * D + d, o)
+            if d == 0:
+                lse[int64(row) * num_heads + h] = float32(math.nan) if SIGMOID else l
+
+    _kernels[key] = _jit(kernel)
+    return _kernels[key]
+
+
+def run_merge_partials(partial_o, partial_lse, merge_map: MergeMap, out, lse, *, code: str,
+                       use_sigmoid: bool = False, stream=0) -> None:
+    """Fold partial slots into final rows (see module doc). Asynchronous on ``stream``."""
+    m = int(merge_map.merge_row.shape[0])
+    if m == 0:
+        return
+    num_heads, head_dim = int(partial_o.shape[1]), int(partial_o.shape[2])
+    flat = lambda x: x.reshape(int(np.prod(x.shape)))  # noqa: E731
+    k = _partials_kernel(code, head_dim, bool(use_sigmoid))
+    k[(m, num_heads), _threads(head_dim), stream](
+        flat(partial_o), flat(partial_lse), merge_map.merge_indptr, merge_map.merge_row,
+        merge_map.merge_slots, flat(out), flat(lse), num_heads)
+
+
+def _fold_kernel(code: str, head_dim: int):
+    key = ("fold", code, head_dim)
+    if key in _kernels:
+        return _kernels[key]
+    D, NB = head_dim, _threads(head_dim)
+    load_elem, store_elem, _ = element_io(code)
+
+    def kernel(v, s, num_states, num_heads, out, lse):
+        r = int64(cuda.blockIdx.x)
+        h = cuda.blockIdx.y
+        for d in range(cuda.threadIdx.x, D, NB):
+            o = float32(0.0)
+            l = NEG_INF
+            for i in range(num_states):
+                wa, wb, l = merge_weights(l, s[(r * num_states + i) * num_heads + h])
+                o = wa * o + wb * load_elem(v, ((r * num_states + i) * num_heads + h) * D + d)
+            store_elem(out, (r * num_heads + h) * D + d, o)
+            if d == 0:
+                lse[r * num_heads + h] = l
+
+    _kernels[key] = _jit(kernel)
+    return _kernels[key]
+
+
+def _pair_kernel(code: str, head_dim: int):
+    key = ("pair", code, head_dim)
+    if key in _kernels:
+        return _kernels[key]
+    D, NB = head_dim, _threads(head_dim)
+    load_elem, store_elem, _ = element_io(code)
+
+    def kernel(va, sa, vb, sb, out, out_s, mask, use_mask):
+        n = int64(cuda.blockIdx.x)
+        active = (not use_mask) or mask[n] != 0
+        wa, wb, l = merge_weights(sa[n], sb[n])
+        cuda.syncthreads()  # in place: every thread has read sa[n] before it is overwritten
+        if active:
+            for d in range(cuda.threadIdx.x, D, NB):
+                o = wa * load_elem(va, n * D + d) + wb * load_elem(vb, n * D + d)
+                store_elem(out, n * D + d, o)
+            if cuda.threadIdx.x == 0:
+                out_s[n] = l
+
+    _kernels[key] = _jit(kernel)
+    return _kernels[key]
+
+
+# ---------------------------------------------------------------------------
+# Public wrappers: validate, move, launch, return
+# ---------------------------------------------------------------------------
+
+def _shape(x) -> tuple:
+    return tuple(int(s) for s in x.shape)
+
+
+def _check_lse_dtype(name: str, s: Any) -> None:
+    if dtype_of(s) != "float32":
+        raise LayoutError(f"{name}: LSE must be float32, got {dtype_of(s)}")
+
+
+def _kinds(**arrays) -> str:
+    kinds = {n: A.kind_of(x) for n, x in arrays.items() if x is not None}
+    dev = {n: A.is_device_kind(k) for n, k in kinds.items()}
+    if len(set(dev.values())) > 1:
+        listing = ", ".join(f"{n} {'device' if d else 'host'}" for n, d in dev.items())
+        raise LayoutError(f"{list(kinds)[-1]}: all arrays must be on one device, got {listing}")
+    return next(iter(kinds.values()))
+
+
+def _flat(dev):
+    return dev.reshape(int(np.prod(dev.shape)))
+
+
+def _empty_check(head_dim: int, name: str) -> None:
+    if head_dim < 1:
+        raise LayoutError(f"{name}: head_dim must be >= 1")
+
+
+def merge_state(v_a, s_a, v_b, s_b) -> AttentionState:
+    """Merge the states of two disjoint key sets: ``v [..., D]``, ``s [...]`` (base 2)."""
+    if _shape(v_a) != _shape(v_b) or _shape(s_a) != _shape(s_b) or _shape(v_a)[:-1] != _shape(s_a):
+        raise LayoutError(f"v_b: shapes must match, got v_a {_shape(v_a)}, s_a {_shape(s_a)}, "
+                          f"v_b {_shape(v_b)}, s_b {_shape(s_b)}")
+    code = A.dtype_code(v_a, "v_a")
+    if A.dtype_code(v_b, "v_b") != code:
+        raise LayoutError(f"v_b: dtype must match v_a, got {dtype_of(v_a)} and {dtype_of(v_b)}")
+    _check_lse_dtype("s_a", s_a)
+    _check_lse_dtype("s_b", s_b)
+    kind = _kinds(v_a=v_a, s_a=s_a, v_b=v_b, s_b=s_b)
+    D = _shape(v_a)[-1]
+    _empty_check(D, "v_a")
+    stream = A.launch_stream(v_a, s_a, v_b, s_b)
+    da, db = A.to_device(v_a, "v_a", stream, code), A.to_device(v_b, "v_b", stream, code)
+    la, lb = A.to_device(s_a, "s_a", stream, "f32"), A.to_device(s_b, "s_b", stream, "f32")
+    o_user, o_dev = A.new_output(kind, _shape(v_a), code, stream, like=v_a)
+    l_user, l_dev = A.new_output(kind, _shape(s_a), "f32", stream, like=v_a)
+    rows = int(np.prod(_shape(s_a)))
+    if rows:
+        dummy = cuda.device_array(1, np.uint8, stream=stream)
+        _pair_kernel(code, D)[rows, _threads(D), stream](
+            _flat(da), _flat(la), _flat(db), _flat(lb), _flat(o_dev), _flat(l_dev), dummy, False)
+    return AttentionState(A.finish(kind, o_user, o_dev, code, stream),
+                          A.finish(kind, l_user, l_dev, "f32", stream))
+
+
+def merge_states(v, s) -> AttentionState:
+    """Merge ``num_states`` states per row in axis-1 order:
+    ``v [rows, num_states, num_heads, head_dim]``, ``s [rows, num_states, num_heads]``."""
+    sv, ss = _shape(v), _shape(s)
+    if len(sv) != 4 or ss != sv[:3]:
+        raise LayoutError(f"v: must be [rows, num_states, num_heads, head_dim] with s "
+                          f"[rows, num_states, num_heads], got {sv} and {ss}")
+    code = A.dtype_code(v, "v")
+    _check_lse_dtype("s", s)
+    kind = _kinds(v=v, s=s)
+    rows, n, H, D = sv
+    _empty_check(D, "v")
+    stream = A.launch_stream(v, s)
+    dv, ds = A.to_device(v, "v", stream, code), A.to_device(s, "s", stream, "f32")
+    o_user, o_dev = A.new_output(kind, (rows, H, D), code, stream, like=v)
+    l_user, l_dev = A.new_output(kind, (rows, H), "f32", stream, like=v)
+    if rows and H:
+        _fold_kernel(code, D)[(rows, H), _threads(D), stream](
+            _flat(dv), _flat(ds), n, H, _flat(o_dev), _flat(l_dev))
+    return AttentionState(A.finish(kind, o_user, o_dev, code, stream),
+                          A.finish(kind, l_user, l_dev, "f32", stream))
+
+
+def merge_state_in_place(v, s, v_other, s_other, mask=None) -> None:
+    """``(v, s) <- merge((v, s), (v_other, s_other))``; rows where the boolean
+    ``mask [rows]`` is False are left unchanged (rows = all leading dims of s)."""
+    if _shape(v) != _shape(v_other) or _shape(s) != _shape(s_other) or _shape(v)[:-1] != _shape(s):
+        raise LayoutError(f"v_other: shapes must match, got v {_shape(v)}, s {_shape(s)}, "
+                          f"v_other {_shape(v_other)}, s_other {_shape(s_other)}")
+    code = A.dtype_code(v, "v")
+    if A.dtype_code(v_other, "v_other") != code:
+        raise LayoutError(f"v_other: dtype must match v, got {dtype_of(v)} and {dtype_of(v_other)}")
+    _check_lse_dtype("s", s)
+    _check_lse_dtype("s_other", s_other)
+    rows = int(np.prod(_shape(s)))
+    if mask is not None:
+        if int(np.prod(_shape(mask))) != rows:
+            raise LayoutError(f"mask: must have one entry per row ({rows}), got shape {_shape(mask)}")
+    kind = _kinds(v=v, s=s, v_other=v_other, s_other=s_other, mask=mask)
+    D = _shape(v)[-1]
+    _empty_check(D, "v")
+    if A.is_device_kind(kind):
+        A.check_contiguous(v, "v")
+        A.check_contiguous(s, "s")
+    stream = A.launch_stream(v, s, v_other, s_other)
+    dv, ds = A.to_device(v, "v", stream, code), A.to_device(s, "s", stream, "f32")
+    do, dso = A.to_device(v_other, "v_other", stream, code), A.to_device(s_other, "s_other", stream, "f32")
+    if mask is None:
+        dmask, use = cuda.device_array(1, np.uint8, stream=stream), False
+    else:
+        m = A.copy_host(mask) if not A.is_device_kind(A.kind_of(mask)) else A.copy_host(mask)
+        dmask, use = cuda.to_device(np.ascontiguousarray(np.asarray(m).reshape(-1), dtype=np.uint8),
+                                    stream=stream), True
+    if rows:
+        _pair_kernel(code, D)[rows, _threads(D), stream](
+            _flat(dv), _flat(ds), _flat(do), _flat(dso), _flat(dv), _flat(ds), dmask, use)
+    if not A.is_device_kind(kind):  # host arrays: write the result back into them
+        A.copy_into_host(v, dv.copy_to_host(stream=stream).view(A.NP_DTYPE[code]))
+        A.copy_into_host(s, ds.copy_to_host(stream=stream))

@@ -1,0 +1,106 @@
+"""The kernel factory's view of a :class:`~nbattn.variants.Variant`: device
+functions that every attention kernel (decode, prefill, sparse, cascade) calls
+per score, so a variant is written once for all of them.
+
+SPEC section 2 order: scale, then the logits transform (ALiBi bias, soft-cap,
+user ``score_mod``), then the mask (causal, window with sinks, user
+``mask_mod``), then softmax -- or sigmoid.  Positions are sequence positions
+(``q_idx = K - Q + i``, ``kv_idx = j``), exactly as the golden model uses them.
+
+Interface (stable):
+
+    variant_device_fns(variant) -> (transform, keep)
+        transform(score, b, h, q_idx, kv_idx, slope) -> float32
+            ``score`` is already multiplied by sm_scale; ``slope`` is the ALiBi
+            slope of query head ``h`` (a per-launch parameter the kernel reads
+            from an array; ignored unless ALiBi is on).
+        keep(b, h, q_idx, kv_idx) -> bool      True: the key takes part.
+    kernel_variant_key(variant) -> hashable    fields that change compiled code
+                                               (sm_scale is a launch argument).
+    compile_user_fn(fn) -> device function     cached per Python function.
+
+Both returned functions are ``@cuda.jit(device=True)`` closures over the
+variant's constants, so a kernel factory that captures them compiles the
+variant into the kernel (numba's JIT plays FlashInfer's template filling).
+Branches on the constants are resolved at compile time.  A user function
+must be written with scalar arithmetic, comparisons and ``math`` calls.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from numba import cuda, float32
+
+from ..variants import Variant
+
+__all__ = ["variant_device_fns", "kernel_variant_key", "compile_user_fn", "LOG2E"]
+
+LOG2E = 1.4426950408889634  # natural-exp scores -> base-2 exponent
+
+
+def kernel_variant_key(variant: Variant) -> Variant:
+    """The part of a Variant that is compiled into kernels (sm_scale is not)."""
+    return variant.with_(sm_scale=None)
+
+
+_user_cache: dict = {}
+
+
+def compile_user_fn(fn):
+    """A device function for a user ``score_mod``/``mask_mod`` (cached by identity;
+    functions that are already numba device functions pass through)."""
+    if fn is None:
+        return None
+    hit = _user_cache.get(fn)
+    if hit is None:
+        hit = fn if hasattr(fn, "py_func") else cuda.jit(device=True)(fn)
+        _user_cache[fn] = hit
+    return hit
+
+
+@cuda.jit(device=True)
+def _identity_score(score, b, h, q_idx, kv_idx):
+    return score
+
+
+@cuda.jit(device=True)
+def _keep_all(b, h, q_idx, kv_idx):
+    return True
+
+
+@lru_cache(maxsize=None)
+def _device_fns(key: Variant):
+    alibi = key.has_alibi
+    has_cap = key.has_soft_cap
+    cap = float32(key.logits_soft_cap or 1.0)
+    causal = key.causal
+    window = int(key.window_left)
+    sinks = int(key.sink_size)
+    score_fn = compile_user_fn(key.score_mod) or _identity_score
+    mask_fn = compile_user_fn(key.mask_mod) or _keep_all
+
+    @cuda.jit(device=True)
+    def transform(score, b, h, q_idx, kv_idx, slope):
+        s = float32(score)
+        if alibi:
+            s = s - float32(slope) * float32(q_idx - kv_idx)
+        if has_cap:
+            s = cap * math.tanh(s / cap)
+        return float32(score_fn(s, b, h, q_idx, kv_idx))
+
+    @cuda.jit(device=True)
+    def keep(b, h, q_idx, kv_idx):
+        ok = True
+        if causal:
+            ok = kv_idx <= q_idx
+        if window >= 0:
+            ok = ok and (q_idx - kv_idx <= window or kv_idx < sinks)
+        return ok and bool(mask_fn(b, h, q_idx, kv_idx))
+
+    return transform, keep
+
+
+def variant_device_fns(variant: Variant):
+    """``(transform, keep)`` device functions for ``variant`` (see module doc)."""
+    return _device_fns(kernel_variant_key(variant))
