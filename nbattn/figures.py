@@ -180,9 +180,10 @@ _BUILTIN: list[tuple] = [
     ("nbattn.plots.paper", "build_breakeven", "planning_breakeven",
      "Break-even of planning, L*(u - v) > p + h (SPEC 6): the fewest layers that amortize a "
      "plan cost p for several per-layer savings u - v, against the 32 layers of Llama 3.1 "
-     "8B and 80 of 70B. The measured plan cost is marked when "
-     f"{_RESULTS}/sched.json (metric plan_us) exists.",
-     f"model (SPEC 6); measured plan cost: {_RESULTS}/sched.json"),
+     "8B and 80 of 70B. The plan runs on the CPU; its measured cost (range and median of "
+     f"the plan_us records) is marked when {_RESULTS}/sched.json or sched_cpu.json has it. "
+     "Ours: see that file.",
+     f"model (SPEC 6); measured plan cost: {_RESULTS}/sched.json or sched_cpu.json (CPU)"),
     ("nbattn.plots.paper", "build_amdahl", "amdahl",
      "Amdahl curves: whole-step speedup when attention is a fraction f of the step and "
      "gets k x faster. Beside them, the paper's load-balancing ablation (SPEC 7; Llama 3.1 "

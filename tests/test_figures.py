@@ -308,3 +308,14 @@ def test_model_curves_match_the_model():
     np.testing.assert_allclose(line.get_ydata(), 1 / (0.2 + 0.8 / k))
     # Paper's ablation: -37.87 % ITL is a 1/(1 - 0.3787) step speedup.
     assert artist(fig, "paper:long-variable").get_ydata()[0] == pytest.approx(1 / 0.6213)
+
+
+def test_breakeven_reads_cpu_plan_cost(tmp_path):
+    # The plan runs on the CPU: a CPU-only sched_cpu.json is a valid source of p.
+    results.write_suite("sched_cpu", [
+        {"case": {"workload": w}, "metric": "plan_us", "value": v, "unit": "us"}
+        for w, v in (("variable", 80.0), ("skewed", 90.0), ("zipf", 100.0))],
+        gpu="none (CPU)", command="fixture", date="2026-11-29", root=tmp_path)
+    fig = paper.breakeven_figure(tmp_path)
+    np.testing.assert_allclose(artist(fig, "measured:plan_us").get_xdata(), [90.0, 90.0])
+    assert not style.has_no_data_note(fig)

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..perf import gpus as _gpus
 from ..perf import roofline as rl
-from ..perf.results import Suite, attention_shape, load_suite
+from ..perf.results import attention_shape, load_suite
 from . import style
 
 __all__ = [
@@ -60,8 +60,7 @@ def measured_specs(results_root) -> dict[str, tuple[_gpus.GPUSpec, str]]:
     return out
 
 
-def _record_tflops(value: float, metric: str, shape: dict, suite: Suite,
-                   bandwidth_GBps: float) -> tuple[float, float] | None:
+def _record_tflops(value: float, metric: str, shape: dict, bandwidth_GBps: float) -> tuple[float, float] | None:
     """(intensity, achieved TFLOP/s) of one measured value, or None if not placeable."""
     kw = dict(head_dim=shape["head_dim"], num_qo_heads=shape["num_qo_heads"])
     flops = shape["batch"] * rl.attention_flops(shape["l_q"], shape["l_kv"],
@@ -114,7 +113,7 @@ def measured_points(results_root) -> list[dict]:
                 for impl, value in values.items():
                     if value is None:
                         continue
-                    pt = _record_tflops(value, metric, shape, suite, bw)
+                    pt = _record_tflops(value, metric, shape, bw)
                     if pt is None:
                         continue
                     s = series.setdefault((suite_name, impl), {
