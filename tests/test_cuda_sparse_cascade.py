@@ -1,0 +1,114 @@
+"""nbattn.cuda block_sparse and cascade against the golden model (SPEC sections 1, 3)."""
+import numpy as np
+import pytest
+
+import nbattn  # noqa: F401  (compat first)
+from nbattn import _compat
+from nbattn import layout as L
+from nbattn import reference as R
+from nbattn.cuda import cascade as C
+from nbattn.cuda import sparse as S
+
+from test_cuda_prefill import PATHS, check
+
+SIM = _compat.simulator_enabled()
+
+
+def qkv(rng, m, n, hq=4, hk=2, d=16, dtype=np.float16):
+    return (rng.standard_normal((m, hq, d)).astype(dtype), rng.standard_normal((n, hk, d)).astype(dtype),
+            rng.standard_normal((n, hk, d)).astype(dtype))
+
+
+@pytest.mark.parametrize("tc", PATHS)
+@pytest.mark.parametrize("block, kw", [((3, 3), dict()), ((2, 5), dict(causal=True)),
+                                       ((4, 2), dict(use_sigmoid=True))])
+def test_block_sparse_any_block_shape(tc, block, kw):
+    rng = np.random.default_rng(11)
+    m, n = 7, 12
+    q, k, v = qkv(rng, m, n)
+    b_r, b_c = block
+    mask = rng.random((-(-m // b_r), -(-n // b_c))) < 0.5
+    mask[1] = False                                   # an empty block row: o = 0, lse = -inf
+    bsr = L.BSR.from_block_mask(mask, block, (m, n))
+    lse = not kw.get("use_sigmoid")
+    got = S.block_sparse(q, k, v, bsr, return_lse=lse, tensor_cores=tc, **kw)
+    ref = R.block_sparse(q, k, v, bsr, return_lse=lse, **kw)
+    check(got, ref)
+    if lse:
+        assert np.isneginf(got[1][b_r:2 * b_r]).all()
+
+
+def test_block_sparse_keeps_column_order_and_rejects_bad_shape():
+    rng = np.random.default_rng(12)
+    q, k, v = qkv(rng, 4, 6)
+    bsr = L.BSR.validate(np.array([0, 2, 3], np.int32), np.array([2, 0, 1], np.int32), (2, 2), (4, 6))
+    check(S.block_sparse(q, k, v, bsr, return_lse=True), R.block_sparse(q, k, v, bsr, return_lse=True))
+    with pytest.raises(ValueError, match="bsr"):
+        S.block_sparse(q[:3], k, v, bsr)
+
+
+def shared_prefix_batch(rng, prefix_pages, suffix_lens, qo_lens, page_size=4, hq=4, hk=2, d=16):
+    """Requests that share their first `prefix_pages` pages, then own pages."""
+    pool = prefix_pages + sum(-(-s // page_size) for s in suffix_lens) + 2
+    ids = rng.permutation(pool).astype(np.int32)
+    shared, rest = ids[:prefix_pages], list(ids[prefix_pages:])
+    indptr, indices, last = [0], [], []
+    for s in suffix_lens:
+        own = [rest.pop() for _ in range(-(-s // page_size))]
+        indices += list(shared) + own
+        indptr.append(len(indices))
+        last.append(s - (len(own) - 1) * page_size if own else page_size)
+    pkv = L.PagedKV.validate(np.array(indptr, np.int32), np.array(indices, np.int32),
+                             np.array(last, np.int32), page_size, pool)
+    cache = rng.standard_normal((pool, 2, page_size, hk, d)).astype(np.float16)
+    q = rng.standard_normal((sum(qo_lens), hq, d)).astype(np.float16)
+    qo = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    return q, cache, qo, pkv
+
+
+@pytest.mark.parametrize("tc", PATHS)
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(causal=True, window_left=5, sink_size=2),
+                                dict(use_sigmoid=True), dict(pos_encoding_mode="ALIBI", causal=True)])
+def test_cascade_two_levels_matches_golden_and_flat(tc, kw):
+    rng = np.random.default_rng(13)
+    q, cache, qo, pkv = shared_prefix_batch(rng, 2, [3, 5, 1], [2, 1, 3])
+    levels = L.cascade_decompose(qo, pkv)
+    assert len(levels[0].paged_kv_indices) == 2       # the prefix is one block row
+    lse = not kw.get("use_sigmoid")
+    got = C.cascade(q, levels, cache, return_lse=lse, tensor_cores=tc, **kw)
+    ref = R.cascade(q, levels, cache, return_lse=lse, **kw)
+    check(got, ref)
+    flat = R.batch_prefill_paged(q, cache, qo, pkv.paged_kv_indptr, pkv.paged_kv_indices,
+                                 pkv.paged_kv_last_page_len, return_lse=lse, **kw)
+    check(got, flat)
+
+
+@pytest.mark.parametrize("tc", PATHS)
+def test_cascade_three_levels_split_kv_and_empty_group(tc):
+    rng = np.random.default_rng(14)
+    q, cache, qo, pkv = shared_prefix_batch(rng, 3, [2, 6, 4, 1], [1, 2, 1, 1])
+    two = L.cascade_decompose(qo, pkv)
+    # level 0: everyone reads page 0; level 1: pages 1-2 for all (as two groups); level 2: own pages
+    p = two[0].paged_kv_indices
+    lv0 = L.CascadeLevel(np.array([0, 5], np.int32), np.array([0, 1], np.int32), p[:1], np.array([4], np.int32))
+    lv1 = L.CascadeLevel(np.array([0, 3, 5], np.int32), np.array([0, 2, 2], np.int32), p[1:3],
+                         np.array([4, 0], np.int32))   # the second group has no pages here
+    lv2 = two[1]
+    lv1b = L.CascadeLevel(np.array([0, 3, 5], np.int32), np.array([0, 2, 4], np.int32),
+                          np.concatenate([p[1:3], p[1:3]]), np.array([4, 4], np.int32))
+    levels = [lv0, lv1b, lv2]
+    got = C.cascade(q, levels, cache, causal=True, return_lse=True, tensor_cores=tc, kv_chunk=3)
+    check(got, R.cascade(q, levels, cache, causal=True, return_lse=True))
+    levels = [lv0, lv1, lv2]
+    got = C.cascade(q, levels, cache, return_lse=True, tensor_cores=tc)
+    check(got, R.cascade(q, levels, cache, return_lse=True))
+
+
+def test_cascade_rejects_bad_levels():
+    rng = np.random.default_rng(15)
+    q, cache, qo, pkv = shared_prefix_batch(rng, 1, [2, 2], [1, 1])
+    levels = L.cascade_decompose(qo, pkv)
+    bad = L.CascadeLevel(np.array([0, 1, 2], np.int32), levels[0].paged_kv_indptr,
+                         levels[0].paged_kv_indices, levels[0].paged_kv_last_page_len)
+    with pytest.raises(ValueError, match="levels"):
+        C.cascade(q, [bad, levels[1]], cache)
