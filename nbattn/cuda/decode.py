@@ -142,6 +142,7 @@ def _build(cfg: DecodeConfig):
     TPT = T // NY
     VEC = 4 * ELEMS_PER_WORD[cfg.code]
     RED = max(HG * T * NX, NY * D)
+    TILE_WORDS, P_LEN, HG_VEC = T * W, HG * T, HG * VEC   # shared/local array sizes
     NHD = cfg.kv_layout == "NHD"
     SIGMOID = cfg.variant.use_sigmoid
     ALIGNED = cfg.aligned
@@ -157,14 +158,14 @@ def _build(cfg: DecodeConfig):
     def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, num_kv_heads, num_qo_heads,
                cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
                out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias):
-        k_s = cuda.shared.array(T * W, np.uint32, alignment=SHARED_ALIGN)
-        v_s = cuda.shared.array(T * W, np.uint32, alignment=SHARED_ALIGN)
+        k_s = cuda.shared.array(TILE_WORDS, np.uint32, alignment=SHARED_ALIGN)
+        v_s = cuda.shared.array(TILE_WORDS, np.uint32, alignment=SHARED_ALIGN)
         red = cuda.shared.array(RED, np.float32)
-        p_s = cuda.shared.array(HG * T, np.float32)
+        p_s = cuda.shared.array(P_LEN, np.float32)
         m_s = cuda.shared.array(HG, np.float32)
         f_s = cuda.shared.array(HG, np.float32)
-        qv = cuda.local.array(HG * VEC, np.float32)
-        acc = cuda.local.array(HG * VEC, np.float32)
+        qv = cuda.local.array(HG_VEC, np.float32)
+        acc = cuda.local.array(HG_VEC, np.float32)
         lacc = cuda.local.array(HG, np.float32)
         xf = cuda.local.array(VEC, np.float32)
 
@@ -194,8 +195,8 @@ def _build(cfg: DecodeConfig):
                 lacc[g] = 0.0
                 for e in range(VEC):
                     acc[g * VEC + e] = 0.0
-            if tid < HG:
-                m_s[tid] = NEG_INF
+            for g in range(tid, HG, NT):
+                m_s[g] = NEG_INF
 
             for tile in range(kv_start, kv_end, T):
                 # (1) gather this tile's K and V rows from their pages
@@ -249,13 +250,13 @@ def _build(cfg: DecodeConfig):
 
                 # (4) online softmax: new running max per head, rescale factor
                 if not SIGMOID:
-                    if tid < HG:
-                        m_old = m_s[tid]
+                    for g in range(tid, HG, NT):
+                        m_old = m_s[g]
                         m_new = m_old
                         for t in range(T):
-                            m_new = max(m_new, p_s[tid * T + t])
-                        f_s[tid] = float32(1.0) if m_new == NEG_INF else exp2f(m_old - m_new)
-                        m_s[tid] = m_new
+                            m_new = max(m_new, p_s[g * T + t])
+                        f_s[g] = float32(1.0) if m_new == NEG_INF else exp2f(m_old - m_new)
+                        m_s[g] = m_new
                     cuda.syncthreads()
                     for j in range(tid, HG * T, NT):
                         m = m_s[j // T]

@@ -259,7 +259,7 @@ def merge_states(v, s) -> AttentionState:
 
 def merge_state_in_place(v, s, v_other, s_other, mask=None) -> None:
     """``(v, s) <- merge((v, s), (v_other, s_other))``; rows where the boolean
-    ``mask [rows]`` is False are left unchanged (rows = all leading dims of s)."""
+    ``mask [rows]`` (over the first axis of s) is False are left unchanged."""
     if _shape(v) != _shape(v_other) or _shape(s) != _shape(s_other) or _shape(v)[:-1] != _shape(s):
         raise LayoutError(f"v_other: shapes must match, got v {_shape(v)}, s {_shape(s)}, "
                           f"v_other {_shape(v_other)}, s_other {_shape(s_other)}")
@@ -269,10 +269,11 @@ def merge_state_in_place(v, s, v_other, s_other, mask=None) -> None:
     _check_lse_dtype("s", s)
     _check_lse_dtype("s_other", s_other)
     rows = int(np.prod(_shape(s)))
-    if mask is not None:
-        if int(np.prod(_shape(mask))) != rows:
-            raise LayoutError(f"mask: must have one entry per row ({rows}), got shape {_shape(mask)}")
-    kind = _kinds(v=v, s=s, v_other=v_other, s_other=s_other, mask=mask)
+    lead = _shape(s)[0] if _shape(s) else 1
+    if mask is not None and _shape(mask) != (lead,):
+        raise LayoutError(f"mask: must be a boolean [rows] with rows = {lead} (the first axis of s), "
+                          f"got shape {_shape(mask)}")
+    kind = _kinds(v=v, s=s, v_other=v_other, s_other=s_other)   # mask may live on the host
     D = _shape(v)[-1]
     _empty_check(D, "v")
     if A.is_device_kind(kind):
@@ -284,9 +285,8 @@ def merge_state_in_place(v, s, v_other, s_other, mask=None) -> None:
     if mask is None:
         dmask, use = cuda.device_array(1, np.uint8, stream=stream), False
     else:
-        m = A.copy_host(mask) if not A.is_device_kind(A.kind_of(mask)) else A.copy_host(mask)
-        dmask, use = cuda.to_device(np.ascontiguousarray(np.asarray(m).reshape(-1), dtype=np.uint8),
-                                    stream=stream), True
+        per_row = np.repeat(np.asarray(A.copy_host(mask)).astype(np.uint8), rows // max(lead, 1))
+        dmask, use = cuda.to_device(np.ascontiguousarray(per_row), stream=stream), True
     if rows:
         _pair_kernel(code, D)[rows, _threads(D), stream](
             _flat(dv), _flat(ds), _flat(do), _flat(dso), _flat(dv), _flat(ds), dmask, use)

@@ -1,0 +1,290 @@
+"""nbattn.cuda decode kernel vs the golden model and a float64 brute force.
+
+Runs in numba's CUDA simulator on CI (tiny shapes: each simulated thread is a
+Python thread); the same tests run on a GPU.  Every test draws fresh random
+inputs from its own seeded generator.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import nbattn  # noqa: F401  (compat first)
+from nbattn import layout as L
+from nbattn import reference as R
+from nbattn.cuda import decode as DEC
+from nbattn.cuda import batch_decode_paged
+from nbattn.cuda.primitives import SIMULATOR
+from numba import cuda
+
+from brute import brute_attention, gather_pages, random_paged_batch
+
+TOL = {"f32": 2e-4, "f16": 4e-3, "bf16": 3e-2}
+
+
+def to_dtype(x: np.ndarray, code: str) -> np.ndarray:
+    if code == "f16":
+        return x.astype(np.float16)
+    if code == "bf16":  # round to nearest even, kept as raw 2-byte void (torch's bf16 view)
+        b = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+        return b.view(np.dtype("V2"))
+    return x.astype(np.float32)
+
+
+def as_f32(x) -> np.ndarray:
+    x = np.asarray(x)
+    if x.dtype.kind == "V":
+        return (x.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return x.astype(np.float32)
+
+
+def batch(rng, code, *, kv_lens, page_size, num_kv_heads=2, group=2, head_dim=16, layout="NHD",
+          share=False):
+    b = random_paged_batch(rng, qo_lens=[1] * len(kv_lens), kv_lens=kv_lens, page_size=page_size,
+                           num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, kv_layout=layout,
+                           share_first_page=share)
+    b["q"], b["cache"] = to_dtype(b["q"], code), to_dtype(b["cache"], code)
+    return b
+
+
+def brute_decode(b, layout="NHD", **variant):
+    q, cache = as_f32(b["q"]).astype(np.float64), as_f32(b["cache"]).astype(np.float64)
+    alibi = variant.pop("pos_encoding_mode", "NONE") == "ALIBI"
+    o = np.zeros(q.shape)
+    lse = np.full(q.shape[:2], -np.inf)
+    for r in range(q.shape[0]):
+        k, v = gather_pages(cache, b["indptr"], b["indices"], b["last"], r, layout)
+        if k.shape[0] == 0:
+            continue
+        o[r:r + 1], lse[r:r + 1] = brute_attention(q[r:r + 1], k, v, alibi=alibi, b=r, **variant)
+    return o, lse
+
+
+def run(b, layout="NHD", **kw):
+    return batch_decode_paged(b["q"], b["cache"], b["indptr"], b["indices"], b["last"],
+                              kv_layout=layout, **kw)
+
+
+def golden(b, layout="NHD", **kw):
+    return R.batch_decode_paged(b["q"], b["cache"], b["indptr"], b["indices"], b["last"],
+                                kv_layout=layout, **kw)
+
+
+def check(o, lse, ro, rlse, code, *, lse_tol=1e-4):
+    o = as_f32(o)
+    assert o.shape == ro.shape
+    np.testing.assert_allclose(o, ro, atol=TOL[code], rtol=TOL[code])
+    assert np.array_equal(np.isneginf(lse), np.isneginf(rlse))
+    fin = np.isfinite(rlse)
+    np.testing.assert_allclose(lse[fin], rlse[fin], atol=lse_tol, rtol=lse_tol)
+
+
+# ---------------------------------------------------------------------------
+# Plain decode: dtypes x layouts x page sizes x groups, empty requests, shared pages
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("code,layout,page_size,group", [
+    ("f16", "NHD", 3, 2), ("f16", "HND", 1, 4), ("bf16", "NHD", 16, 1), ("bf16", "HND", 3, 4),
+    ("f32", "NHD", 1, 1), ("f32", "HND", 16, 2),
+])
+def test_decode_matches_golden_and_brute(code, layout, page_size, group):
+    rng = np.random.default_rng([3, page_size, group, len(code), len(layout)])
+    kv_lens = [int(x) for x in rng.integers(1, 20, size=3)] + [0]   # non-full last pages, one empty
+    b = batch(rng, code, kv_lens=kv_lens, page_size=page_size, group=group, layout=layout, share=True)
+    o, lse = run(b, layout, return_lse=True)
+    assert o.dtype == b["q"].dtype and lse.dtype == np.float32
+    ro, rlse = golden(b, layout, return_lse=True)
+    check(o, lse, ro, rlse, code)
+    bo, blse = brute_decode(b, layout)
+    check(o, lse, bo, blse, code)
+    assert np.all(as_f32(o)[-1] == 0) and np.all(np.isneginf(lse[-1]))   # empty request
+
+
+def test_head_dim_8_and_group_8_splits_heads():
+    rng = np.random.default_rng(11)
+    b = batch(rng, "f16", kv_lens=[7, 12], page_size=4, num_kv_heads=1, group=16, head_dim=8)
+    o, lse = run(b, return_lse=True)
+    check(o, lse, *golden(b, return_lse=True), "f16")
+
+
+# ---------------------------------------------------------------------------
+# Variants (each compiled into the kernel) vs golden and brute force
+# ---------------------------------------------------------------------------
+
+VARIANTS = {
+    "causal_scale": dict(causal=True, sm_scale=0.3),
+    "soft_cap": dict(logits_soft_cap=2.0, sm_scale=1.0),
+    "alibi": dict(pos_encoding_mode="ALIBI"),
+    "window_sinks": dict(window_left=4, sink_size=2),
+    "score_mod": dict(score_mod=lambda s, b, h, q, k: s - 0.05 * (q - k) + 0.1 * h),
+    "mask_mod": dict(mask_mod=lambda b, h, q, k: (k + h + b) % 3 != 0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_variant(name):
+    rng = np.random.default_rng([7, len(name), ord(name[0])])
+    b = batch(rng, "f32", kv_lens=[int(x) for x in rng.integers(1, 18, size=3)], page_size=3)
+    o, lse = run(b, return_lse=True, **VARIANTS[name])
+    check(o, lse, *golden(b, return_lse=True, **VARIANTS[name]), "f32")
+    check(o, lse, *brute_decode(b, **VARIANTS[name]), "f32")
+
+
+def test_sigmoid_attention():
+    rng = np.random.default_rng(8)
+    b = batch(rng, "f32", kv_lens=[5, 11, 0], page_size=4)
+    kw = dict(use_sigmoid=True, sigmoid_bias=-0.5, window_left=6)
+    o = run(b, **kw)
+    np.testing.assert_allclose(o, golden(b, **kw), atol=2e-4, rtol=2e-4)
+    np.testing.assert_allclose(o, brute_decode(b, **kw)[0], atol=2e-4, rtol=2e-4)
+    with pytest.raises(ValueError, match="return_lse"):
+        run(b, return_lse=True, **kw)
+
+
+def test_fully_masked_rows_are_empty_states():
+    rng = np.random.default_rng(9)
+    b = batch(rng, "f16", kv_lens=[6, 9], page_size=2)
+    o, lse = run(b, return_lse=True, mask_mod=lambda b, h, q, k: h % 2 == 0)
+    o = as_f32(o)
+    assert np.all(o[:, 1::2] == 0) and np.all(np.isneginf(lse[:, 1::2]))
+    assert np.all(np.isfinite(lse[:, 0::2])) and not np.isnan(o).any()
+
+
+def test_extreme_logits():
+    rng = np.random.default_rng(10)
+    b = batch(rng, "f32", kv_lens=[9, 14], page_size=3)
+    b["q"] = (b["q"] * 1000.0).astype(np.float32)            # scores around +-1000 and beyond
+    o, lse = run(b, return_lse=True, sm_scale=1.0)
+    ro, rlse = golden(b, return_lse=True, sm_scale=1.0)
+    assert np.isfinite(o).all()
+    np.testing.assert_allclose(o, ro, atol=1e-3)
+    np.testing.assert_allclose(lse, rlse, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# Split-KV: chunks merged in KV order equal the unsplit kernel
+# ---------------------------------------------------------------------------
+
+def _decode_with_chunks(b, chunk, **kw):
+    p = DEC.prepare_decode(b["q"], b["cache"], b["indptr"], b["indices"], b["last"], **kw)
+    DEC.run_split(p, chunk)
+    return DEC.finish_decode(p, True)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 8])
+def test_split_kv_equals_unsplit(chunk):
+    rng = np.random.default_rng([12, chunk])
+    b = batch(rng, "f16", kv_lens=[17, 3, 0, 11], page_size=3, group=2)
+    kw = dict(window_left=9, sink_size=1)
+    uo, ul = _decode_with_chunks(b, None, **kw)
+    so, sl = _decode_with_chunks(b, chunk, **kw)
+    np.testing.assert_allclose(as_f32(so), as_f32(uo), atol=2e-3)
+    np.testing.assert_allclose(sl[np.isfinite(ul)], ul[np.isfinite(ul)], atol=1e-5)
+    check(so, sl, *golden(b, return_lse=True, **kw), "f16")
+
+
+def test_split_kv_sigmoid_partials_add():
+    rng = np.random.default_rng(13)
+    b = batch(rng, "f32", kv_lens=[13, 4], page_size=2)
+    o, _ = _decode_with_chunks(b, 4, use_sigmoid=True)
+    np.testing.assert_allclose(o, golden(b, use_sigmoid=True), atol=2e-4)
+
+
+def test_work_list_queue_and_merge_order():
+    """The scheduler's entry point: several items per CTA, partial slots out of order."""
+    from nbattn.cuda.merge import MergeMap, run_merge_partials
+    rng = np.random.default_rng(14)
+    b = batch(rng, "f32", kv_lens=[10, 6], page_size=4, group=2)
+    p = DEC.prepare_decode(b["q"], b["cache"], b["indptr"], b["indices"], b["last"], return_lse=True)
+    # request 0 in three chunks (slots 2, 0, 1 in KV order), request 1 written directly
+    work = [np.array(x, np.int32) for x in ([0, 2, 4], [0, 1, 0, 0], [0, 0, 4, 8], [4, 6, 8, 10],
+                                            [2, -1, 0, 1])]
+    dwork = DEC.WorkList(*[cuda.to_device(a) for a in work])
+    po = cuda.device_array((3, p.num_qo_heads, p.head_dim), np.float32)
+    pl = cuda.device_array((3, p.num_qo_heads), np.float32)
+    DEC.run_decode_work(p, dwork, po, pl)
+    mmap = MergeMap(*[cuda.to_device(np.array(x, np.int32)) for x in ([0, 3], [0], [2, 0, 1])])
+    run_merge_partials(po, pl, mmap, p.out_dev, p.lse_dev, code="f32")
+    o, lse = DEC.finish_decode(p, True)
+    check(o, lse, *golden(b, return_lse=True), "f32")
+    # partial states themselves are the golden split_kv partials
+    q = b["q"][0:1]
+    k, v = gather_pages(b["cache"], b["indptr"], b["indices"], b["last"], 0)
+    _, _, (gpo, gpl) = R.split_kv(q, k, v, np.array([0, 4, 8, 10], np.int32), return_lse=True,
+                                  return_partials=True)
+    hpo, hpl = po.copy_to_host(), pl.copy_to_host()
+    np.testing.assert_allclose(hpo[[2, 0, 1]], gpo[0], atol=2e-4)
+    np.testing.assert_allclose(hpl[[2, 0, 1]], gpl[0], atol=1e-4)
+
+
+def test_builtin_heuristic_splits_long_requests():
+    rng = np.random.default_rng(15)
+    b = batch(rng, "f32", kv_lens=[80], page_size=16, num_kv_heads=1, group=1)
+    p = DEC.prepare_decode(b["q"], b["cache"], b["indptr"], b["indices"], b["last"])
+    assert DEC.choose_chunk(p) is not None                     # one request cannot fill the GPU
+    o, lse = run(b, return_lse=True)
+    check(o, lse, *golden(b, return_lse=True), "f32")
+
+
+# ---------------------------------------------------------------------------
+# Inputs, outputs, errors
+# ---------------------------------------------------------------------------
+
+def test_device_arrays_in_device_arrays_out_and_out_buffers():
+    rng = np.random.default_rng(16)
+    b = batch(rng, "f16", kv_lens=[5, 8], page_size=4)
+    dq, dc = cuda.to_device(b["q"]), cuda.to_device(b["cache"])
+    out = cuda.to_device(np.full(b["q"].shape, np.nan, np.float16))
+    lse = cuda.to_device(np.full(b["q"].shape[:2], np.nan, np.float32))
+    res_o, res_l = batch_decode_paged(dq, dc, cuda.to_device(b["indptr"]), b["indices"], b["last"],
+                                      return_lse=True, out=out, lse=lse)
+    assert res_o is out and res_l is lse
+    check(out.copy_to_host(), lse.copy_to_host(), *golden(b, return_lse=True), "f16")
+    host_out = np.full(b["q"].shape, np.nan, np.float16)
+    r = run(b, out=host_out)
+    assert r is host_out and not np.isnan(host_out.astype(np.float32)).any()
+
+
+def _bad_cases(b):
+    q, c, ip, ix, lp = b["q"], b["cache"], b["indptr"], b["indices"], b["last"]
+    return {
+        "q dtype": ((q.astype(np.float64), c, ip, ix, lp), {}, "q"),
+        "dtype mismatch": ((q.astype(np.float32), c, ip, ix, lp), {}, "paged_kv_cache"),
+        "int64 indptr": ((q, c, ip.astype(np.int64), ix, lp), {}, "paged_kv_indptr"),
+        "decreasing indptr": ((q, c, ip[::-1].copy(), ix, lp), {}, "paged_kv_indptr"),
+        "page id out of pool": ((q, c, ip, np.full_like(ix, c.shape[0]), lp), {}, "paged_kv_indices"),
+        "last_page_len 0": ((q, c, ip, ix, np.zeros_like(lp)), {}, "paged_kv_last_page_len"),
+        "heads": ((q[:, :3], c, ip, ix, lp), {}, "num_qo_heads"),
+        "head_dim": ((q[..., :12].copy(), c[..., :12].copy(), ip, ix, lp), {}, "paged_kv_cache"),
+        "rows": ((q[:1], c, ip, ix, lp), {}, "q"),
+        "layout": ((q, c, ip, ix, lp), {"kv_layout": "NDH"}, "kv_layout"),
+        "out shape": ((q, c, ip, ix, lp), {"out": np.zeros((1, 1, 1), np.float16)}, "out"),
+        "lse dtype": ((q, c, ip, ix, lp), {"lse": np.zeros(q.shape[:2], np.float16)}, "lse"),
+        "unknown kwarg": ((q, c, ip, ix, lp), {"windowleft": 3}, None),
+    }
+
+
+BAD_CASES = ["q dtype", "dtype mismatch", "int64 indptr", "decreasing indptr", "page id out of pool",
+             "last_page_len 0", "heads", "head_dim", "rows", "layout", "out shape", "lse dtype",
+             "unknown kwarg"]
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_bad_inputs_raise_before_launch(case, monkeypatch):
+    rng = np.random.default_rng(17)
+    b = batch(rng, "f16", kv_lens=[5, 9], page_size=4)
+    args, kw, name = _bad_cases(b)[case]
+    snapshot = [np.array(a, copy=True) for a in args]
+    launched = []
+    monkeypatch.setattr(DEC, "decode_kernel", lambda cfg: launched.append(cfg))
+    err = TypeError if name is None else L.LayoutError
+    with pytest.raises(err) as e:
+        batch_decode_paged(*args, **kw)
+    if name:
+        assert str(e.value).startswith(name + ":")
+    assert not launched
+    for a, s in zip(args, snapshot):
+        assert np.array_equal(np.asarray(a).view(np.uint8), s.view(np.uint8))

@@ -1,0 +1,98 @@
+"""nbattn.cuda merge kernels vs the golden merge operator (SPEC section 3)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import nbattn  # noqa: F401  (compat first)
+from nbattn import layout as L
+from nbattn import reference as R
+from nbattn import cuda as C
+from numba import cuda
+
+
+def states(rng, shape, dtype=np.float32, empty_frac=0.2):
+    v = rng.standard_normal(shape + (8,)).astype(dtype)
+    s = (rng.standard_normal(shape) * 20).astype(np.float32)
+    s[rng.random(shape) < empty_frac] = -np.inf
+    v[np.isneginf(s)] = 0
+    return v, s
+
+
+def test_worked_example():
+    o, lse = C.merge_state(np.array([[1.0, 0.0]], np.float32), np.array([2.0], np.float32),
+                           np.array([[0.0, 1.0]], np.float32), np.array([1.0], np.float32))
+    np.testing.assert_allclose(o, [[2 / 3, 1 / 3]], rtol=1e-6)
+    np.testing.assert_allclose(lse, [2 + np.log2(1.5)], rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_merge_state_matches_golden(dtype):
+    rng = np.random.default_rng([21, np.dtype(dtype).itemsize])
+    va, sa = states(rng, (5, 3), dtype)
+    vb, sb = states(rng, (5, 3), dtype)
+    sa[0, 0] = sb[0, 0] = -np.inf                       # two empty states
+    va[0, 0] = vb[0, 0] = 0
+    o, lse = C.merge_state(va, sa, vb, sb)
+    ro, rlse = R.merge_state(va.astype(np.float32), sa, vb.astype(np.float32), sb)
+    assert o.dtype == dtype and not np.isnan(o.astype(np.float32)).any()
+    np.testing.assert_allclose(o.astype(np.float32), ro, atol=2e-3 if dtype == np.float16 else 1e-6)
+    assert np.array_equal(np.isneginf(lse), np.isneginf(rlse))
+    np.testing.assert_allclose(lse[np.isfinite(rlse)], rlse[np.isfinite(rlse)], rtol=1e-6)
+    assert np.all(o[0, 0] == 0) and np.isneginf(lse[0, 0])
+
+
+def test_merge_states_fold_order():
+    rng = np.random.default_rng(22)
+    v, s = states(rng, (4, 5, 2))
+    v = v.reshape(4, 5, 2, 8)
+    o, lse = C.merge_states(v, s)
+    ro, rlse = R.merge_states(v, s)
+    np.testing.assert_allclose(o, ro, atol=1e-6)
+    fin = np.isfinite(rlse)
+    np.testing.assert_allclose(lse[fin], rlse[fin], rtol=1e-6)
+    assert np.array_equal(np.isneginf(lse), np.isneginf(rlse))
+
+
+def test_merge_state_in_place_with_mask_host_and_device():
+    rng = np.random.default_rng(23)
+    v, s = states(rng, (6, 2))
+    vo, so = states(rng, (6, 2))
+    mask = np.array([True, False, True, True, False, True])
+    rv, rs = v.copy(), s.copy()
+    R.merge_state_in_place(rv, rs, vo, so, mask=mask)
+    hv, hs = v.copy(), s.copy()
+    C.merge_state_in_place(hv, hs, vo, so, mask=mask)
+    np.testing.assert_allclose(hv, rv, atol=1e-6)
+    np.testing.assert_allclose(hs[np.isfinite(rs)], rs[np.isfinite(rs)], rtol=1e-6)
+    dv, ds = cuda.to_device(v), cuda.to_device(s)
+    C.merge_state_in_place(dv, ds, cuda.to_device(vo), cuda.to_device(so), mask=mask)
+    np.testing.assert_array_equal(dv.copy_to_host(), hv)
+    np.testing.assert_array_equal(ds.copy_to_host(), hs)
+
+
+def test_merge_of_split_halves_spec_example():
+    # SPEC 3: scores [1,2,3,4], values [10,20,30,40]; halves merge to ~34.93
+    s = np.array([1.0, 2.0, 3.0, 4.0])
+    v = np.array([10.0, 20.0, 30.0, 40.0])
+
+    def half(a, b):
+        w = np.exp(s[a:b])
+        return np.float32((w @ v[a:b]) / w.sum()), np.float32(np.log2(w.sum()))
+    (oa, la), (ob, lb) = half(0, 2), half(2, 4)
+    o, lse = C.merge_state(np.array([[oa]], np.float32), np.array([la], np.float32),
+                           np.array([[ob]], np.float32), np.array([lb], np.float32))
+    assert abs(float(o[0, 0]) - 34.93) < 0.01
+
+
+def test_merge_errors_name_the_argument():
+    v = np.zeros((3, 8), np.float32)
+    s = np.zeros(3, np.float32)
+    with pytest.raises(L.LayoutError, match="^v_b"):
+        C.merge_state(v, s, v[:2], s[:2])
+    with pytest.raises(L.LayoutError, match="^s_a"):
+        C.merge_state(v, s.astype(np.float64), v, s)
+    with pytest.raises(L.LayoutError, match="^v"):
+        C.merge_states(v, s)
+    with pytest.raises(L.LayoutError, match="^mask"):
+        C.merge_state_in_place(v, s, v, s, mask=np.ones(2, bool))
