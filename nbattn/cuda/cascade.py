@@ -88,8 +88,8 @@ def cascade(q, levels, paged_kv_cache, *, kv_layout: str = "NHD", return_lse: bo
         for pkv, work, kvoff in plans:
             P.launch(spec, dq, cache, cache, pkv.paged_kv_indices, work, row_pos, kvoff, row_req,
                      dims.page_size, 0, dims.num_kv_heads, states_o, states_lse, stream)
-        _merge(kind, var.use_sigmoid)[(rows, hq), min(128, max(32, d)), stream](
-            states_o, states_lse, np.int32(n_states), np.int32(rows), outs.d_out, outs.d_lse)
+        P.enqueue(_merge(kind, var.use_sigmoid), (rows, hq), min(128, max(32, d)), stream,
+                  (states_o, states_lse, np.int32(n_states), np.int32(rows), outs.d_out, outs.d_lse))
     return outs.finish()
 
 
@@ -125,7 +125,7 @@ def _fill_empty(states_o, states_lse, zero_o):
 
 def _empty_states(states_o, states_lse, sigmoid: bool, stream) -> None:
     n, hq, d = states_o.shape
-    _fill_empty[(n, hq), 32, stream](states_o, states_lse, bool(sigmoid))
+    P.enqueue(_fill_empty, (n, hq), 32, stream, (states_o, states_lse, bool(sigmoid)))
 
 
 _MERGES: dict = {}
