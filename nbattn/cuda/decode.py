@@ -46,6 +46,7 @@ from ..variants import VARIANT_FIELDS, Variant, alibi_slopes, make_variant
 from . import _arrays as A
 from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f,
                          ld_v4, load_v4, st_v4)
+from ._driver import jit_kernel, sm_count
 from .variants import LOG2E, kernel_variant_key, variant_device_fns
 
 __all__ = ["batch_decode_paged", "DecodeProblem", "WorkList", "prepare_decode", "run_decode_work",
@@ -316,9 +317,7 @@ def _build(cfg: DecodeConfig):
                         part_lse[int64(slot) * num_qo_heads + h] = row_lse
                 cuda.syncthreads()
 
-    if SIMULATOR:
-        return cuda.jit(kernel)
-    return cuda.jit(kernel, cache=True)
+    return jit_kernel(kernel)
 
 
 # ---------------------------------------------------------------------------
@@ -492,19 +491,13 @@ def split_work(kv_lens: np.ndarray, kv_chunk_size: int | None):
             i32(m_indptr), i32(m_row), i32(m_slots), n_slots)
 
 
-def device_count_sms() -> int:
-    if SIMULATOR:
-        return 4
-    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
-
-
 def choose_chunk(p: DecodeProblem) -> int | None:
     """Built-in split heuristic: split only when the unsplit grid leaves the
     GPU underfilled (fewer than ~4 CTAs per SM), into chunks no shorter than
     a few tiles; None means no split."""
     cfg = p.config()
     ctas = p.batch * (p.num_qo_heads // cfg.heads_per_cta)
-    target = 4 * device_count_sms()
+    target = 4 * sm_count()
     longest = int(p.kv_lens.max()) if p.batch else 0
     if ctas >= target or longest == 0:
         return None

@@ -43,6 +43,7 @@ from numba import cuda, float32, int64
 from ..layout import LayoutError, dtype_of
 from ..reference.state import AttentionState
 from . import _arrays as A
+from ._driver import jit_kernel
 from .primitives import SIMULATOR, device_fn, element_io
 
 __all__ = ["merge_state", "merge_states", "merge_state_in_place", "MergeMap", "run_merge_partials",
@@ -80,7 +81,7 @@ _kernels: dict = {}
 
 
 def _jit(fn):
-    return cuda.jit(fn) if SIMULATOR else cuda.jit(fn, cache=True)
+    return jit_kernel(fn)
 
 
 def _partials_kernel(code: str, head_dim: int, use_sigmoid: bool):
