@@ -1,0 +1,686 @@
+"""Plan/run wrappers over a preallocated workspace (SPEC section 5), shaped like
+FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` and
+``BatchPrefillWithPagedKVCacheWrapper``.
+
+Why two steps
+-------------
+Every layer of a model sees the same lengths in one generation step, so the
+load-balancing decision is made once: :meth:`plan` runs the LPT planner
+(:func:`nbattn.sched.plan`) on the CPU and copies its result into the device
+workspace; :meth:`run` is then called once per layer with that layer's ``q``
+and KV cache and only launches kernels.  SPEC section 6 says when this pays:
+``L*(u - v) > p + h`` (``p`` is the plan() cost measured here).
+
+The workspace
+-------------
+The caller hands the constructor one device buffer (FlashInfer's
+``float_workspace_buffer``: a torch CUDA tensor, a numba device array, or, on
+the simulator, a NumPy array that is copied to the device once).  It is cut
+into fixed regions when the wrapper is built, so a plan never moves anything:
+
+* **plan region** (int32, at the front): a small header, the per-CTA work
+  queues (CSR over ``num_ctas`` CTAs), the reduction map, and a copy of the
+  page table (and, for prefill, per-row positions).  Each array has a fixed
+  offset and a fixed capacity (constructor arguments ``max_batch_size``,
+  ``max_num_pages``, ``max_work_items``, ``max_qo_rows``).
+* **partial region** (float32, the rest): partial outputs and their base-2
+  LSEs.  Its size is the SPEC section 5 bound, 2*C slots (App. D.3 of the
+  paper), so *every* plan of a given head configuration fits once the first
+  one did.
+
+A plan that does not fit raises ``ValueError`` in :meth:`plan`, before any
+copy or launch, naming the rule and the argument to grow.
+
+Fixed grid, fixed addresses (what makes run() CUDA-graph capturable)
+--------------------------------------------------------------------
+* Decode: one persistent launch of ``num_ctas`` CTAs per KV-head block; CTA
+  ``c`` walks its queue ``cta_indptr[c]:cta_indptr[c+1]``
+  (:func:`nbattn.cuda.decode.run_decode_work`), reading the queue bounds from
+  the workspace.
+* Merge: a fixed grid of ``num_ctas`` CTAs per KV head (a plan has at most
+  ``num_ctas`` split tiles, since each has >= 2 of the <= 2*C partial slots);
+  the number of merges is read from the workspace header, extra CTAs exit.
+  Slots are folded in the plan's order (increasing KV), never with atomics,
+  so equal lengths give bitwise-equal outputs.
+* Prefill: the prefill kernel (:mod:`nbattn.cuda.prefill`) is not persistent
+  yet -- one CTA per work row.  The wrapper launches the plan's items in LPT
+  order (largest first, which is the order a greedy hardware scheduler then
+  balances); with ``use_cuda_graph=True`` the grid is padded to the
+  capacity with no-op rows so that it does not depend on the plan.
+
+Every array handed to a kernel is a view of the workspace with a fixed shape
+(its capacity), so a captured launch replays correctly after a new plan()
+with different lengths, as long as the head configuration, dtype and batch
+(decode) are unchanged and ``q``/``out`` are the same buffers.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numba import cuda, float32, int64
+
+from .. import layout as L
+from ..sched.plan import DIRECT, Plan, plan as lpt_plan
+from ..variants import VARIANT_FIELDS, Variant, alibi_slopes, make_variant
+from . import _arrays as A
+from . import decode as DEC
+from .merge import merge_weights
+from .primitives import SIMULATOR, element_io
+
+__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
+           "WorkspaceLayout", "default_num_ctas"]
+
+ALIGN = 256                 # byte alignment of every workspace array (16-byte loads need 16)
+HEADER = 8                  # int32 header words
+H_NUM_ITEMS, H_NUM_MERGES, H_NUM_PARTIALS, H_BATCH = 0, 1, 2, 3
+NEG_INF = float32(-math.inf)
+_Q_TYPES = {"float16": "f16", "half": "f16", "bfloat16": "bf16", "float32": "f32", "float": "f32",
+            "f16": "f16", "bf16": "bf16", "f32": "f32"}
+
+
+def default_num_ctas() -> int:
+    """CTAs per KV head when the caller does not say: one per SM (4 on the simulator)."""
+    return DEC.device_count_sms()
+
+
+def _round_up(x: int, a: int = ALIGN) -> int:
+    return -(-x // a) * a
+
+
+def _q_code(q_data_type: Any) -> str:
+    text = str(q_data_type).replace("torch.", "").replace("numpy.", "")
+    if text in _Q_TYPES:
+        return _Q_TYPES[text]
+    try:
+        return _Q_TYPES[np.dtype(q_data_type).name]
+    except TypeError:
+        raise ValueError(f"q_data_type: must be float16, bfloat16 or float32, got {q_data_type!r}")
+
+
+def _variant(kw: dict) -> Variant:
+    v = kw.pop("variant", None)
+    unknown = set(kw) - set(VARIANT_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown keyword argument(s): {sorted(unknown)}")
+    if v is not None:
+        return v.with_(**kw) if kw else v
+    return make_variant(**kw)
+
+
+# ---------------------------------------------------------------------------
+# Workspace layout
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WorkspaceLayout:
+    """Byte offsets of the plan arrays (int32) and the start of the partial region.
+
+    ``arrays[name] = (byte_offset, capacity_in_elements)``.  Computed once per
+    wrapper from its capacities; nothing here depends on a plan.
+    """
+    arrays: dict
+    plan_bytes: int
+    total_bytes: int
+
+    @property
+    def partial_bytes(self) -> int:
+        return self.total_bytes - self.plan_bytes
+
+    @classmethod
+    def build(cls, total_bytes: int, sizes: dict) -> "WorkspaceLayout":
+        arrays, off = {}, 0
+        for name, count in sizes.items():
+            arrays[name] = (off, int(count))
+            off = _round_up(off + 4 * max(int(count), 1))
+        return cls(arrays, off, int(total_bytes))
+
+
+def _workspace_bytes(buf: Any):
+    """(numba uint8 device array over the buffer, its size in bytes)."""
+    if buf is None:
+        raise ValueError("float_workspace_buffer: a preallocated device buffer is required "
+                         "(e.g. torch.empty(128 << 20, dtype=torch.uint8, device='cuda'))")
+    kind = A.kind_of(buf)
+    if kind in ("numpy", "torch_cpu"):
+        if not SIMULATOR:
+            raise ValueError("float_workspace_buffer: must live on the GPU (a torch CUDA tensor or "
+                             "a numba device array); host arrays are accepted only on the simulator")
+        host = np.ascontiguousarray(L.to_numpy(buf)).reshape(-1).view(np.uint8)
+        return cuda.to_device(np.zeros(host.size, np.uint8)), int(host.size)
+    A.check_contiguous(buf, "float_workspace_buffer")
+    if kind == "torch":
+        import torch
+        dev = cuda.as_cuda_array(buf.detach().reshape(-1).view(torch.uint8))
+    else:
+        dev = buf if kind == "numba" else cuda.as_cuda_array(buf)
+        dev = dev.reshape(int(np.prod(dev.shape))).view(np.uint8)
+    return dev, int(dev.shape[0])
+
+
+# ---------------------------------------------------------------------------
+# The fixed-grid merge kernel
+# ---------------------------------------------------------------------------
+
+_merge_kernels: dict = {}
+
+
+def _merge_threads(head_dim: int) -> int:
+    return 16 if SIMULATOR else 128
+
+
+def merge_kernel(code: str, head_dim: int, decode: bool, use_sigmoid: bool):
+    """Kernel folding each split query tile's partial slots into its final rows.
+
+    Grid ``(num_ctas, num_kv_heads)``, fixed: CTA x handles merges
+    ``x, x + gridDim.x, ...`` below the count in ``header``, so the launch does
+    not depend on the plan.  Fused row ``f`` of tile ``t`` of request ``r`` is
+    position ``f // group``, head ``kv_head*group + f % group`` (SPEC section 2);
+    in slot ``s`` its partial row is ``s*slot_rows + f//group - first_position``.
+    Decode has one row per request (``qo_start = r``) and one row per slot.
+    """
+    key = (code, head_dim, decode, use_sigmoid)
+    if key in _merge_kernels:
+        return _merge_kernels[key]
+    D, NT, DECODE, SIGMOID = head_dim, _merge_threads(head_dim), decode, use_sigmoid
+    _, store_elem, _ = element_io(code)
+
+    def kernel(header, merge_indptr, merge_request, merge_qo_tile, merge_slots, qo_indptr,
+               part_o, part_lse, out, lse, num_qo_heads, group, tile_q, slot_rows):
+        kvh = cuda.blockIdx.y
+        for m in range(cuda.blockIdx.x, header[H_NUM_MERGES], cuda.gridDim.x):
+            r = merge_request[m]
+            if DECODE:
+                qo_start = r
+                qo_len = 1
+            else:
+                qo_start = qo_indptr[r]
+                qo_len = qo_indptr[r + 1] - qo_start
+            f0 = merge_qo_tile[m] * tile_q
+            n_rows = min(tile_q, qo_len * group - f0)
+            p0 = f0 // group
+            first = merge_indptr[m]
+            last = merge_indptr[m + 1]
+            for e in range(cuda.threadIdx.x, n_rows * D, NT):
+                f = f0 + e // D
+                d = e % D
+                p = f // group
+                h = kvh * group + f % group
+                o = float32(0.0)
+                l = NEG_INF
+                for k in range(first, last):
+                    row = int64(merge_slots[k]) * slot_rows + p - p0
+                    o_k = part_o[(row * num_qo_heads + h) * D + d]
+                    if SIGMOID:
+                        o += o_k
+                    else:
+                        wa, wb, l = merge_weights(l, part_lse[row * num_qo_heads + h])
+                        o = wa * o + wb * o_k
+                dst = int64(qo_start + p) * num_qo_heads + h
+                store_elem(out, dst * D + d, o)
+                if d == 0:
+                    lse[dst] = float32(math.nan) if SIGMOID else l
+
+    k = cuda.jit(kernel) if SIMULATOR else cuda.jit(kernel, cache=True)
+    _merge_kernels[key] = k
+    return k
+
+
+# ---------------------------------------------------------------------------
+# Shared machinery of both wrappers
+# ---------------------------------------------------------------------------
+
+class _PlanRunWrapper:
+    _decode = True
+
+    def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 *, num_ctas: int | None = None, max_batch_size: int | None = None,
+                 max_num_pages: int | None = None, max_work_items: int | None = None,
+                 max_qo_rows: int | None = None) -> None:
+        self._kv_layout = L.check_kv_layout(kv_layout)
+        self._use_cuda_graph = bool(use_cuda_graph)
+        self._ws, nbytes = _workspace_bytes(float_workspace_buffer)
+        self._ws_user = float_workspace_buffer
+        C = default_num_ctas() if num_ctas is None else int(num_ctas)
+        if C < 1:
+            raise ValueError(f"num_ctas: must be >= 1, got {C}")
+        self.num_ctas = C
+        # Capacities default to shares of the buffer (a 128 MiB buffer gives
+        # 16k requests, 512k pages, 128k work items and 256k query rows).
+        self.max_batch_size = int(max_batch_size or max(1, nbytes // 8192))
+        self.max_num_pages = int(max_num_pages or max(1, nbytes // 256))
+        self.max_work_items = int(max_work_items or max(1, nbytes // 1024))
+        self.max_qo_rows = int(max_qo_rows or max(1, nbytes // 512))
+        B, I = self.max_batch_size, self.max_work_items
+        sizes = {"header": HEADER, "cta_indptr": C + 1}
+        if self._decode:
+            # A decode plan has one query tile per request, so at most
+            # batch + 2*C items (the split tiles add at most 2*C chunks).
+            sizes.update(request=I, kv_start=I, kv_end=I, out_slot=I)
+        else:
+            # Prefill work rows (8 int32 columns, see nbattn.cuda.prefill.build_work):
+            # unsplit tiles, and the at most 2*C chunks of split tiles.
+            sizes.update(direct_rows=8 * I, split_rows=8 * 2 * C,
+                         qo_indptr=B + 1, row_pos=self.max_qo_rows, row_kvoff=self.max_qo_rows,
+                         row_req=self.max_qo_rows)
+        sizes.update(merge_indptr=C + 1, merge_request=C, merge_qo_tile=C, merge_slots=2 * C,
+                     kv_indptr=B + 1, kv_indices=self.max_num_pages, kv_last=B)
+        self.layout = WorkspaceLayout.build(nbytes, sizes)
+        if self.layout.plan_bytes >= nbytes:
+            raise ValueError(
+                f"float_workspace_buffer: {nbytes} bytes cannot hold the plan region of "
+                f"{self.layout.plan_bytes} bytes (num_ctas={C}, max_batch_size={B}, "
+                f"max_num_pages={self.max_num_pages}, max_work_items={I}); pass a larger "
+                f"buffer or smaller capacities")
+        self._ints = self._ws[:self.layout.plan_bytes].view(np.int32)
+        self._plan: Plan | None = None
+        self._used: dict = {}          # elements of each array the last plan wrote
+        self._slopes = None
+        self.plan_seconds = 0.0
+
+    # -- workspace views ----------------------------------------------------
+    def _view(self, name: str):
+        """Fixed-shape int32 view (the array's full capacity) of a plan array."""
+        off, cap = self.layout.arrays[name]
+        return self._ints[off // 4: off // 4 + max(cap, 1)]
+
+    def _partials(self, slot_rows: int, num_qo_heads: int, head_dim: int):
+        """(partial_o, partial_lse) flat float32 views for 2*C slots of ``slot_rows`` rows."""
+        rows = 2 * self.num_ctas * slot_rows
+        base = self.layout.plan_bytes
+        lse_bytes = _round_up(4 * rows * num_qo_heads)
+        o_count = rows * num_qo_heads * head_dim
+        lse = self._ws[base: base + 4 * rows * num_qo_heads].view(np.float32)
+        o = self._ws[base + lse_bytes: base + lse_bytes + 4 * o_count].view(np.float32)
+        return o, lse
+
+    def _partial_bytes_needed(self, slot_rows: int, num_qo_heads: int, head_dim: int) -> int:
+        rows = 2 * self.num_ctas * slot_rows
+        return _round_up(4 * rows * num_qo_heads) + 4 * rows * num_qo_heads * head_dim
+
+    def _check_fits(self, batch: int, num_pages: int, num_items: int, num_qo_heads: int,
+                    head_dim: int, slot_rows: int, tile_q: int, qo_rows: int = 0) -> None:
+        """Raise ValueError (before any copy) when a plan would not fit the workspace."""
+        for what, need, cap, arg in (("requests", batch, self.max_batch_size, "max_batch_size"),
+                                     ("pages", num_pages, self.max_num_pages, "max_num_pages"),
+                                     ("work items", num_items, self.max_work_items, "max_work_items"),
+                                     ("query rows", qo_rows, self.max_qo_rows, "max_qo_rows")):
+            if need > cap:
+                raise ValueError(f"plan does not fit the workspace: {need} {what} but the wrapper "
+                                 f"was built for {cap} ({arg}); build it with a larger {arg}")
+        need = self._partial_bytes_needed(slot_rows, num_qo_heads, head_dim)
+        have = self.layout.partial_bytes
+        if need > have:
+            C = self.num_ctas
+            total = self.layout.plan_bytes + need
+            raise ValueError(
+                f"float_workspace_buffer too small: partial states need {need} bytes but only "
+                f"{have} remain after the {self.layout.plan_bytes}-byte plan region. Rule (SPEC "
+                f"section 5, paper App. D.3): reserve 2*C*T_q*H_qo*(head_dim+1) floats for partial "
+                f"outputs and LSEs, here 2*{C} slots x {slot_rows} rows x {num_qo_heads} heads x "
+                f"({head_dim}+1) (T_q={tile_q}); pass at least {total} bytes or fewer num_ctas")
+
+    def _copy(self, name: str, host: np.ndarray, stream, *, clear_stale: bool = False) -> None:
+        """Copy ``host`` (int32) to the front of array ``name``.  With
+        ``clear_stale``, entries the previous plan wrote beyond it are zeroed,
+        so a padded fixed grid sees no-op rows there."""
+        host = np.ascontiguousarray(host, dtype=np.int32).reshape(-1)
+        n = host.size
+        old = self._used.get(name, 0)
+        if clear_stale and old > n:
+            host = np.concatenate([host, np.zeros(old - n, np.int32)])
+        if host.size:
+            self._view(name)[:host.size].copy_to_device(host, stream=stream)
+        self._used[name] = n
+
+    def _stream(self):
+        return A.launch_stream(self._ws_user)
+
+    def _slopes_for(self, num_qo_heads: int, stream):
+        # Kept at one address while the head count is unchanged (captured graphs read it).
+        if self._slopes is None or int(self._slopes.shape[0]) != num_qo_heads:
+            self._slopes = cuda.to_device(alibi_slopes(num_qo_heads).astype(np.float32), stream=stream)
+        return self._slopes
+
+    def _write_common(self, p: Plan, kv_indptr, kv_indices, kv_last, stream) -> None:
+        header = np.zeros(HEADER, np.int32)
+        header[H_NUM_ITEMS] = p.num_items
+        header[H_NUM_MERGES] = p.num_merges
+        header[H_NUM_PARTIALS] = p.num_partials
+        header[H_BATCH] = len(kv_indptr) - 1
+        self._copy("header", header, stream)
+        self._copy("cta_indptr", p.cta_indptr, stream)
+        self._copy("merge_indptr", p.merge_indptr, stream)
+        self._copy("merge_request", p.merge_request, stream)
+        self._copy("merge_qo_tile", p.merge_qo_tile, stream)
+        self._copy("merge_slots", p.merge_slots, stream)
+        self._copy("kv_indptr", kv_indptr, stream)
+        self._copy("kv_indices", kv_indices, stream)
+        self._copy("kv_last", kv_last, stream)
+
+    def _check_bound(self, p: Plan) -> None:
+        C = self.num_ctas
+        if p.num_partials > 2 * C or p.num_merges > C:
+            raise ValueError(f"plan has {p.num_partials} partial slots / {p.num_merges} merges, over "
+                             f"the SPEC section 5 bound of 2*C={2 * C} / C={C}")
+
+    @property
+    def last_plan(self) -> Plan | None:
+        """The :class:`nbattn.sched.Plan` of the last :meth:`plan` call."""
+        return self._plan
+
+    def _need_plan(self):
+        if self._plan is None:
+            raise RuntimeError("run() called before plan()")
+
+    def _merge(self, stream, out_raw, lse_dev, po, pl, qo_indptr_view, slot_rows: int) -> None:
+        p = self._plan
+        k = merge_kernel(self._code, self._head_dim, self._decode, self._variant.use_sigmoid)
+        grid = (self.num_ctas, self._num_kv_heads)
+        flat = lambda x: x.reshape(int(np.prod(x.shape)))  # noqa: E731
+        k[grid, _merge_threads(self._head_dim), stream](
+            self._view("header"), self._view("merge_indptr"), self._view("merge_request"),
+            self._view("merge_qo_tile"), self._view("merge_slots"), qo_indptr_view, po, pl,
+            flat(out_raw), flat(lse_dev), self._num_qo_heads, self._group, p.tile_q, slot_rows)
+
+    def _check_cache(self, q, paged_kv_cache, rows: int):
+        code = A.dtype_code(q, "q")
+        if code != self._code:
+            raise L.LayoutError(f"q: dtype {L.dtype_of(q)} differs from plan()'s q_data_type "
+                                f"({self._code})")
+        if A.dtype_code(paged_kv_cache, "paged_kv_cache") != code:
+            raise L.LayoutError(f"paged_kv_cache: dtype must match q, got {L.dtype_of(paged_kv_cache)}")
+        L.check_same_device(q=q, paged_kv_cache=paged_kv_cache)
+        dims = L.cache_dims(paged_kv_cache, self._kv_layout)
+        want = (self._page_size, self._num_kv_heads, self._head_dim)
+        got = (dims.page_size, dims.num_kv_heads, dims.head_dim)
+        if got != want:
+            raise L.LayoutError(f"paged_kv_cache: (page_size, num_kv_heads, head_dim) = {got} "
+                                f"differs from plan()'s {want}")
+        if self._max_page >= dims.num_pages:
+            raise L.LayoutError(f"paged_kv_cache: plan() uses page {self._max_page} but the cache "
+                                f"has {dims.num_pages} pages")
+        shape = tuple(int(s) for s in q.shape)
+        if shape != (rows, self._num_qo_heads, self._head_dim):
+            raise L.LayoutError(f"q: must have shape {(rows, self._num_qo_heads, self._head_dim)} "
+                                f"for this plan, got {shape}")
+        kind = A.kind_of(q)
+        if A.is_device_kind(kind) != A.is_device_kind(A.kind_of(paged_kv_cache)):
+            raise L.LayoutError("paged_kv_cache: must live where q lives")
+        if A.is_device_kind(kind):
+            A.check_contiguous(q, "q")
+            A.check_contiguous(paged_kv_cache, "paged_kv_cache")
+        return code, kind, shape
+
+    def _outputs(self, kind, shape, code, stream, q, out, lse):
+        """(out_user, out_raw_dev, lse_user, lse_dev): given buffers in place, else fresh ones."""
+        if out is not None:
+            DEC._check_out("out", out, shape, code, kind)
+            out_dev = (A.to_device(out, "out", stream, code) if A.is_device_kind(kind)
+                       else cuda.device_array(shape, A.RAW[code], stream=stream))
+            out_user = out
+        else:
+            out_user, out_dev = A.new_output(kind, shape, code, stream, like=q)
+        if lse is not None:
+            DEC._check_out("lse", lse, shape[:2], None, kind)
+            lse_dev = (A.to_device(lse, "lse", stream, "f32") if A.is_device_kind(kind)
+                       else cuda.device_array(shape[:2], np.float32, stream=stream))
+            lse_user = lse
+        else:
+            lse_user, lse_dev = A.new_output(kind, shape[:2], "f32", stream, like=q)
+        return out_user, out_dev, lse_user, lse_dev
+
+    def _finish(self, kind, code, stream, out_user, out_dev, lse_user, lse_dev, out, lse,
+                return_lse: bool):
+        if out is not None and not A.is_device_kind(kind):
+            A.copy_into_host(out, out_dev.copy_to_host(stream=stream).view(A.NP_DTYPE[code]))
+            o_res = out
+        else:
+            o_res = A.finish(kind, out_user, out_dev, code, stream)
+        if lse is not None and not A.is_device_kind(kind):
+            A.copy_into_host(lse, lse_dev.copy_to_host(stream=stream))
+            l_res = lse
+        else:
+            l_res = A.finish(kind, lse_user, lse_dev, "f32", stream) if return_lse else None
+        return (o_res, l_res) if return_lse else o_res
+
+
+# ---------------------------------------------------------------------------
+# Decode
+# ---------------------------------------------------------------------------
+
+class BatchDecodeWithPagedKVCacheWrapper(_PlanRunWrapper):
+    """Batch decode (one query row per request) over a paged KV cache, planned
+    once per step and run once per layer (SPEC section 5).
+
+    >>> ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    >>> w = BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+    >>> w.plan(kv_indptr, kv_indices, kv_last_page_len, 32, 8, 128, 16)
+    >>> for layer in range(32):
+    ...     o = w.run(q[layer], kv_cache[layer])
+
+    ``num_ctas`` is the fixed grid per KV head (the planner's C); the decode
+    kernel's grid is ``(num_ctas, num_qo_heads // heads_per_cta)``.
+    """
+
+    _decode = True
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads: int, num_kv_heads: int,
+             head_dim: int, page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
+             logits_soft_cap: float | None = None, q_data_type: Any = "float16",
+             kv_data_type: Any = None, sm_scale: float | None = None, *, alpha: float = 1.0,
+             beta: float = 1.0, **variant) -> None:
+        """LPT-plan a decode step and copy the plan into the workspace.
+
+        Arguments are FlashInfer's; other variant keywords of
+        :mod:`nbattn.variants` (``sink_size``, ``use_sigmoid``, ``score_mod``,
+        ...) pass through.  ``alpha``/``beta`` are the planner's chunk cost
+        ``alpha*l_q + beta*l_kv``.  Raises before touching the workspace when
+        the plan would not fit it.
+        """
+        t0 = time.perf_counter()
+        var = _variant(dict(variant, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                            logits_soft_cap=logits_soft_cap, sm_scale=sm_scale))
+        code = _q_code(q_data_type)
+        if kv_data_type is not None and _q_code(kv_data_type) != code:
+            raise ValueError("kv_data_type: must equal q_data_type (no mixed precision)")
+        group = L.check_heads(int(num_qo_heads), int(num_kv_heads))
+        DEC._check_head_dim(int(head_dim))
+        if int(page_size) < 1:
+            raise ValueError(f"page_size: must be >= 1, got {page_size}")
+        pkv = L.PagedKV.validate(indptr, indices, last_page_len, int(page_size),
+                                 num_pages=np.iinfo(np.int32).max)
+        batch = pkv.batch_size
+        kv_lens = pkv.kv_lens
+        # One query tile per request: its `group` fused rows are one decode CTA's heads.
+        p = lpt_plan(np.ones(batch, np.int64), kv_lens, self.num_ctas, tile_q=group, group=group,
+                     alpha=alpha, beta=beta)
+        self._check_bound(p)
+        self._check_fits(batch, int(pkv.paged_kv_indices.size), p.num_items, int(num_qo_heads),
+                         int(head_dim), 1, group)
+        stream = self._stream()
+        self._write_common(p, pkv.paged_kv_indptr, pkv.paged_kv_indices,
+                           pkv.paged_kv_last_page_len, stream)
+        self._copy("request", p.request, stream)
+        self._copy("kv_start", p.kv_start, stream)
+        self._copy("kv_end", p.kv_end, stream)
+        self._copy("out_slot", p.out_slot, stream)
+        self._slopes_for(int(num_qo_heads), stream)
+        self._plan, self._variant, self._code = p, var, code
+        self._num_qo_heads, self._num_kv_heads, self._group = int(num_qo_heads), int(num_kv_heads), group
+        self._head_dim, self._page_size, self._batch = int(head_dim), int(page_size), batch
+        self._kv_lens = kv_lens
+        self._max_page = int(pkv.paged_kv_indices.max()) if pkv.paged_kv_indices.size else -1
+        self.plan_seconds = time.perf_counter() - t0
+
+    def run(self, q, paged_kv_cache, out=None, lse=None, return_lse: bool = False):
+        """Attention of ``q [batch, num_qo_heads, head_dim]`` against the planned
+        pages of ``paged_kv_cache``; returns ``o`` (and the base-2 ``lse``)."""
+        self._need_plan()
+        if return_lse and self._variant.use_sigmoid:
+            raise ValueError("return_lse: sigmoid attention has no log-sum-exp")
+        code, kind, shape = self._check_cache(q, paged_kv_cache, self._batch)
+        L.check_same_device(q=q, out=out, lse=lse)
+        stream = A.launch_stream(q, paged_kv_cache, out, lse)
+        q_dev = A.to_device(q, "q", stream, code)
+        kv_dev = A.to_device(paged_kv_cache, "paged_kv_cache", stream, code)
+        out_user, out_dev, lse_user, lse_dev = self._outputs(kind, shape, code, stream, q, out, lse)
+        var = self._variant
+        slopes = self._slopes
+        prob = DEC.DecodeProblem(
+            code, kind, stream, var, var.scale(self._head_dim), self._batch, self._num_qo_heads,
+            self._num_kv_heads, self._head_dim, self._page_size, self._kv_layout, self._kv_lens,
+            A.words(q_dev), A.words(kv_dev), self._view("kv_indptr"), self._view("kv_indices"),
+            self._view("kv_last"), slopes, out_user, out_dev, lse_user, lse_dev,
+            DEC._aligned(q_dev, kv_dev))
+        work = DEC.WorkList(self._view("cta_indptr"), self._view("request"), self._view("kv_start"),
+                            self._view("kv_end"), self._view("out_slot"))
+        po, pl = self._partials(1, self._num_qo_heads, self._head_dim)
+        DEC.run_decode_work(prob, work, po, pl)
+        self._merge(stream, out_dev, lse_dev, po, pl, self._view("cta_indptr"), 1)
+        return self._finish(kind, code, stream, out_user, out_dev, lse_user, lse_dev, out, lse,
+                            return_lse)
+
+    forward = run
+
+
+# ---------------------------------------------------------------------------
+# Prefill
+# ---------------------------------------------------------------------------
+
+class BatchPrefillWithPagedKVCacheWrapper(_PlanRunWrapper):
+    """Batch prefill/append over a paged KV cache with a planned KV split
+    (SPEC section 5); kernels from :mod:`nbattn.cuda.prefill`.
+
+    The planner's query tile is the prefill kernel's ``T_q`` (fused rows, GQA
+    heads fused).  Unsplit tiles write the final output directly; chunks of
+    split tiles write float32 partial states that the merge kernel folds in
+    KV order.  With ``use_cuda_graph=True`` the prefill grid is padded to
+    ``max_work_items`` (keep that capacity modest: padded rows cost a few us
+    per thousand).
+    """
+
+    _decode = False
+
+    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+             num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, page_size: int,
+             causal: bool = False, pos_encoding_mode: str = "NONE", sm_scale: float | None = None,
+             window_left: int = -1, logits_soft_cap: float | None = None,
+             q_data_type: Any = "float16", kv_data_type: Any = None, *, alpha: float = 1.0,
+             beta: float = 1.0, tensor_cores: bool | None = None, **variant) -> None:
+        """LPT-plan a prefill step (FlashInfer's arguments) and copy it into the workspace."""
+        from . import prefill as P
+
+        t0 = time.perf_counter()
+        var = _variant(dict(variant, causal=causal, pos_encoding_mode=pos_encoding_mode,
+                            window_left=window_left, logits_soft_cap=logits_soft_cap,
+                            sm_scale=sm_scale))
+        code = _q_code(q_data_type)
+        if kv_data_type is not None and _q_code(kv_data_type) != code:
+            raise ValueError("kv_data_type: must equal q_data_type (no mixed precision)")
+        hq, hk, D = int(num_qo_heads), int(num_kv_heads), int(head_dim_qk)
+        group = L.check_heads(hq, hk)
+        if int(page_size) < 1:
+            raise ValueError(f"page_size: must be >= 1, got {page_size}")
+        pkv = L.PagedKV.validate(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+                                 int(page_size), num_pages=np.iinfo(np.int32).max)
+        qo = L.RaggedQ.validate(qo_indptr)
+        if qo.batch_size != pkv.batch_size:
+            raise L.LayoutError(f"paged_kv_indptr: has {pkv.batch_size} requests, qo_indptr has "
+                                f"{qo.batch_size}")
+        kv_lens = pkv.kv_lens
+        if var.causal:
+            L.check_causal_lengths(qo.lengths, kv_lens)
+        spec = P.make_spec("paged", self._kv_layout, code, D, hq, hk, var, tensor_cores)
+        spec_part = P.make_spec("paged", self._kv_layout, code, D, hq, hk, var, spec.tensor_cores,
+                                out_kind="f32")
+        tq = spec.tile_q
+        # Positions one tile spans: tq/group when tiles start on a position boundary.
+        slot_rows = tq // group if tq % group == 0 else tq // group + 2
+        p = lpt_plan(qo.lengths, kv_lens, self.num_ctas, tile_q=tq, group=group, alpha=alpha,
+                     beta=beta, causal=var.causal)
+        self._check_bound(p)
+        n_direct = int(np.count_nonzero(p.out_slot == DIRECT))
+        self._check_fits(qo.batch_size, int(pkv.paged_kv_indices.size), n_direct, hq, D, slot_rows,
+                         tq, qo.total)
+
+        # Work rows in LPT order: the i-th item of every CTA queue before the
+        # (i+1)-th, i.e. roughly the planner's largest-first assignment order.
+        pos_in_queue = np.arange(p.num_items) - np.repeat(p.cta_indptr[:-1], np.diff(p.cta_indptr))
+        order = np.lexsort((p.item_cta(), pos_in_queue))
+        r = p.request[order].astype(np.int64)
+        row0 = p.qo_tile[order].astype(np.int64) * tq
+        slot = p.out_slot[order].astype(np.int64)
+        qo_start = qo.qo_indptr[:-1].astype(np.int64)[r]
+        out_row0 = np.where(slot == DIRECT, qo_start, slot * slot_rows - row0 // group)
+        rows = np.stack([qo_start, qo.lengths[r], row0, pkv.paged_kv_indptr[:-1][r],
+                         np.zeros_like(r), p.kv_start[order], p.kv_end[order], out_row0], axis=1)
+        direct = rows[slot == DIRECT]
+        split = rows[slot != DIRECT]
+        row_pos, row_kvoff, row_req = P.request_rows(qo, kv_lens)
+
+        stream = self._stream()
+        self._write_common(p, pkv.paged_kv_indptr, pkv.paged_kv_indices,
+                           pkv.paged_kv_last_page_len, stream)
+        graph = self._use_cuda_graph
+        self._copy("direct_rows", direct, stream, clear_stale=graph)
+        self._copy("split_rows", split, stream, clear_stale=graph)
+        self._copy("qo_indptr", qo.qo_indptr, stream)
+        self._copy("row_pos", row_pos, stream)
+        self._copy("row_kvoff", row_kvoff, stream)
+        self._copy("row_req", row_req, stream)
+        self._slopes_for(hq, stream)
+        self._plan, self._variant, self._code = p, var, code
+        self._spec, self._spec_part, self._slot_rows = spec, spec_part, slot_rows
+        self._n_direct, self._n_split = len(direct), len(split)
+        self._num_qo_heads, self._num_kv_heads, self._group = hq, hk, group
+        self._head_dim, self._page_size, self._total_q = D, int(page_size), qo.total
+        self._max_page = int(pkv.paged_kv_indices.max()) if pkv.paged_kv_indices.size else -1
+        self.plan_seconds = time.perf_counter() - t0
+
+    def run(self, q, paged_kv_cache, out=None, lse=None, return_lse: bool = False):
+        """Attention of ragged ``q [total_q, num_qo_heads, head_dim]`` (rows as
+        in plan()'s ``qo_indptr``) over the planned pages; returns ``o`` (and
+        the base-2 ``lse``)."""
+        from . import prefill as P
+
+        self._need_plan()
+        if return_lse and self._variant.use_sigmoid:
+            raise ValueError("return_lse: sigmoid attention has no log-sum-exp")
+        code, kind, shape = self._check_cache(q, paged_kv_cache, self._total_q)
+        L.check_same_device(q=q, out=out, lse=lse)
+        stream = A.launch_stream(q, paged_kv_cache, out, lse)
+        q_dev = A.to_device(q, "q", stream, code)
+        kv_dev = A.to_device(paged_kv_cache, "paged_kv_cache", stream, code)
+        if code == "f16":   # the prefill kernel reads and writes float16 elements
+            q_dev, kv_dev = q_dev.view(np.float16), kv_dev.view(np.float16)
+        out_user, out_dev, lse_user, lse_dev = self._outputs(kind, shape, code, stream, q, out, lse)
+        out_k = out_dev.view(np.float16) if code == "f16" else out_dev
+        H, D, rows_cap = self._num_qo_heads, self._head_dim, 2 * self.num_ctas * self._slot_rows
+        po, pl = self._partials(self._slot_rows, H, D)
+        common = (q_dev, kv_dev, kv_dev, self._view("kv_indices"))
+        tail = (self._view("row_pos"), self._view("row_kvoff"), self._view("row_req"),
+                self._slopes, np.int32(self._page_size), np.int32(0))
+        graph = self._use_cuda_graph
+        for spec, name, n, cap, o, l in (
+                (self._spec, "direct_rows", self._n_direct, self.max_work_items, out_k, lse_dev),
+                (self._spec_part, "split_rows", self._n_split, 2 * self.num_ctas,
+                 po.reshape(rows_cap, H, D), pl.reshape(rows_cap, H))):
+            blocks = cap if graph else n
+            if blocks == 0:
+                continue
+            work = self._view(name)[:8 * cap].reshape(cap, 8)
+            args = common + (work,) + tail + (o, l)
+            kernel = P.get_kernel(spec)
+            if spec.tensor_cores:
+                P.launch_tensor_core(kernel, spec, (blocks, self._num_kv_heads), args, stream)
+            else:
+                kernel[(blocks, self._num_kv_heads), spec.threads, stream](*args)
+        self._merge(stream, out_dev, lse_dev, po, pl, self._view("qo_indptr"), self._slot_rows)
+        return self._finish(kind, code, stream, out_user, out_dev, lse_user, lse_dev, out, lse,
+                            return_lse)
+
+    forward = run
