@@ -715,10 +715,10 @@ def nb03():
 
         1. Why decode is about *reading bytes once*: one query row per request against its whole
            KV history (notebook 04 puts a number on it).
-        2. **Shared-memory gather**: a block copies a tile of keys from scattered pages into
+        2. **Shared-memory gather**: a CTA (cooperative thread array — a CUDA thread block) copies a tile of keys from scattered pages into
            shared memory, then every thread computes from there. You will write the index math
            of a small gather kernel in numba.cuda.
-        3. **GQA fusion**: the query heads that share a KV head are handled by one block, so each
+        3. **GQA fusion**: the query heads that share a KV head are handled by one CTA, so each
            KV tile is loaded once for the whole group.
         4. **Split-KV** (FlashDecoding): long requests are cut into chunks whose partial states are
            merged in a fixed order — the merge operator of notebook 01, on the device.
@@ -749,13 +749,13 @@ def nb03():
         md("""
         ## 1. Shared-memory gather
 
-        A request's keys are scattered over pages. A decode block walks its keys in tiles of `TILE`
+        A request's keys are scattered over pages. A decode CTA walks its keys in tiles of `TILE`
         tokens: the threads first copy the tile from global memory into a `cuda.shared.array`
         (each thread one element; on a GPU each thread moves 16 bytes at a time), synchronize, and
         then compute scores and `p·V` from shared memory. The copy is where the page table is read.
 
         The toy kernel below does only the gather, for one head, and writes each tile back out
-        contiguously so we can check it. Grid: (request, tile); block: (token in tile, element of
+        contiguously so we can check it. Grid: one CTA per (request, tile); threads: (token in tile, element of
         `head_dim`).
 
         ### Exercise 1 — the index math
@@ -811,7 +811,7 @@ def nb03():
         ## 2. nbattn's decode kernel
 
         `nbattn.cuda.batch_decode_paged` takes exactly the golden model's arguments. Inside, a
-        block owns one work item and a group of query heads; per KV tile it gathers K and V into
+        CTA owns one work item and a group of query heads; per KV tile it gathers K and V into
         shared memory, computes the scores of all its heads, runs the online softmax in base 2 and
         accumulates `p·V`. We use GQA with 4 query heads per KV head:
         """),
@@ -839,16 +839,16 @@ def nb03():
         code("""
     prob = dec.prepare_decode(q, cache, *table, return_lse=True)
     cfg = prob.config()
-    print(f"group = {prob.group}: heads per block = {cfg.heads_per_cta}, threads per block = {cfg.nthreads}, "
+    print(f"group = {prob.group}: heads per CTA = {cfg.heads_per_cta}, threads per CTA = {cfg.nthreads}, "
           f"tokens per KV tile = {cfg.tile_tokens}")
     """),
         md("""
         ### Exercise 2 — what GQA fusion saves
 
-        If every query head were handled by its own block, each block would load its KV head's
+        If every query head were handled by its own CTA, each CTA would load its KV head's
         keys and values again: the KV traffic is multiplied by the group. Compute, for this batch
         in fp16 (`b = 2`), the minimal bytes of SPEC section 6 *with* fusion (`fused`) and the bytes
-        a one-head-per-block kernel would move (`unfused`: as if there were `Hq` KV heads).
+        a one-head-per-CTA kernel would move (`unfused`: as if there were `Hq` KV heads).
         """),
         exercise("""
     fused, unfused = None, None   # your code here (bytes, summed over the batch)
@@ -866,7 +866,7 @@ def nb03():
         md("""
         ## 3. Split-KV: partial states and the merge
 
-        With few requests, a decode step has too few blocks to keep every SM busy. FlashDecoding
+        With few requests, a decode step has too few CTAs to keep every SM busy. FlashDecoding
         cuts each long KV range into chunks, one work item each. Items of a split request write a
         **partial state** `(o, lse)` into a slot; a merge kernel then folds each request's slots
         in KV order. `split_work` builds that work list and its reduction map:
@@ -922,7 +922,7 @@ def nb03():
     print(f"✓ {len(merge_row)} split requests merged from {n_slots} partial states; equals the golden model")
     """),
         md("""
-        The fold order is fixed by the map, never by which block finishes first (no atomics), so
+        The fold order is fixed by the map, never by which CTA finishes first (no atomics), so
         running the same work twice gives **bitwise** the same partials:
         """),
         code("""
@@ -944,7 +944,7 @@ def nb03():
         md("""
         ## Summary
 
-        * A decode block gathers each KV tile from its pages into shared memory once and serves
+        * A decode CTA gathers each KV tile from its pages into shared memory once and serves
           every query head of its GQA group from it.
         * Split-KV trades a little extra traffic (partial states) for parallelism; the merge
           operator makes the result exact, and a fixed fold order makes it reproducible.
@@ -1068,8 +1068,8 @@ def nb04():
         md("""
         ## 2. nbattn's prefill kernel
 
-        `nbattn.cuda.prefill.batch_prefill_paged` takes the golden model's arguments. Each CUDA
-        block owns one tile of fused rows (GQA heads folded in) and one KV head; it gathers each
+        `nbattn.cuda.prefill.batch_prefill_paged` takes the golden model's arguments. Each
+        CTA owns one tile of fused rows (GQA heads folded in) and one KV head; it gathers each
         KV tile from the pages into shared memory once and uses it for the whole group. On a GPU
         with fp16/bf16 it runs the tensor-core path; in the simulator the CUDA-core path with
         small tiles. Here is the SPEC section 4 batch, causal:
@@ -1182,7 +1182,7 @@ def nb04():
         ## 5. Why decode needs split-KV
 
         A memory-bound kernel is only as fast as the number of SMs pulling data. A decode step
-        with a small batch launches `batch × H_kv` blocks — often fewer than the SMs. Splitting
+        with a small batch launches `batch × H_kv` CTAs — often fewer than the SMs. Splitting
         each KV range into chunks (FlashDecoding; notebook 03) puts every SM to work, at the
         price of writing partial states and merging them. The model
         `rl.split_kv_speedup_model` makes the assumptions explicit (see its docstring):
