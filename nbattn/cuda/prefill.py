@@ -823,6 +823,7 @@ def tensor_core_kernel(spec: KernelSpec):
     W = D // 2 + 4              # padded row of packed pairs (Q, K)
     WV = T_k // 2 + 4           # padded row of V^T (pairs along keys)
     NDT = D // 8                # n-tiles of the output
+    N_O = NDT * 4               # O fragment floats per lane
     KS = D // 16                # k-steps of Q K^T
     lo16 = uint32(0xFFFF)
     hi16 = uint32(0xFFFF0000)
@@ -928,8 +929,8 @@ def tensor_core_kernel(spec: KernelSpec):
         for r in range(warp * 16, warp * 16 + 16):
             warp_diag = min(warp_diag, s_diag[r])
 
-        o = cuda.local.array(NDT * 4, float32)
-        for i in range(NDT * 4):
+        o = cuda.local.array(N_O, float32)
+        for i in range(N_O):
             o[i] = 0.0
         m_lo = neg_inf
         m_hi = neg_inf
