@@ -69,18 +69,46 @@ def test_notebooks_are_built_and_clean():
                 assert not cell.outputs and cell.execution_count is None, f"{name} has stored outputs"
 
 
-@pytest.mark.notebook
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs(path, monkeypatch):
-    nb = nbformat.read(path, as_version=4)
-    nb.cells.insert(0, nbformat.v4.new_code_cell(PROBE))
+def _execute(nb, monkeypatch, *, allow_errors: bool = False) -> float:
+    """Run ``nb`` in place on this interpreter's ipykernel; returns seconds."""
     monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", os.environ.get("NUMBA_ENABLE_CUDASIM", "1"))
     km = KernelManager(kernel_name="python3", kernel_spec_manager=_ThisPythonSpecs())
     client = nbclient.NotebookClient(nb, km=km, timeout=600, kernel_name="python3",
+                                     allow_errors=allow_errors,
                                      resources={"metadata": {"path": str(NB_DIR)}})
     t0 = time.perf_counter()
     client.execute()
-    elapsed = time.perf_counter() - t0
+    return time.perf_counter() - t0
+
+
+def _tags(cell) -> list:
+    return list(cell.get("metadata", {}).get("tags", []))
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs(path, monkeypatch):
+    """Top to bottom, worked solutions included: every cell must succeed."""
+    nb = nbformat.read(path, as_version=4)
+    nb.cells.insert(0, nbformat.v4.new_code_cell(PROBE))
+    elapsed = _execute(nb, monkeypatch)
     probe = json.loads(nb.cells[0].outputs[0]["text"])
     assert probe["prefix"] == sys.prefix, f"kernel ran on {probe['executable']}, not {sys.executable}"
     print(f"{path.name}: {elapsed:.1f} s")
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_checks_fail_without_solutions(path, monkeypatch):
+    """The checks are real: with the worked solutions removed (the reader's
+    placeholders left in), every check cell must fail."""
+    nb = nbformat.read(path, as_version=4)
+    checks = [i for i, c in enumerate(nb.cells) if "check" in _tags(c)]
+    assert checks, f"{path.name} has no exercise checks"
+    assert sum("exercise" in _tags(c) for c in nb.cells) == len(checks)
+    nb.cells = nb.cells[:checks[-1] + 1]                  # nothing after the last check matters
+    nb.cells = [c for c in nb.cells if "solution" not in _tags(c)]
+    _execute(nb, monkeypatch, allow_errors=True)
+    passed = [c.source.splitlines()[0] for c in nb.cells
+              if "check" in _tags(c) and not any(o.get("output_type") == "error" for o in c.outputs)]
+    assert not passed, f"{path.name}: checks that pass with the placeholder left in: {passed}"
