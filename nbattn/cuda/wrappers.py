@@ -68,6 +68,7 @@ from ..sched.plan import DIRECT, Plan, plan as lpt_plan
 from ..variants import VARIANT_FIELDS, Variant, alibi_slopes, make_variant
 from . import _arrays as A
 from . import decode as DEC
+from ._driver import jit_kernel, sm_count
 from .merge import merge_weights
 from .primitives import SIMULATOR, element_io
 
@@ -84,7 +85,7 @@ _Q_TYPES = {"float16": "f16", "half": "f16", "bfloat16": "bf16", "float32": "f32
 
 def default_num_ctas() -> int:
     """CTAs per KV head when the caller does not say: one per SM (4 on the simulator)."""
-    return DEC.device_count_sms()
+    return sm_count()
 
 
 def _round_up(x: int, a: int = ALIGN) -> int:
@@ -224,8 +225,7 @@ def merge_kernel(code: str, head_dim: int, decode: bool, use_sigmoid: bool):
                 if d == 0:
                     lse[dst] = float32(math.nan) if SIGMOID else l
 
-    k = cuda.jit(kernel) if SIMULATOR else cuda.jit(kernel, cache=True)
-    _merge_kernels[key] = k
+    k = _merge_kernels[key] = jit_kernel(kernel)
     return k
 
 
