@@ -154,25 +154,25 @@ def bench_prefill_8k(recs):
         ref_o = ref[0].transpose(0, 1) if ref is not None else None
         print(f"  peers causal={causal}: { {k: round(v, 1) for k, v in peers.items()} }", flush=True)
         for tc, reps in ((True, 10), (False, 2)):
-          try:
-            out = torch.empty_like(q)
-            replay, res, first = ours(P.single_prefill, q, k, v, causal=causal, tensor_cores=tc, out=out)
-            written = poisoned_replay(replay, out)
-            err = rel_err(out, ref_o) if ref_o is not None else float("nan")
-            ms = events_ms(replay, reps, warm=1)
-            tflops = flops / (ms * 1e-3) / 1e12
-            c = dict(case, path="tensor_cores" if tc else "cuda_cores")
-            if tc:
-                pe = dict(peers)
-                pe.update({f"ratio_to_{k}": tflops / v for k, v in peers.items()})
-                record(recs, c, "tflops", tflops, "TFLOP/s", pe, compile_s=first, rel_err_vs_sdpa=err,
-                       all_written=written, ms=ms)
-            else:
-                record(recs, c, "tflops", tflops, "TFLOP/s", {"fp32_fma_peak_datasheet": FP32_FMA_PEAK_TFLOPS,
-                       "fraction_of_fp32_peak": tflops / FP32_FMA_PEAK_TFLOPS},
-                       compile_s=first, rel_err_vs_sdpa=err, all_written=written, ms=ms)
-          except Exception:
-            traceback.print_exc()
+            try:
+                out = torch.empty_like(q)
+                replay, res, first = ours(P.single_prefill, q, k, v, causal=causal, tensor_cores=tc, out=out)
+                written = poisoned_replay(replay, out)
+                err = rel_err(out, ref_o) if ref_o is not None else float("nan")
+                ms = events_ms(replay, reps, warm=1)
+                tflops = flops / (ms * 1e-3) / 1e12
+                c = dict(case, path="tensor_cores" if tc else "cuda_cores")
+                if tc:
+                    pe = dict(peers)
+                    pe.update({f"ratio_to_{k}": tflops / v for k, v in peers.items()})
+                    record(recs, c, "tflops", tflops, "TFLOP/s", pe, compile_s=first, rel_err_vs_sdpa=err,
+                           all_written=written, ms=ms)
+                else:
+                    record(recs, c, "tflops", tflops, "TFLOP/s", {"fp32_fma_peak_datasheet": FP32_FMA_PEAK_TFLOPS,
+                           "fraction_of_fp32_peak": tflops / FP32_FMA_PEAK_TFLOPS},
+                           compile_s=first, rel_err_vs_sdpa=err, all_written=written, ms=ms)
+            except Exception:
+                traceback.print_exc()
 
 
 def bench_page1_vs_contiguous(recs, copy_bw):
@@ -282,9 +282,10 @@ def inspect_tc():
     for d in (64, 128, 256):
         spec = P.make_spec("contig", "NHD", "f16", d, 32, 8, Variant(causal=True), True)
         kern = P.get_kernel(spec)
+        regs = kern.get_regs_per_thread()
         for sig, ptx in kern.inspect_asm().items():
             print(f"  tc D={d}: ld.local={ptx.count('ld.local')} st.local={ptx.count('st.local')} "
-                  f"mma={ptx.count('mma.sync')} regs={kern.get_regs_per_thread(sig)}")
+                  f"mma={ptx.count('mma.sync')} regs={regs}")
 
 
 def main():

@@ -3,6 +3,8 @@
 Under the simulator (CI) the CUDA-core path runs on tiny shapes; on a GPU the
 same cases also run the tensor-core path (``gpu`` marks the real-size ones).
 """
+import os
+
 import numpy as np
 import pytest
 
@@ -13,7 +15,8 @@ from nbattn import reference as R
 from nbattn.cuda import prefill as P
 
 SIM = _compat.simulator_enabled()
-PATHS = [False] if SIM else [False, True]      # tensor_cores off / on
+# tensor_cores off / on; NBATTN_TEST_PATHS=tc runs only the tensor-core path (a short GPU session)
+PATHS = [False] if SIM else ([True] if os.environ.get("NBATTN_TEST_PATHS") == "tc" else [False, True])
 gpu = pytest.mark.skipif(SIM, reason="needs a real GPU")
 
 
@@ -164,7 +167,7 @@ def test_sigmoid_has_no_lse():
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("tc", [False, True])
+@pytest.mark.parametrize("tc", PATHS)
 @pytest.mark.parametrize("page_size, group, d, dtype", [
     (1, 1, 64, "f16"), (5, 4, 128, "bf16"), (16, 8, 256, "f16"), (16, 4, 128, "bf16")])
 def test_gpu_real_sizes(tc, page_size, group, d, dtype):
@@ -173,7 +176,6 @@ def test_gpu_real_sizes(tc, page_size, group, d, dtype):
     qo_lens = [1, 17, 577, 64, 0, 130]
     kv_lens = [1, 300, 2000, 8192, 40, 130]
     hk = 2
-    npd = np.float16
     q, cache, qo, ip, ix, lp = paged_case(rng, qo_lens, kv_lens, page_size, hq=hk * group, hk=hk, d=d,
                                           dtype=np.float32)
     tdt = torch.float16 if dtype == "f16" else torch.bfloat16
@@ -183,4 +185,3 @@ def test_gpu_real_sizes(tc, page_size, group, d, dtype):
         ref = R.batch_prefill_paged(tq.float().cpu().numpy(), tc_.float().cpu().numpy(), qo, ip, ix, lp,
                                     causal=causal, return_lse=True)
         check((o.float().cpu().numpy(), lse.cpu().numpy()), ref, tol=2e-2)
-    del npd

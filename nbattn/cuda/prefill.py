@@ -789,6 +789,65 @@ def _kv_vector_reader(mode: str, kv_layout: str) -> Callable:
     return vec
 
 
+def _fragment_functions(head_dim: int, mma, q_in_registers: bool) -> dict:
+    """Straight-line device functions over register tuples, generated per head_dim.
+
+    The O accumulator (head_dim/8 n-tiles x 4 floats per lane) and the Q
+    fragments must stay in registers; a ``cuda.local.array`` indexed in loops
+    only does if the compiler unrolls every loop, which it did not (measured:
+    60 TFLOP/s).  So the loops over n-tiles and k-steps are written out here,
+    once, as source text, and the state travels as tuples (SSA values).
+
+    - ``o_zero()``: the zero O tuple;
+    - ``q_frags(s_q, r_lo, r_hi, tq)``: all A fragments of the warp's 16 rows;
+    - ``qk(qf, s_q, r_lo, r_hi, s_k, k, g, tq)``: S for 16 rows x keys k..k+15
+      as (x0..x3, y0..y3) -- two n-tiles;
+    - ``pv(o, p0, p1, p2, p3, s_vt, kc, g, alpha_lo, alpha_hi)``: O = alpha O + P V;
+    - ``o_get(o, i)`` is plain tuple indexing with a constant.
+    """
+    ndt, ks = head_dim // 8, head_dim // 16
+    n_o = 4 * ndt
+    lines = []
+    names = ", ".join(f"o{i}" for i in range(n_o))
+    lines.append("def o_zero():")
+    lines.append("    z = float32(0.0)")
+    lines.append("    return (" + ", ".join("z" for _ in range(n_o)) + ",)")
+    lines.append("def q_frags(s_q, r_lo, r_hi, tq):")
+    frag = [] if q_in_registers else ["uint32(0)"]
+    for k in range(ks if q_in_registers else 0):
+        c = k * 8
+        frag += [f"s_q[r_lo, {c} + tq]", f"s_q[r_hi, {c} + tq]", f"s_q[r_lo, {c + 4} + tq]", f"s_q[r_hi, {c + 4} + tq]"]
+    lines.append("    return (" + ", ".join(frag) + ",)")
+    lines.append("def qk(qf, s_q, r_lo, r_hi, s_k, k, g, tq):")
+    lines.append("    z = float32(0.0)")
+    lines.append("    x0 = x1 = x2 = x3 = z")
+    lines.append("    y0 = y1 = y2 = y3 = z")
+    lines.append("    ka = k + g")
+    lines.append("    kb = k + 8 + g")
+    for k in range(ks):
+        c = k * 8
+        if q_in_registers:
+            a = f"qf[{4 * k}], qf[{4 * k + 1}], qf[{4 * k + 2}], qf[{4 * k + 3}]"
+        else:
+            lines.append(f"    a0 = s_q[r_lo, {c} + tq]; a1 = s_q[r_hi, {c} + tq]; "
+                         f"a2 = s_q[r_lo, {c + 4} + tq]; a3 = s_q[r_hi, {c + 4} + tq]")
+            a = "a0, a1, a2, a3"
+        lines.append(f"    x0, x1, x2, x3 = mma({a}, s_k[ka, {c} + tq], s_k[ka, {c + 4} + tq], x0, x1, x2, x3)")
+        lines.append(f"    y0, y1, y2, y3 = mma({a}, s_k[kb, {c} + tq], s_k[kb, {c + 4} + tq], y0, y1, y2, y3)")
+    lines.append("    return x0, x1, x2, x3, y0, y1, y2, y3")
+    lines.append("def pv(o, p0, p1, p2, p3, s_vt, kc, g, alpha_lo, alpha_hi):")
+    lines.append(f"    {names}, = o" if n_o else "    pass")
+    for nt in range(ndt):
+        i = 4 * nt
+        lines.append(f"    o{i}, o{i + 1}, o{i + 2}, o{i + 3} = mma(p0, p1, p2, p3, s_vt[{nt * 8} + g, kc], "
+                     f"s_vt[{nt * 8} + g, kc + 4], o{i} * alpha_lo, o{i + 1} * alpha_lo, "
+                     f"o{i + 2} * alpha_hi, o{i + 3} * alpha_hi)")
+    lines.append(f"    return ({names},)")
+    env = {"float32": float32, "uint32": uint32, "mma": mma}
+    exec(compile("\n".join(lines), f"<nbattn fragments D={head_dim}>", "exec"), env)
+    return {name: cuda.jit(device=True, inline=True)(env[name]) for name in ("o_zero", "q_frags", "qk", "pv")}
+
+
 def tensor_core_kernel(spec: KernelSpec):
     """mma.sync path.  Launch: grid (n_work, num_kv_heads), T_q/16 warps.
 
@@ -819,6 +878,9 @@ def tensor_core_kernel(spec: KernelSpec):
     mma = _mma.mma_bf16 if spec.kind == "bf16" else _mma.mma_f16
     pack = _mma.pack_bf16x2 if spec.kind == "bf16" else _mma.pack_f16x2
     load_q = _mma.load_u32x4
+    q_in_registers = D <= 128          # D=256 would need 64 more registers: read A from shared memory
+    frags = _fragment_functions(D, mma, q_in_registers)
+    o_zero, q_frags, qk, pv = frags["o_zero"], frags["q_frags"], frags["qk"], frags["pv"]
     neg_inf = float32(-math.inf)
     W = D // 2 + 4              # padded row of packed pairs (Q, K)
     WV = T_k // 2 + 4           # padded row of V^T (pairs along keys)
@@ -929,9 +991,8 @@ def tensor_core_kernel(spec: KernelSpec):
         for r in range(warp * 16, warp * 16 + 16):
             warp_diag = min(warp_diag, s_diag[r])
 
-        o = cuda.local.array(N_O, float32)
-        for i in range(N_O):
-            o[i] = 0.0
+        o = o_zero()
+        qf = q_frags(s_q, r_lo, r_hi, tq)     # (a dummy when A is read from shared memory)
         m_lo = neg_inf
         m_hi = neg_inf
         l_lo = float32(0.0)
@@ -987,18 +1048,7 @@ def tensor_core_kernel(spec: KernelSpec):
                 if t0 + k0 >= hi:
                     break
                 # S = Q K^T for 16 rows x 16 keys (two n-tiles)
-                x0 = x1 = x2 = x3 = float32(0.0)
-                y0 = y1 = y2 = y3 = float32(0.0)
-                for ks in range(KS):
-                    col = ks * 8 + tq
-                    qa0 = s_q[r_lo, col]
-                    qa1 = s_q[r_hi, col]
-                    qa2 = s_q[r_lo, col + 4]
-                    qa3 = s_q[r_hi, col + 4]
-                    x0, x1, x2, x3 = mma(qa0, qa1, qa2, qa3, s_k[k0 + g, col], s_k[k0 + g, col + 4],
-                                         x0, x1, x2, x3)
-                    y0, y1, y2, y3 = mma(qa0, qa1, qa2, qa3, s_k[k0 + 8 + g, col],
-                                         s_k[k0 + 8 + g, col + 4], y0, y1, y2, y3)
+                x0, x1, x2, x3, y0, y1, y2, y3 = qk(qf, s_q, r_lo, r_hi, s_k, k0, g, tq)
                 # variant and mask; the fast case is a 16-key step every row sees whole
                 kt = k0 + 2 * tq
                 last = t0 + k0 + 15
@@ -1062,16 +1112,7 @@ def tensor_core_kernel(spec: KernelSpec):
                 p1 = pack(x2, x3)
                 p2 = pack(y0, y1)
                 p3 = pack(y2, y3)
-                kc = k0 // 2 + tq
-                for nt in range(NDT):
-                    vrow = nt * 8 + g
-                    c0, c1, c2, c3 = mma(p0, p1, p2, p3, s_vt[vrow, kc], s_vt[vrow, kc + 4],
-                                         o[nt * 4] * alpha_lo, o[nt * 4 + 1] * alpha_lo,
-                                         o[nt * 4 + 2] * alpha_hi, o[nt * 4 + 3] * alpha_hi)
-                    o[nt * 4] = c0
-                    o[nt * 4 + 1] = c1
-                    o[nt * 4 + 2] = c2
-                    o[nt * 4 + 3] = c3
+                o = pv(o, p0, p1, p2, p3, s_vt, k0 // 2 + tq, g, alpha_lo, alpha_hi)
             cuda.syncthreads()
 
         # Row sums live spread over the quad: add them up, normalize, write.
