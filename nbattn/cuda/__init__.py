@@ -22,3 +22,10 @@ from .decode import batch_decode_paged
 from .merge import merge_state, merge_state_in_place, merge_states
 
 __all__ = ["batch_decode_paged", "merge_state", "merge_states", "merge_state_in_place"]
+
+# Prefill / append, block-sparse and cascade kernels (issue 4).
+from .prefill import batch_prefill_paged, batch_prefill_ragged, single_prefill  # noqa: E402
+from .sparse import block_sparse  # noqa: E402
+from .cascade import cascade  # noqa: E402
+
+__all__ += ["batch_prefill_paged", "batch_prefill_ragged", "single_prefill", "block_sparse", "cascade"]
