@@ -674,11 +674,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PlanRunWrapper):
                 continue
             work = self._view(name)[:8 * cap].reshape(cap, 8)
             args = common + (work,) + tail + (o, l)
-            kernel = P.get_kernel(spec)
-            if spec.tensor_cores:
-                P.launch_tensor_core(kernel, spec, (blocks, self._num_kv_heads), args, stream)
-            else:
-                kernel[(blocks, self._num_kv_heads), spec.threads, stream](*args)
+            # Both paths (CUDA cores, tensor cores) launch the same way: grid (rows, KV heads).
+            P.get_kernel(spec)[(blocks, self._num_kv_heads), spec.threads, stream](*args)
         self._merge(stream, out_dev, lse_dev, po, pl, self._view("qo_indptr"), self._slot_rows)
         return self._finish(kind, code, stream, out_user, out_dev, lse_user, lse_dev, out, lse,
                             return_lse)
