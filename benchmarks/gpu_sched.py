@@ -31,7 +31,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
