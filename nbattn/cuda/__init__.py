@@ -29,3 +29,8 @@ from .sparse import block_sparse  # noqa: E402
 from .cascade import cascade  # noqa: E402
 
 __all__ += ["batch_prefill_paged", "batch_prefill_ragged", "single_prefill", "block_sparse", "cascade"]
+
+# Plan/run wrappers over a preallocated workspace (issue 5, SPEC section 5).
+from .wrappers import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper  # noqa: E402
+
+__all__ += ["BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper"]
