@@ -1541,6 +1541,40 @@ def nb05():
     show(sched_plots.policy_utilization, sched.compare_policies(workloads, 32), name="policies.png")
     """),
         md("""
+        The simulator is a model. `benchmarks/gpu_sched.py` times the real kernels on a GPU for the
+        same kinds of steps and writes `benchmarks/results/sched.json`; when that file is present,
+        here is what it measured (latency per step, relative to one request per CTA). Compare the
+        skewed step with the constant one: balancing pays where the lengths are uneven, and costs a
+        little (extra chunks, a merge pass) where they are not.
+        """),
+        code("""
+    from nbattn.perf import results
+    try:
+        measured = results.load_suite("sched")
+    except results.ResultFormatError as e:
+        measured = None
+        print("sched.json does not validate, left out:", e)
+    rows = {}
+    for r in (measured.select("latency_us") if measured else []):
+        rows.setdefault(r.case.get("workload"), {})[r.case.get("policy")] = r.value
+    if not rows:
+        print("no measured scheduler results yet (benchmarks/results/sched.json)")
+    else:
+        print(f"measured on {measured.gpu}, {measured.date} ({measured.command})")
+        pols = sorted({p for row in rows.values() for p in row}, key=lambda p: (p != "one_per_cta", p))
+        fig, ax = plt.subplots(figsize=(9, 3))
+        width = 0.8 / len(pols)
+        for k, pol in enumerate(pols):
+            rel = [rows[w].get(pol, np.nan) / rows[w]["one_per_cta"] for w in rows]
+            ax.bar(np.arange(len(rows)) + (k - (len(pols) - 1) / 2) * width, rel, width, label=pol)
+        ax.set_xticks(range(len(rows)), list(rows)); ax.set_yscale("log")
+        ax.axhline(1, color="k", lw=0.8); ax.set_ylabel("latency / one_per_cta")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1)); plt.tight_layout(); plt.show()
+        for r in measured.select("plan_us"):
+            print(f"{r.case.get('workload'):14s} plan() {r.value:7.0f} us (planner alone "
+                  f"{r.peers.get('planner_only', float('nan')):.0f} us)")
+    """),
+        md("""
         ### Exercise 4 — the partial buffer fits, always
 
         The run step preallocates the partial buffer once (for CUDA graphs, addresses must not
