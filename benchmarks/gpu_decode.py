@@ -173,7 +173,8 @@ def check_merge(rng) -> list[dict]:
         atol, rtol = TOL[code]
         ok = np.allclose(f32(o), ro, atol=atol, rtol=rtol)
         fin = np.isfinite(rl)
-        ok_l = np.array_equal(np.isneginf(f32(l)), np.isneginf(rl)) and np.allclose(f32(l)[fin], rl[fin], rtol=1e-5)
+        ok_l = np.array_equal(np.isneginf(f32(l)), np.isneginf(rl)) and np.allclose(f32(l)[fin], rl[fin], rtol=1e-5,
+                                                                                  atol=1e-4)
         va, vb = v[:, 0], v[:, 1]
         sa, sb = s[:, 0].contiguous(), s[:, 1].contiguous()
         o2, l2 = MRG.merge_state(va.contiguous(), sa, vb.contiguous(), sb)
@@ -201,13 +202,16 @@ def _as_f32(a: np.ndarray) -> np.ndarray:
 # (c) timing
 # ---------------------------------------------------------------------------
 
-def bench(fn, iters=15, rep=10):
+def bench(fn, iters=15, rep=10, graph=True):
     """Median ms per call: CUDA events around graph replays of `rep` calls
     (falls back to plain launches when capture fails)."""
     fn()
     torch.cuda.synchronize()
-    graph = None
+    if not graph:
+        graph = None
     try:
+        if graph is None:
+            raise StopIteration
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -220,6 +224,8 @@ def bench(fn, iters=15, rep=10):
                 fn()
         graph.replay()
         torch.cuda.synchronize()
+    except StopIteration:
+        graph = None
     except Exception as exc:  # noqa: BLE001
         log("graph capture failed, timing plain launches:", repr(exc)[:120])
         graph = None
@@ -238,14 +244,21 @@ def bench(fn, iters=15, rep=10):
     return statistics.median(times), graph is not None
 
 
-def copy_bandwidth() -> float:
+def copy_bandwidth() -> dict:
+    """Device-to-device copy of 1 GiB (bytes read + written), three ways; the
+    best is the ceiling (a graph's memcpy node may run on a copy engine)."""
     n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
-    a.random_(0, 255)
+    a = torch.empty(n // 4, dtype=torch.float32, device="cuda")
+    a.uniform_()
     b = torch.empty_like(a)
-    ms, _ = bench(lambda: b.copy_(a), iters=10, rep=5)
+    res = {}
+    for name, fn, graph in (("memcpy", lambda: b.copy_(a), False),
+                            ("memcpy_graph", lambda: b.copy_(a), True),
+                            ("sm_kernel", lambda: torch.mul(a, 1.0, out=b), False)):
+        ms, _ = bench(fn, iters=10, rep=5, graph=graph)
+        res[name] = 2 * n / (ms * 1e-3) / 1e9
     del a, b
-    return 2 * n / (ms * 1e-3) / 1e9
+    return res
 
 
 def our_runner(p, chunk):
@@ -425,12 +438,14 @@ def main():
         with open(os.path.join(OUT, "decode.json"), "w") as f:
             json.dump(result, f, indent=1, default=str)
 
-    copy_bw = copy_bandwidth()
+    copies = copy_bandwidth()
+    copy_bw = max(copies.values())
     result["copy_bandwidth_GBps"] = copy_bw
-    log(f"copy bandwidth {copy_bw:.0f} GB/s (read+write)")
+    result["copy_bandwidth_methods_GBps"] = copies
+    log(f"copy bandwidth {copy_bw:.0f} GB/s (read+write), by method {copies}")
     try:
-        import torch._dynamo
-        torch._dynamo.config.recompile_limit = 64
+        import importlib
+        importlib.import_module("torch._dynamo").config.recompile_limit = 64
         from torch.nn.attention.flex_attention import flex_attention
         FLEX = torch.compile(flex_attention, dynamic=False)
     except Exception as exc:  # noqa: BLE001

@@ -206,8 +206,10 @@ def _build(cfg: DecodeConfig):
                     pos = tile + t
                     k0 = k1 = k2 = k3 = v0 = v1 = v2 = v3 = np.uint32(0)
                     if pos < kv_end:
-                        page = int64(kv_indices[page_base + pos // page_size])
-                        within = int64(pos % page_size)
+                        # unsigned 32-bit division: far cheaper than numba's int64 floor division
+                        page_idx = np.uint32(pos) // np.uint32(page_size)
+                        within = int64(np.uint32(pos) - page_idx * np.uint32(page_size))
+                        page = int64(kv_indices[page_base + int64(page_idx)])
                         if NHD:
                             row_k = ((page * 2 * ps + within) * hkv + kvh) * W
                             row_v = (((page * 2 + 1) * ps + within) * hkv + kvh) * W
