@@ -411,7 +411,8 @@ def nb02():
            page table into a shared-prefix view and a unique-suffix view, and the merge of notebook 01
            puts the two back together.
 
-        Only index arrays are built here; the KV data is never copied into a new layout.
+        Only index arrays are built here; the KV data is never copied into a new layout. The
+        kernels `nbattn.cuda.block_sparse` and `nbattn.cuda.cascade` read the very same views.
         """),
         code(SETUP + """
     import matplotlib.pyplot as plt
@@ -611,6 +612,11 @@ def nb02():
     o_bsr = ref.block_sparse(q_dec, k_pool, v_pool, exact)
     o_dec = ref.batch_decode_paged(q_dec, cache, kv_indptr, kv_indices, last_page_len)
     print("block_sparse over the pool == batch_decode_paged:", np.allclose(o_bsr, o_dec, atol=1e-6))
+
+    import nbattn.cuda as nbcuda            # the kernel reads the same BSR view (simulator without a GPU)
+    ok = np.allclose(nbcuda.block_sparse(q_dec, k_pool, v_pool, exact), o_bsr, atol=1e-5)
+    print("kernel nbattn.cuda.block_sparse == golden:", ok)
+    assert ok
     """),
         md("""
         ## 4. Shared prefixes and composable formats
@@ -664,6 +670,9 @@ def nb02():
     o_flat = ref.batch_decode_paged(q4, cache2, indptr, indices, last)
     o_casc = ref.cascade(q4, levels, cache2)
     print("cascade (two levels, merged) == flat decode:", np.allclose(o_flat, o_casc, atol=1e-6))
+    ok = np.allclose(nbcuda.cascade(q4, levels, cache2), o_casc, atol=1e-5)
+    print("kernel nbattn.cuda.cascade == golden:", ok)
+    assert ok
     """),
         md("""
         ### Exercise 3 — the traffic you save
@@ -966,7 +975,7 @@ def nb04():
 
         1. How a prefill kernel tiles the work: a `T_q × T_k` tile of scores at a time, online
            softmax across KV tiles, and which tiles a causal mask lets it skip.
-        2. nbattn's prefill kernel (`nbattn.cuda.prefill.batch_prefill_paged`) on the paged batch of
+        2. nbattn's prefill kernel (`nbattn.cuda.batch_prefill_paged`) on the paged batch of
            notebook 02, checked against the golden model.
         3. The roofline model of SPEC section 6 (`nbattn.perf.roofline`): FLOPs, minimal bytes,
            operational intensity — and why **decode is memory-bound** while **prefill is
@@ -1068,14 +1077,14 @@ def nb04():
         md("""
         ## 2. nbattn's prefill kernel
 
-        `nbattn.cuda.prefill.batch_prefill_paged` takes the golden model's arguments. Each
+        `nbattn.cuda.batch_prefill_paged` takes the golden model's arguments. Each
         CTA owns one tile of fused rows (GQA heads folded in) and one KV head; it gathers each
         KV tile from the pages into shared memory once and uses it for the whole group. On a GPU
         with fp16/bf16 it runs the tensor-core path; in the simulator the CUDA-core path with
         small tiles. Here is the SPEC section 4 batch, causal:
         """),
         code("""
-    from nbattn.cuda import prefill as cuda_prefill
+    import nbattn.cuda as nbcuda
 
     qo_indptr = np.array([0, 3, 4, 8], np.int32)
     kv_indptr = np.array([0, 2, 3, 6], np.int32)
@@ -1086,7 +1095,7 @@ def nb04():
     cache = rng.normal(size=(16, 2, 4, Hkv, D)).astype(dtype)
     q = rng.normal(size=(8, Hq, D)).astype(dtype)
     args = (q, cache, qo_indptr, kv_indptr, kv_indices, last_page_len)
-    o_k, lse_k = cuda_prefill.batch_prefill_paged(*args, causal=True, return_lse=True)
+    o_k, lse_k = nbcuda.batch_prefill_paged(*args, causal=True, return_lse=True)
     o_r, lse_r = ref.batch_prefill_paged(*args, causal=True, return_lse=True)
     tol = 1e-5 if SMALL else 2e-2
     print(f"kernel vs golden: max |Δo| = {np.abs(np.asarray(o_k, np.float32) - o_r).max():.1e}, "
@@ -1493,13 +1502,13 @@ def nb05():
         assert err < 1e-5
     """),
         md("""
-        The package packages this as FlashInfer's `BatchDecodeWithPagedKVCacheWrapper`
-        (`nbattn.cuda.wrappers`): the constructor cuts one preallocated device buffer into fixed
+        The package wraps this as FlashInfer's `BatchDecodeWithPagedKVCacheWrapper`
+        (`nbattn.cuda`): the constructor cuts one preallocated device buffer into fixed
         regions (plan arrays, partial states), `plan()` runs LPT and copies the plan in, and
         `run()` only launches the decode and merge kernels — once per layer.
         """),
         code("""
-    from nbattn.cuda.wrappers import BatchDecodeWithPagedKVCacheWrapper
+    from nbattn.cuda import BatchDecodeWithPagedKVCacheWrapper
 
     workspace = cuda.device_array(1 << 20 if SMALL else 128 << 20, np.uint8)   # allocated once
     wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", num_ctas=C)
@@ -1712,7 +1721,7 @@ def nb06():
     from nbattn import reference as ref
     from nbattn.reference.masks import keep_mask
     from nbattn.variants import Variant, alibi_slopes
-    from nbattn.cuda import prefill as cuda_prefill
+    import nbattn.cuda as nbcuda
 
     rng = np.random.default_rng(0)
     Q, K, H, D = (8, 40, 2, 16) if SMALL else (128, 1024, 8, 64)
@@ -1722,7 +1731,7 @@ def nb06():
 
     def compare(**variant):
         \"\"\"Run the kernel and the golden model with the same variant; return max |difference|.\"\"\"
-        o_kernel = cuda_prefill.single_prefill(q, k, v, **variant)
+        o_kernel = nbcuda.single_prefill(q, k, v, **variant)
         o_golden = ref.single_prefill(q, k, v, **variant)
         return float(np.abs(np.asarray(o_kernel, np.float32) - o_golden).max())
     """),
@@ -1834,7 +1843,7 @@ def nb06():
         return (q_idx - kv_idx <= 5) | (kv_idx < 2)
     """),
         check("""
-    o_mine = cuda_prefill.single_prefill(q, k, v, causal=True, mask_mod=my_window)
+    o_mine = nbcuda.single_prefill(q, k, v, causal=True, mask_mod=my_window)
     o_builtin = ref.single_prefill(q, k, v, causal=True, window_left=5, sink_size=2)
     np.testing.assert_allclose(np.asarray(o_mine, np.float32), o_builtin, atol=1e-5)
     print("✓ your compiled mask_mod equals the built-in window with sinks")
@@ -1859,7 +1868,7 @@ def nb06():
         check("""
     assert H & (H - 1) == 0, "this closed form needs a power-of-two head count"
     np.testing.assert_allclose(2.0 ** (-8.0 * (np.arange(H) + 1) / H), alibi_slopes(H), rtol=1e-6)
-    o_mine = cuda_prefill.single_prefill(q, k, v, causal=True, score_mod=my_alibi)
+    o_mine = nbcuda.single_prefill(q, k, v, causal=True, score_mod=my_alibi)
     o_builtin = ref.single_prefill(q, k, v, causal=True, pos_encoding_mode="ALIBI")
     np.testing.assert_allclose(np.asarray(o_mine, np.float32), o_builtin, atol=1e-4)
     print("✓ your compiled score_mod equals the built-in ALiBi")
