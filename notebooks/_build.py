@@ -1467,7 +1467,7 @@ def nb05():
     from nbattn.cuda.merge import MergeMap, run_merge_partials
 
     B, Hq, Hkv, D, C = (4, 4, 2, 16, 4) if SMALL else (32, 32, 8, 128, 132)
-    kv_dev_lens = rng.integers(4, 48 if SMALL else 4096, size=B)
+    kv_dev_lens = rng.integers(4, 24 if SMALL else 4096, size=B)
     kv_dev_lens[0] *= 4                                    # one long request
     pkv = L.PagedKV.allocate(kv_dev_lens, 4 if SMALL else 16, rng=rng)
     table = (pkv.paged_kv_indptr, pkv.paged_kv_indices, pkv.paged_kv_last_page_len)
