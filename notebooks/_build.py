@@ -251,7 +251,7 @@ def nb01():
         md("""
         ## 5. Overflow: logits of ±1000
 
-        `exp(1000)` is infinite in every float format, so softmax written literally returns NaN.
+        `exp(1000)` overflows float32 and float64 alike, so softmax written literally returns NaN.
         Subtracting the maximum first (what `state` and the golden model do) keeps every
         exponent ≤ 0. The merge inherits this: it only ever evaluates `2^(lse - m) ≤ 1`.
         """),
@@ -324,12 +324,13 @@ def nb01():
         PyTorch's `logsumexp` and most papers report `ln Σ e^s`. nbattn's states use
         `log2 Σ e^s = ln Σ e^s / ln 2`: divide once when importing a natural LSE
         (`lse_natural_to_base2`), multiply when exporting (`lse_base2_to_natural`). Mixing the
-        two silently distorts the weights: the mass ratio `2^(lse_A - lse_B)` becomes
-        `e^(...)`'s wrong cousin.
+        two silently distorts the weights: a natural LSE is `ln 2 ≈ 0.69` times the base-2 one,
+        so read as base 2 it shrinks that set's mass and the merge under-weights it.
 
         ### Exercise 3 — import a natural-log state
 
-        `state_nat` below comes from a library that reports a natural-log LSE over keys 0..1.
+        The state `(oA_nat, lseA_nat)` below comes from a library that reports a natural-log LSE
+        over keys 0..1.
         Merge it with the base-2 state of keys 2..3 so that the result equals attention over
         all four keys. Put the merged output into `o_fixed`.
         """),
@@ -1252,7 +1253,8 @@ def nb05():
            lower bound.
         6. Why plan/run makes a step CUDA-graph capturable.
 
-        The planner runs on the CPU; nothing here needs a GPU.
+        The planner runs on the CPU; without a GPU the kernels run in numba's simulator. Only the
+        CUDA-graph cell needs a real GPU (it says so and skips itself otherwise).
         """),
         code(SETUP + """
     import tempfile
@@ -1914,8 +1916,9 @@ def nb06():
         md("""
         ### Exercise 3 — read a paper number through Amdahl's law
 
-        SPEC section 7: with FlashInfer as its attention backend, SGLang's end-to-end inter-token
-        latency for Llama 3.1 8B on the Variable workload went from 29.6 ms to 9.1 ms. If attention
+        SPEC section 7: switching SGLang's attention backend from Triton to FlashInfer took the
+        end-to-end inter-token latency of Llama 3.1 8B on the Variable workload from 29.6 ms to
+        9.1 ms. If attention
         is a fraction `f` of a step and gets `k×` faster, the step gets
         `1 / ((1 − f) + f/k)` faster. Even with infinitely fast attention (`k → ∞`), what is the
         smallest `f` that explains the measured speedup? Store it in `f_min`.
