@@ -1189,6 +1189,27 @@ def nb04():
     display(fig)
     """),
         md("""
+        How far below its roof does a measured prefill sit? For each `tflops` record of
+        `prefill.json` (when present), the shape gives the intensity, the intensity and the GPU
+        named in the file give the roof, and the ratio is what is left on the table:
+        """),
+        code("""
+    from nbattn.perf import match_gpu
+    pre = results.load_suite("prefill", root)
+    if pre is None:
+        print("no prefill.json yet: run the GPU prefill benchmark to fill this in")
+    else:
+        gpu = match_gpu(pre.gpu) or H200
+        bw = pre.copy_bandwidth_GBps or gpu.copy_bandwidth_GBps
+        for r in pre.select("tflops"):
+            sh = results.attention_shape(r.case)
+            I = rl.operational_intensity(sh["l_q"], sh["l_kv"], sh["head_dim"], sh["num_qo_heads"],
+                                         sh["num_kv_heads"], sh["bytes_per_elem"], causal=sh["causal"])
+            roof = rl.attainable_tflops(I, gpu.tensor_tflops, bw)
+            label = ", ".join(f"{k}={v}" for k, v in r.case.items() if k in ("q_len", "causal", "path", "kv"))
+            print(f"{label:55s} {r.value:7.1f} TFLOP/s = {r.value / roof:5.1%} of the {roof:.0f} TFLOP/s roof ({gpu.name})")
+    """),
+        md("""
         The golden model has a CPU benchmark of its own (`golden_cpu.json`, when present): a
         reminder that a NumPy prefill is itself compute-bound — it reaches a good fraction of
         what NumPy's matmul does on the same machine.
