@@ -30,7 +30,7 @@ import torch
 
 import nbattn  # noqa: F401
 from nbattn import layout as L
-from nbattn.cuda import cascade as C
+from nbattn.cuda.cascade import cascade as cuda_cascade
 from nbattn.cuda import prefill as P
 
 OUT = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
@@ -261,7 +261,7 @@ def bench_cascade(recs, copy_bw):
             pkv = L.PagedKV.validate(indptr, indices, last, PS, pool)
             levels = L.cascade_decompose(qo, pkv)
             q = torch.randn(batch, HQ, D, device=DEV, dtype=torch.float16, generator=g)
-            replay, oc, first = ours(C.cascade, q, levels, cache)
+            replay, oc, first = ours(cuda_cascade, q, levels, cache)
             written = poisoned_replay(replay, oc)
             ms_c = events_ms(replay, 50)
             flat = Dec.batch_decode_paged(q, cache, indptr, indices, last)
@@ -272,8 +272,8 @@ def bench_cascade(recs, copy_bw):
                     "num_kv_heads": HK, "head_dim": D, "dtype": "fp16"}
             record(recs, case, "latency_us", ms_c * 1e3, "us", {"flat_decode": ms_f * 1e3},
                    compile_s=first, rel_err_vs_flat=err, all_written=written)
-            record(recs, case, "speedup", ms_f / ms_c, "x", {"paper_flashinfer_h100":
-                   {(64, 32768): 16.07, (16, 1024): 1.03}.get((batch, prefix), float("nan"))})
+            paper = {(64, 32768): 16.07, (16, 1024): 1.03}.get((batch, prefix))
+            record(recs, case, "speedup", ms_f / ms_c, "x", {"paper_flashinfer_h100": paper} if paper else {})
 
 
 def inspect_tc():

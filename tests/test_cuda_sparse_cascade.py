@@ -6,8 +6,8 @@ import nbattn  # noqa: F401  (compat first)
 from nbattn import _compat
 from nbattn import layout as L
 from nbattn import reference as R
-from nbattn.cuda import cascade as C
-from nbattn.cuda import sparse as S
+from nbattn.cuda.cascade import cascade as cuda_cascade
+from nbattn.cuda.sparse import block_sparse
 
 from test_cuda_prefill import PATHS, check
 
@@ -31,7 +31,7 @@ def test_block_sparse_any_block_shape(tc, block, kw):
     mask[1] = False                                   # an empty block row: o = 0, lse = -inf
     bsr = L.BSR.from_block_mask(mask, block, (m, n))
     lse = not kw.get("use_sigmoid")
-    got = S.block_sparse(q, k, v, bsr, return_lse=lse, tensor_cores=tc, **kw)
+    got = block_sparse(q, k, v, bsr, return_lse=lse, tensor_cores=tc, **kw)
     ref = R.block_sparse(q, k, v, bsr, return_lse=lse, **kw)
     check(got, ref)
     if lse:
@@ -42,9 +42,9 @@ def test_block_sparse_keeps_column_order_and_rejects_bad_shape():
     rng = np.random.default_rng(12)
     q, k, v = qkv(rng, 4, 6)
     bsr = L.BSR.validate(np.array([0, 2, 3], np.int32), np.array([2, 0, 1], np.int32), (2, 2), (4, 6))
-    check(S.block_sparse(q, k, v, bsr, return_lse=True), R.block_sparse(q, k, v, bsr, return_lse=True))
+    check(block_sparse(q, k, v, bsr, return_lse=True), R.block_sparse(q, k, v, bsr, return_lse=True))
     with pytest.raises(ValueError, match="bsr"):
-        S.block_sparse(q[:3], k, v, bsr)
+        block_sparse(q[:3], k, v, bsr)
 
 
 def shared_prefix_batch(rng, prefix_pages, suffix_lens, qo_lens, page_size=4, hq=4, hk=2, d=16):
@@ -75,7 +75,7 @@ def test_cascade_two_levels_matches_golden_and_flat(tc, kw):
     levels = L.cascade_decompose(qo, pkv)
     assert len(levels[0].paged_kv_indices) == 2       # the prefix is one block row
     lse = not kw.get("use_sigmoid")
-    got = C.cascade(q, levels, cache, return_lse=lse, tensor_cores=tc, **kw)
+    got = cuda_cascade(q, levels, cache, return_lse=lse, tensor_cores=tc, **kw)
     ref = R.cascade(q, levels, cache, return_lse=lse, **kw)
     check(got, ref)
     flat = R.batch_prefill_paged(q, cache, qo, pkv.paged_kv_indptr, pkv.paged_kv_indices,
@@ -97,10 +97,10 @@ def test_cascade_three_levels_split_kv_and_empty_group(tc):
     lv1b = L.CascadeLevel(np.array([0, 3, 5], np.int32), np.array([0, 2, 4], np.int32),
                           np.concatenate([p[1:3], p[1:3]]), np.array([4, 4], np.int32))
     levels = [lv0, lv1b, lv2]
-    got = C.cascade(q, levels, cache, causal=True, return_lse=True, tensor_cores=tc, kv_chunk=3)
+    got = cuda_cascade(q, levels, cache, causal=True, return_lse=True, tensor_cores=tc, kv_chunk=3)
     check(got, R.cascade(q, levels, cache, causal=True, return_lse=True))
     levels = [lv0, lv1, lv2]
-    got = C.cascade(q, levels, cache, return_lse=True, tensor_cores=tc)
+    got = cuda_cascade(q, levels, cache, return_lse=True, tensor_cores=tc)
     check(got, R.cascade(q, levels, cache, return_lse=True))
 
 
@@ -111,4 +111,4 @@ def test_cascade_rejects_bad_levels():
     bad = L.CascadeLevel(np.array([0, 1, 2], np.int32), levels[0].paged_kv_indptr,
                          levels[0].paged_kv_indices, levels[0].paged_kv_last_page_len)
     with pytest.raises(ValueError, match="levels"):
-        C.cascade(q, [bad, levels[1]], cache)
+        cuda_cascade(q, [bad, levels[1]], cache)
