@@ -940,6 +940,34 @@ def nb03():
     print("bitwise identical partial states:", np.array_equal(again_o, part_o) and np.array_equal(again_lse, part_lse))
     """),
         md("""
+        Why bother? A single long request is the worst case for an unsplit decode: a handful of
+        CTAs pull every byte while the rest of the GPU idles. `benchmarks/gpu_decode.py` measured
+        both on a GPU; when `benchmarks/results/decode.json` is present, here is the achieved
+        bandwidth as a fraction of the device's copy bandwidth (SPEC section 6), unsplit vs split:
+        """),
+        code("""
+    from nbattn.perf import results
+    try:
+        measured = results.load_suite("decode")
+    except results.ResultFormatError as e:
+        measured = None
+        print("decode.json does not validate, left out:", e)
+    pairs = {}
+    for r in (measured.select("bw_fraction") if measured else []):
+        key = (r.case.get("batch"), r.case.get("kv_len"), r.case.get("group"))
+        pairs.setdefault(key, {})[r.case.get("split")] = r.value
+    pairs = {k: v for k, v in pairs.items() if "unsplit" in v and len(v) > 1}
+    if not pairs:
+        print("no measured split/unsplit pair yet (benchmarks/results/decode.json)")
+    else:
+        print(f"measured on {measured.gpu}, {measured.date}; copy bandwidth {measured.copy_bandwidth_GBps:.0f} GB/s")
+        for (b, l, g), v in pairs.items():
+            for name, x in v.items():
+                if name != "unsplit":
+                    print(f"batch {b}, kv_len {l}, group {g}: unsplit {v['unsplit']:.3f} -> split ({name}) "
+                          f"{x:.3f} of copy bandwidth, {x / v['unsplit']:.0f}x")
+    """),
+        md("""
         ## 4. Variants ride along
 
         The decode kernel compiles the same variants as the prefill kernel (notebook 06). A
