@@ -90,7 +90,8 @@ def nb01():
            huge logits (±1000) that overflow a naive `exp`.
         5. Online softmax as "merge one tile at a time", and how to convert a natural-log LSE.
 
-        Everything here runs on the NumPy golden model (`nbattn.reference`); no GPU needed.
+        Everything here runs on the NumPy golden model (`nbattn.reference`); the last section runs
+        the same operator as a numba.cuda kernel (in the simulator when there is no GPU).
         Exercises have a placeholder cell, a collapsed worked solution, and a check cell.
         """),
         code(SETUP + """
@@ -379,6 +380,28 @@ def nb01():
     o_sig_parts = sum(split_kv(q, k[a:b], v[a:b], np.array([0, b - a], np.int32), sm_scale=1.0,
                                use_sigmoid=True) for a, b in [(0, 2), (2, 4)])
     print("sigmoid: whole", o_sig.ravel(), " = sum of parts", o_sig_parts.ravel())
+    """),
+        md("""
+        ## 9. The same operator on the device
+
+        `nbattn.cuda.merge_state` / `merge_states` take the golden model's arguments and run as
+        numba.cuda kernels (in the simulator here). The worked example, and a batch of awkward
+        rows — a real state next to an empty one, LSEs of ±1000, nothing but empty states:
+        """),
+        code("""
+    import nbattn.cuda as nbcuda
+    o_dev, lse_dev = nbcuda.merge_state(np.array([[1, 0]], np.float32), np.array([2], np.float32),
+                                        np.array([[0, 1]], np.float32), np.array([1], np.float32))
+    print("device merge of the worked example:", o_dev, lse_dev)
+
+    v = np.zeros((3, 2, 1, 4), np.float32)               # [rows, num_states, heads, head_dim]
+    s = np.full((3, 2, 1), -np.inf, np.float32)          # every state empty to start with
+    v[0, 0], s[0, 0] = 1.0, 3.0                          # row 0: a real state and an empty one
+    v[1, 0], s[1, 0], v[1, 1], s[1, 1] = 5.0, -1000.0, 2.0, 1000.0   # row 1: extreme LSEs
+    dev, gold = nbcuda.merge_states(v, s), merge_states(v, s)
+    print("device o[:, head 0, 0]:", dev.o[:, 0, 0], " lse:", dev.lse[:, 0])
+    assert np.allclose(dev.o, gold.o) and np.array_equal(np.isneginf(dev.lse), np.isneginf(gold.lse))
+    assert not np.isnan(dev.o).any()
     """),
         md("""
         ## Summary
