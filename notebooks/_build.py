@@ -67,6 +67,7 @@ SETUP = """
     import numpy as np
     import nbattn
     SMALL = nbattn.simulator_enabled()   # True on a laptop without a GPU: keep shapes small
+    TOL = 1e-5 if SMALL else 2e-4        # kernel vs golden model, float32 (GPUs use a fast exp2)
     print(f"backend: {nbattn.BACKEND}  (small shapes: {SMALL})")
 """
 
@@ -400,7 +401,7 @@ def nb01():
     v[1, 0], s[1, 0], v[1, 1], s[1, 1] = 5.0, -1000.0, 2.0, 1000.0   # row 1: extreme LSEs
     dev, gold = nbcuda.merge_states(v, s), merge_states(v, s)
     print("device o[:, head 0, 0]:", dev.o[:, 0, 0], " lse:", dev.lse[:, 0])
-    assert np.allclose(dev.o, gold.o) and np.array_equal(np.isneginf(dev.lse), np.isneginf(gold.lse))
+    assert np.allclose(dev.o, gold.o, atol=TOL, rtol=TOL) and np.array_equal(np.isneginf(dev.lse), np.isneginf(gold.lse))
     assert not np.isnan(dev.o).any()
     """),
         md("""
@@ -638,7 +639,7 @@ def nb02():
     print("block_sparse over the pool == batch_decode_paged:", np.allclose(o_bsr, o_dec, atol=1e-6))
 
     import nbattn.cuda as nbcuda            # the kernel reads the same BSR view (simulator without a GPU)
-    ok = np.allclose(nbcuda.block_sparse(q_dec, k_pool, v_pool, exact), o_bsr, atol=1e-5)
+    ok = np.allclose(nbcuda.block_sparse(q_dec, k_pool, v_pool, exact), o_bsr, atol=TOL, rtol=TOL)
     print("kernel nbattn.cuda.block_sparse == golden:", ok)
     assert ok
     """),
@@ -694,7 +695,7 @@ def nb02():
     o_flat = ref.batch_decode_paged(q4, cache2, indptr, indices, last)
     o_casc = ref.cascade(q4, levels, cache2)
     print("cascade (two levels, merged) == flat decode:", np.allclose(o_flat, o_casc, atol=1e-6))
-    ok = np.allclose(nbcuda.cascade(q4, levels, cache2), o_casc, atol=1e-5)
+    ok = np.allclose(nbcuda.cascade(q4, levels, cache2), o_casc, atol=TOL, rtol=TOL)
     print("kernel nbattn.cuda.cascade == golden:", ok)
     assert ok
     """),
@@ -863,7 +864,7 @@ def nb03():
     o_g, lse_g = ref.batch_decode_paged(q, cache, *table, return_lse=True)
     print(f"batch {big.batch_size}, kv lengths up to {big.kv_lens.max()}, {Hq} q heads / {Hkv} kv heads, head_dim {D}")
     print(f"kernel vs golden: max |Δo| = {np.abs(o_k - o_g).max():.1e}, max |Δlse| = {np.abs(lse_k - lse_g).max():.1e}")
-    assert np.allclose(o_k, o_g, atol=1e-5) and np.allclose(lse_k, lse_g, atol=1e-5)
+    assert np.allclose(o_k, o_g, atol=TOL, rtol=TOL) and np.allclose(lse_k, lse_g, atol=TOL, rtol=TOL)
     """),
         md("""
         How the kernel is configured for this call (`prepare_decode` validates everything and moves
@@ -946,12 +947,12 @@ def nb03():
         o_split[merge_row[m]] = ref.merge_states(part_o[slots][None], part_lse[slots][None]).o[0]
     """),
         check("""
-    np.testing.assert_allclose(o_split, o_g, atol=1e-5)
+    np.testing.assert_allclose(o_split, o_g, atol=TOL, rtol=TOL)
     # the same fold on the device: nbattn.cuda.merge_states has the golden signature
     m = 0
     slots = merge_slots[merge_indptr[m]:merge_indptr[m + 1]]
     dev = nbcuda.merge_states(part_o[slots][None], part_lse[slots][None])
-    np.testing.assert_allclose(dev.o[0], o_split[merge_row[m]], atol=1e-6)
+    np.testing.assert_allclose(dev.o[0], o_split[merge_row[m]], atol=TOL, rtol=TOL)
     print(f"✓ {len(merge_row)} split requests merged from {n_slots} partial states; equals the golden model")
     """),
         md("""
@@ -1000,7 +1001,7 @@ def nb03():
     kw = dict(logits_soft_cap=8.0, window_left=5, sink_size=1)
     diff = np.abs(nbcuda.batch_decode_paged(q, cache, *table, **kw) - ref.batch_decode_paged(q, cache, *table, **kw)).max()
     print(f"kernel vs golden with {kw}: {diff:.1e}")
-    assert diff < 1e-5
+    assert diff < TOL
     """),
         md("""
         ## Summary
@@ -1573,7 +1574,7 @@ def nb05():
         err = np.abs(o_dev - ref.batch_decode_paged(q_l, cache, *table)).max()
         print(f"layer {layer}: max |device - golden| = {err:.1e}; workspace address unchanged: "
               f"{address(part_o) == start_address}")
-        assert err < 1e-5
+        assert err < TOL
     """),
         md("""
         The package wraps this as FlashInfer's `BatchDecodeWithPagedKVCacheWrapper`
@@ -1594,7 +1595,7 @@ def nb05():
         q_l = rng.normal(size=(B, Hq, D)).astype(np.float32)
         err = np.abs(wrapper.run(q_l, cache) - ref.batch_decode_paged(q_l, cache, *table)).max()
         print(f"layer {layer}: max |run() - golden| = {err:.1e}")
-        assert err < 1e-5
+        assert err < TOL
     """),
         md("""
         ## 5. Policies compared: Gantt charts
@@ -1919,7 +1920,7 @@ def nb06():
         check("""
     o_mine = nbcuda.single_prefill(q, k, v, causal=True, mask_mod=my_window)
     o_builtin = ref.single_prefill(q, k, v, causal=True, window_left=5, sink_size=2)
-    np.testing.assert_allclose(np.asarray(o_mine, np.float32), o_builtin, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(o_mine, np.float32), o_builtin, atol=TOL, rtol=TOL)
     print("✓ your compiled mask_mod equals the built-in window with sinks")
     """),
         md("""
@@ -1944,7 +1945,7 @@ def nb06():
     np.testing.assert_allclose(2.0 ** (-8.0 * (np.arange(H) + 1) / H), alibi_slopes(H), rtol=1e-6)
     o_mine = nbcuda.single_prefill(q, k, v, causal=True, score_mod=my_alibi)
     o_builtin = ref.single_prefill(q, k, v, causal=True, pos_encoding_mode="ALIBI")
-    np.testing.assert_allclose(np.asarray(o_mine, np.float32), o_builtin, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(o_mine, np.float32), o_builtin, atol=10 * TOL, rtol=10 * TOL)
     print("✓ your compiled score_mod equals the built-in ALiBi")
     """),
         md("""
