@@ -94,6 +94,22 @@ def make_variant(**kwargs) -> Variant:
     return Variant(**{k: v for k, v in kwargs.items() if k in VARIANT_FIELDS})
 
 
+def variant_from_kwargs(kwargs: dict) -> Variant:
+    """The Variant a public function's ``**variant`` keywords ask for.
+
+    ``variant=Variant(...)`` may be given whole, with other keywords overriding
+    its fields; an unknown keyword is a TypeError (a typo must not be ignored).
+    Consumes ``kwargs``.
+    """
+    v = kwargs.pop("variant", None)
+    unknown = set(kwargs) - set(VARIANT_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown keyword argument(s): {sorted(unknown)}")
+    if v is not None:
+        return v.with_(**kwargs) if kwargs else v
+    return make_variant(**kwargs)
+
+
 def alibi_slopes(num_heads: int) -> np.ndarray:
     """The usual geometric ALiBi slopes (float32, one per query head).
 

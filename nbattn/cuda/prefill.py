@@ -55,7 +55,7 @@ import numpy as np
 
 from .. import _compat
 from .. import layout as L
-from ..reference.attention import _variant as parse_variant
+from ..variants import variant_from_kwargs as parse_variant
 from ..variants import Variant, alibi_slopes
 
 from numba import cuda, float32, int32, int64, uint32  # noqa: E402  (after the shim)

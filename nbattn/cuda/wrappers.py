@@ -65,7 +65,7 @@ from numba import cuda, float32, int64
 
 from .. import layout as L
 from ..sched.plan import DIRECT, Plan, plan as lpt_plan
-from ..variants import VARIANT_FIELDS, Variant, alibi_slopes, make_variant
+from ..variants import alibi_slopes, variant_from_kwargs
 from . import _arrays as A
 from . import decode as DEC
 from ._driver import jit_kernel, sm_count
@@ -100,16 +100,6 @@ def _q_code(q_data_type: Any) -> str:
         return _Q_TYPES[np.dtype(q_data_type).name]
     except TypeError:
         raise ValueError(f"q_data_type: must be float16, bfloat16 or float32, got {q_data_type!r}")
-
-
-def _variant(kw: dict) -> Variant:
-    v = kw.pop("variant", None)
-    unknown = set(kw) - set(VARIANT_FIELDS)
-    if unknown:
-        raise TypeError(f"unknown keyword argument(s): {sorted(unknown)}")
-    if v is not None:
-        return v.with_(**kw) if kw else v
-    return make_variant(**kw)
 
 
 # ---------------------------------------------------------------------------
@@ -482,7 +472,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PlanRunWrapper):
         the plan would not fit it.
         """
         t0 = time.perf_counter()
-        var = _variant(dict(variant, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+        var = variant_from_kwargs(dict(variant, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
                             logits_soft_cap=logits_soft_cap, sm_scale=sm_scale))
         code = _q_code(q_data_type)
         if kv_data_type is not None and _q_code(kv_data_type) != code:
@@ -575,7 +565,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PlanRunWrapper):
         from . import prefill as P
 
         t0 = time.perf_counter()
-        var = _variant(dict(variant, causal=causal, pos_encoding_mode=pos_encoding_mode,
+        var = variant_from_kwargs(dict(variant, causal=causal, pos_encoding_mode=pos_encoding_mode,
                             window_left=window_left, logits_soft_cap=logits_soft_cap,
                             sm_scale=sm_scale))
         code = _q_code(q_data_type)

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import layout as L
-from ..variants import VARIANT_FIELDS, Variant, make_variant
+from ..variants import Variant, variant_from_kwargs
 from .masks import keep_mask, transform_logits
 from .state import LN2, AttentionState, merge_states
 
@@ -91,16 +91,6 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, kv_po
 # Argument handling shared by the public forms
 # ---------------------------------------------------------------------------
 
-def _variant(kwargs: dict) -> Variant:
-    v = kwargs.pop("variant", None)
-    unknown = set(kwargs) - set(VARIANT_FIELDS)
-    if unknown:
-        raise TypeError(f"unknown keyword argument(s): {sorted(unknown)}")
-    if v is not None:
-        return v.with_(**kwargs) if kwargs else v
-    return make_variant(**kwargs)
-
-
 def _float(name: str, x: Any) -> np.ndarray:
     arr = L.to_numpy(x)
     if arr.dtype.kind == "V" and arr.dtype.itemsize == 2:  # bf16 seen as raw 2 bytes
@@ -141,7 +131,7 @@ def _check_lse_request(variant: Variant, return_lse: bool) -> None:
 def single_prefill(q, k, v, *, kv_layout: str = "NHD", return_lse: bool = False,
                    dtype=np.float32, **variant):
     """One request, contiguous KV: ``q [Q, Hq, D]``, ``k, v [K, Hkv, D]`` (NHD)."""
-    var = _variant(variant)
+    var = variant_from_kwargs(variant)
     _check_lse_request(var, return_lse)
     k, v = _contiguous_kv(k, v, kv_layout)
     q = _float("q", q)
@@ -167,7 +157,7 @@ def batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, *, kv_layout: str = "NHD
                          return_lse: bool = False, dtype=np.float32, **variant):
     """Ragged Q and ragged contiguous KV: request r's keys are
     ``k[kv_indptr[r]:kv_indptr[r+1]]``."""
-    var = _variant(variant)
+    var = variant_from_kwargs(variant)
     _check_lse_request(var, return_lse)
     k, v = _contiguous_kv(k, v, kv_layout)
     q = _float("q", q)
@@ -211,7 +201,7 @@ def batch_prefill_paged(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_
                         paged_kv_last_page_len, *, kv_layout: str = "NHD", return_lse: bool = False,
                         dtype=np.float32, **variant):
     """Batch prefill/append over a paged KV cache (SPEC sections 1-2)."""
-    var = _variant(variant)
+    var = variant_from_kwargs(variant)
     _check_lse_request(var, return_lse)
     q, cache, qo, pkv = _paged_common(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_indices,
                                       paged_kv_last_page_len, kv_layout, var)
@@ -240,7 +230,7 @@ def block_sparse(q, k, v, bsr: L.BSR, *, kv_layout: str = "NHD", return_lse: boo
     """Attention restricted to a BSR view: query row i reads key j iff block
     ``(i // B_r, j // B_c)`` is non-zero (``q [M, Hq, D]``, ``k, v [N, Hkv, D]``).
     Variants apply on top (causal is bottom-right aligned over M x N)."""
-    var = _variant(variant)
+    var = variant_from_kwargs(variant)
     _check_lse_request(var, return_lse)
     k, v = _contiguous_kv(k, v, kv_layout)
     q = _float("q", q)
@@ -265,7 +255,7 @@ def split_kv(q, k, v, kv_chunk_indptr, *, kv_layout: str = "NHD", return_lse: bo
     With ``return_partials=True`` also returns the partial states
     ``(o [Q, n_chunks, Hq, D], lse [Q, n_chunks, Hq])``.
     """
-    var = _variant(variant)
+    var = variant_from_kwargs(variant)
     _check_lse_request(var, return_lse)
     k, v = _contiguous_kv(k, v, kv_layout)
     q = _float("q", q)
@@ -300,7 +290,7 @@ def cascade(q, levels: Sequence[Any], paged_kv_cache, *, kv_layout: str = "NHD",
     keys are the concatenation, level by level, of the pages its rows read;
     each level yields a state and the states are merged in level order.
     """
-    var = _variant(variant)
+    var = variant_from_kwargs(variant)
     _check_lse_request(var, return_lse)
     L.check_same_dtype(q=q, paged_kv_cache=paged_kv_cache)
     cache = _float("paged_kv_cache", paged_kv_cache)
