@@ -279,15 +279,23 @@ def decode_bandwidth_figure(results_root=None):
                         label=f"model, {'split-KV' if split else 'no split'}",
                         gid=f"model:b{batch}:{'split' if split else 'nosplit'}")
             impls = ["nbattn"] + sorted({p for r in panel for p in r.peers})
-            for impl in impls:
-                pts = sorted((_kv_len(r.case), r.value if impl == "nbattn" else r.peers.get(impl))
-                             for r in panel)
-                pts = [(k, v) for k, v in pts if v is not None]
-                if not pts:
-                    continue
-                ax.plot([k for k, _ in pts], [v for _, v in pts], marker="o", ms=4,
-                        color=style.impl_color(impl), label=style.impl_label(impl),
-                        gid=f"measured:b{batch}:{impl}")
+            # One line per (implementation, GQA group); unsplit runs of a split
+            # kernel belong to the split-KV figure, not here.
+            panel = [r for r in panel if r.case.get("split") != "unsplit"]
+            groups = sorted({r.case.get("group") for r in panel}, key=lambda g: (g is None, g))
+            for gi, group in enumerate(groups):
+                rows = [r for r in panel if r.case.get("group") == group]
+                tag = "" if len(groups) == 1 else f", group {group}"
+                for impl in impls:
+                    pts = [(_kv_len(r.case), r.value if impl == "nbattn" else r.peers.get(impl))
+                           for r in rows]
+                    pts = sorted((k, v) for k, v in pts if v is not None)
+                    if not pts:
+                        continue
+                    ax.plot([k for k, _ in pts], [v for _, v in pts], marker="os^v"[gi % 4], ms=4,
+                            ls=["-", "--", "-.", ":"][gi % 4],
+                            color=style.impl_color(impl), label=style.impl_label(impl) + tag,
+                            gid=f"measured:b{batch}:{impl}" + (f":g{group}" if tag else ""))
             ax.axhline(1.0, color="black", lw=0.6, zorder=0)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("KV length")
