@@ -29,6 +29,11 @@ Interface (stable; prefill/sparse/cascade wrappers use it too):
     finish(kind, user_obj, dev, code, stream) -> what the caller gets back
     host_meta(name, x)         -> host int32 NumPy copy of metadata (for validation)
     device_meta(x, host, stream) -> device int32 array (x itself when on device)
+    output_for(name, given, kind, shape, code, stream, like=None) -> (user_object, device_array)
+                                  the caller's ``out=``/``lse=`` buffer (used in place on the
+                                  device, a device scratch for host kinds) or a new_output()
+    finish_into(kind, given, user_obj, dev, code, stream) -> finish(), except that a
+                                  caller's host buffer ``given`` gets the result copied in
 """
 from __future__ import annotations
 
@@ -42,7 +47,7 @@ from .primitives import SIMULATOR
 
 __all__ = ["dtype_code", "kind_of", "is_device_kind", "launch_stream", "to_device", "words",
            "halves", "new_output", "finish", "host_meta", "device_meta", "RAW", "NP_DTYPE",
-           "ELEM_BYTES", "check_contiguous", "copy_into_host"]
+           "ELEM_BYTES", "check_contiguous", "copy_into_host", "output_for", "finish_into"]
 
 # Raw element type the kernels see, the NumPy dtype a host result has, bytes.
 RAW = {"f16": np.uint16, "bf16": np.uint16, "f32": np.float32}
@@ -210,3 +215,25 @@ def copy_into_host(dst: Any, src: np.ndarray) -> None:
 def copy_host(x: Any) -> np.ndarray:
     """Host NumPy snapshot of any supported array (tests and validation)."""
     return to_numpy(x)
+
+
+def output_for(name: str, given: Any, kind: str, shape: tuple, code: str, stream=0, like: Any = None):
+    """(what the caller will get, raw device array to write) for a result that the
+    caller may have preallocated (``given``: an ``out=``/``lse=`` argument or None).
+
+    Device kinds write ``given`` in place; host kinds get a device scratch whose
+    contents :func:`finish_into` copies back into ``given``."""
+    if given is None:
+        return new_output(kind, shape, code, stream, like=like)
+    if is_device_kind(kind):
+        return given, to_device(given, name, stream, code)
+    return given, cuda.device_array(shape, RAW[code], stream=stream)
+
+
+def finish_into(kind: str, given: Any, user_obj: Any, dev, code: str, stream=0):
+    """:func:`finish`, except that a caller's host buffer ``given`` receives the
+    result (in its own type) and is returned."""
+    if given is not None and not is_device_kind(kind):
+        copy_into_host(given, dev.copy_to_host(stream=stream).view(NP_DTYPE[code]))
+        return given
+    return finish(kind, user_obj, dev, code, stream)

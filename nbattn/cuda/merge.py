@@ -30,6 +30,17 @@ the prefill/cascade kernels later):
         merge_slots[merge_indptr[m]:merge_indptr[m+1]] of partial_o[slot, h, :]
         (float32 [slots, H, D]) and partial_lse[slot, h] (float32 [slots, H]);
         ``out`` is raw-typed (uint16 for 16-bit floats) [rows, H, D].
+    merge_partials_launch(...same arguments, no stream...) -> (kernel, grid, threads, args)
+        or None: what run_merge_partials launches, for callers that queue launches
+        (nbattn.cuda.prefill.enqueue records them for replay).
+    run_merge_tiles(num_merges, merge_indptr, merge_request, merge_qo_tile, merge_slots,
+                    qo_indptr, partial_o, partial_lse, out, lse, *, code, head_dim,
+                    num_qo_heads, num_kv_heads, group, tile_q, slot_rows, num_ctas,
+                    per_request_row=False, use_sigmoid=False, stream=0)
+        the fixed-grid form the plan/run wrappers use (CUDA-graph capturable): grid
+        (num_ctas, num_kv_heads) whatever the plan, merge count read on the device
+        from ``num_merges[0]``; a merge is one query tile of fused rows (see
+        :func:`tile_merge_kernel`).
     merge_weights                 the device function (la, lb) -> (wa, wb, lse)
 """
 from __future__ import annotations
@@ -47,7 +58,7 @@ from ._driver import jit_kernel
 from .primitives import SIMULATOR, device_fn, element_io
 
 __all__ = ["merge_state", "merge_states", "merge_state_in_place", "MergeMap", "run_merge_partials",
-           "merge_weights"]
+           "merge_partials_launch", "run_merge_tiles", "tile_merge_kernel", "merge_weights"]
 
 NEG_INF = float32(-math.inf)
 
@@ -116,18 +127,106 @@ def _partials_kernel(code: str, head_dim: int, use_sigmoid: bool):
     return _kernels[key]
 
 
-def run_merge_partials(partial_o, partial_lse, merge_map: MergeMap, out, lse, *, code: str,
-                       use_sigmoid: bool = False, stream=0) -> None:
-    """Fold partial slots into final rows (see module doc). Asynchronous on ``stream``."""
+def merge_partials_launch(partial_o, partial_lse, merge_map: MergeMap, out, lse, *, code: str,
+                          use_sigmoid: bool = False):
+    """``(kernel, grid, threads, args)`` of :func:`run_merge_partials`; None when
+    there is nothing to merge."""
     m = int(merge_map.merge_row.shape[0])
     if m == 0:
-        return
+        return None
     num_heads, head_dim = int(partial_o.shape[1]), int(partial_o.shape[2])
     flat = lambda x: x.reshape(int(np.prod(x.shape)))  # noqa: E731
     k = _partials_kernel(code, head_dim, bool(use_sigmoid))
-    k[(m, num_heads), _threads(head_dim), stream](
+    return k, (m, num_heads), _threads(head_dim), (
         flat(partial_o), flat(partial_lse), merge_map.merge_indptr, merge_map.merge_row,
         merge_map.merge_slots, flat(out), flat(lse), num_heads)
+
+
+def run_merge_partials(partial_o, partial_lse, merge_map: MergeMap, out, lse, *, code: str,
+                       use_sigmoid: bool = False, stream=0) -> None:
+    """Fold partial slots into final rows (see module doc). Asynchronous on ``stream``."""
+    launch = merge_partials_launch(partial_o, partial_lse, merge_map, out, lse, code=code,
+                                   use_sigmoid=use_sigmoid)
+    if launch is not None:
+        kernel, grid, threads, args = launch
+        kernel[grid, threads, stream](*args)
+
+
+# ---------------------------------------------------------------------------
+# Fixed grid (plan/run wrappers): merges of whole query tiles, count on the device
+# ---------------------------------------------------------------------------
+
+def _tile_threads() -> int:
+    return 16 if SIMULATOR else 128
+
+
+def tile_merge_kernel(code: str, head_dim: int, per_request_row: bool, use_sigmoid: bool):
+    """Kernel folding each split query tile's partial slots into its final rows.
+
+    Grid ``(num_ctas, num_kv_heads)``, fixed: CTA x handles merges
+    ``x, x + gridDim.x, ...`` below ``num_merges[0]``, so the launch does not
+    depend on the plan.  Fused row ``f`` of tile ``t`` of request ``r`` is
+    position ``f // group``, head ``kv_head*group + f % group`` (SPEC section 2);
+    in slot ``s`` its partial row is ``s*slot_rows + f//group - first_position``.
+    With ``per_request_row`` (decode) request r has one row, row r
+    (``qo_indptr`` is not read), and a slot holds one row.
+    """
+    key = ("tile", code, head_dim, per_request_row, use_sigmoid)
+    if key in _kernels:
+        return _kernels[key]
+    D, NT, DECODE, SIGMOID = head_dim, _tile_threads(), per_request_row, use_sigmoid
+    _, store_elem, _ = element_io(code)
+
+    def kernel(num_merges, merge_indptr, merge_request, merge_qo_tile, merge_slots, qo_indptr,
+               part_o, part_lse, out, lse, num_qo_heads, group, tile_q, slot_rows):
+        kvh = cuda.blockIdx.y
+        for m in range(cuda.blockIdx.x, num_merges[0], cuda.gridDim.x):
+            r = merge_request[m]
+            if DECODE:
+                qo_start = r
+                qo_len = 1
+            else:
+                qo_start = qo_indptr[r]
+                qo_len = qo_indptr[r + 1] - qo_start
+            f0 = merge_qo_tile[m] * tile_q
+            n_rows = min(tile_q, qo_len * group - f0)
+            p0 = f0 // group
+            first = merge_indptr[m]
+            last = merge_indptr[m + 1]
+            for e in range(cuda.threadIdx.x, n_rows * D, NT):
+                f = f0 + e // D
+                d = e % D
+                p = f // group
+                h = kvh * group + f % group
+                o = float32(0.0)
+                l = NEG_INF
+                for k in range(first, last):
+                    row = int64(merge_slots[k]) * slot_rows + p - p0
+                    o_k = part_o[(row * num_qo_heads + h) * D + d]
+                    if SIGMOID:
+                        o += o_k
+                    else:
+                        wa, wb, l = merge_weights(l, part_lse[row * num_qo_heads + h])
+                        o = wa * o + wb * o_k
+                dst = int64(qo_start + p) * num_qo_heads + h
+                store_elem(out, dst * D + d, o)
+                if d == 0:
+                    lse[dst] = float32(math.nan) if SIGMOID else l
+
+    _kernels[key] = _jit(kernel)
+    return _kernels[key]
+
+
+def run_merge_tiles(num_merges, merge_indptr, merge_request, merge_qo_tile, merge_slots, qo_indptr,
+                    partial_o, partial_lse, out, lse, *, code: str, head_dim: int, num_qo_heads: int,
+                    num_kv_heads: int, group: int, tile_q: int, slot_rows: int, num_ctas: int,
+                    per_request_row: bool = False, use_sigmoid: bool = False, stream=0) -> None:
+    """Launch :func:`tile_merge_kernel` on its fixed grid (see module doc); every
+    array is a flat device array (``out`` raw-typed), asynchronous on ``stream``."""
+    k = tile_merge_kernel(code, head_dim, bool(per_request_row), bool(use_sigmoid))
+    k[(num_ctas, num_kv_heads), _tile_threads(), stream](
+        num_merges, merge_indptr, merge_request, merge_qo_tile, merge_slots, qo_indptr, partial_o,
+        partial_lse, out, lse, num_qo_heads, group, tile_q, slot_rows)
 
 
 def _fold_kernel(code: str, head_dim: int):

@@ -18,6 +18,8 @@ Interface (stable):
     kernel_variant_key(variant) -> hashable    fields that change compiled code
                                                (sm_scale is a launch argument).
     compile_user_fn(fn) -> device function     cached per Python function.
+    sigmoid_weight(s, bias) -> float32         sigmoid attention's weight of a
+                                               transformed score: 1 / (1 + e^-(s + bias)).
 
 Both returned functions are ``@cuda.jit(device=True)`` closures over the
 variant's constants, so a kernel factory that captures them compiles the
@@ -34,7 +36,7 @@ from numba import cuda, float32
 
 from ..variants import Variant
 
-__all__ = ["variant_device_fns", "kernel_variant_key", "compile_user_fn", "LOG2E"]
+__all__ = ["variant_device_fns", "kernel_variant_key", "compile_user_fn", "LOG2E", "sigmoid_weight"]
 
 LOG2E = 1.4426950408889634  # natural-exp scores -> base-2 exponent
 
@@ -104,3 +106,9 @@ def _device_fns(key: Variant):
 def variant_device_fns(variant: Variant):
     """``(transform, keep)`` device functions for ``variant`` (see module doc)."""
     return _device_fns(kernel_variant_key(variant))
+
+
+@cuda.jit(device=True)
+def sigmoid_weight(s, bias):
+    """Sigmoid attention (SPEC section 2): the weight of a transformed score."""
+    return float32(1.0) / (float32(1.0) + math.exp(-(s + bias)))

@@ -37,8 +37,9 @@ Fixed grid, fixed addresses (what makes run() CUDA-graph capturable)
   ``c`` walks its queue ``cta_indptr[c]:cta_indptr[c+1]``
   (:func:`nbattn.cuda.decode.run_decode_work`), reading the queue bounds from
   the workspace.
-* Merge: a fixed grid of ``num_ctas`` CTAs per KV head (a plan has at most
-  ``num_ctas`` split tiles, since each has >= 2 of the <= 2*C partial slots);
+* Merge (:func:`nbattn.cuda.merge.run_merge_tiles`): a fixed grid of
+  ``num_ctas`` CTAs per KV head (a plan has at most ``num_ctas`` split tiles,
+  since each has >= 2 of the <= 2*C partial slots);
   the number of merges is read from the workspace header, extra CTAs exit.
   Slots are folded in the plan's order (increasing KV), never with atomics,
   so equal lengths give bitwise-equal outputs.
@@ -55,22 +56,21 @@ with different lengths, as long as the head configuration, dtype and batch
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from numba import cuda, float32, int64
+from numba import cuda
 
 from .. import layout as L
 from ..sched.plan import DIRECT, Plan, plan as lpt_plan
 from ..variants import alibi_slopes, variant_from_kwargs
 from . import _arrays as A
 from . import decode as DEC
-from ._driver import jit_kernel, sm_count
-from .merge import merge_weights
-from .primitives import SIMULATOR, element_io
+from ._driver import sm_count
+from .merge import run_merge_tiles
+from .primitives import SIMULATOR
 
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
            "WorkspaceLayout", "default_num_ctas"]
@@ -78,7 +78,6 @@ __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWr
 ALIGN = 256                 # byte alignment of every workspace array (16-byte loads need 16)
 HEADER = 8                  # int32 header words
 H_NUM_ITEMS, H_NUM_MERGES, H_NUM_PARTIALS, H_BATCH = 0, 1, 2, 3
-NEG_INF = float32(-math.inf)
 _Q_TYPES = {"float16": "f16", "half": "f16", "bfloat16": "bf16", "float32": "f32", "float": "f32",
             "f16": "f16", "bf16": "bf16", "f32": "f32"}
 
@@ -150,73 +149,6 @@ def _workspace_bytes(buf: Any):
         dev = buf if kind == "numba" else cuda.as_cuda_array(buf)
         dev = dev.reshape(int(np.prod(dev.shape))).view(np.uint8)
     return dev, int(dev.shape[0])
-
-
-# ---------------------------------------------------------------------------
-# The fixed-grid merge kernel
-# ---------------------------------------------------------------------------
-
-_merge_kernels: dict = {}
-
-
-def _merge_threads(head_dim: int) -> int:
-    return 16 if SIMULATOR else 128
-
-
-def merge_kernel(code: str, head_dim: int, decode: bool, use_sigmoid: bool):
-    """Kernel folding each split query tile's partial slots into its final rows.
-
-    Grid ``(num_ctas, num_kv_heads)``, fixed: CTA x handles merges
-    ``x, x + gridDim.x, ...`` below the count in ``header``, so the launch does
-    not depend on the plan.  Fused row ``f`` of tile ``t`` of request ``r`` is
-    position ``f // group``, head ``kv_head*group + f % group`` (SPEC section 2);
-    in slot ``s`` its partial row is ``s*slot_rows + f//group - first_position``.
-    Decode has one row per request (``qo_start = r``) and one row per slot.
-    """
-    key = (code, head_dim, decode, use_sigmoid)
-    if key in _merge_kernels:
-        return _merge_kernels[key]
-    D, NT, DECODE, SIGMOID = head_dim, _merge_threads(head_dim), decode, use_sigmoid
-    _, store_elem, _ = element_io(code)
-
-    def kernel(header, merge_indptr, merge_request, merge_qo_tile, merge_slots, qo_indptr,
-               part_o, part_lse, out, lse, num_qo_heads, group, tile_q, slot_rows):
-        kvh = cuda.blockIdx.y
-        for m in range(cuda.blockIdx.x, header[H_NUM_MERGES], cuda.gridDim.x):
-            r = merge_request[m]
-            if DECODE:
-                qo_start = r
-                qo_len = 1
-            else:
-                qo_start = qo_indptr[r]
-                qo_len = qo_indptr[r + 1] - qo_start
-            f0 = merge_qo_tile[m] * tile_q
-            n_rows = min(tile_q, qo_len * group - f0)
-            p0 = f0 // group
-            first = merge_indptr[m]
-            last = merge_indptr[m + 1]
-            for e in range(cuda.threadIdx.x, n_rows * D, NT):
-                f = f0 + e // D
-                d = e % D
-                p = f // group
-                h = kvh * group + f % group
-                o = float32(0.0)
-                l = NEG_INF
-                for k in range(first, last):
-                    row = int64(merge_slots[k]) * slot_rows + p - p0
-                    o_k = part_o[(row * num_qo_heads + h) * D + d]
-                    if SIGMOID:
-                        o += o_k
-                    else:
-                        wa, wb, l = merge_weights(l, part_lse[row * num_qo_heads + h])
-                        o = wa * o + wb * o_k
-                dst = int64(qo_start + p) * num_qo_heads + h
-                store_elem(out, dst * D + d, o)
-                if d == 0:
-                    lse[dst] = float32(math.nan) if SIGMOID else l
-
-    k = _merge_kernels[key] = jit_kernel(kernel)
-    return k
 
 
 # ---------------------------------------------------------------------------
@@ -367,14 +299,16 @@ class _PlanRunWrapper:
             raise RuntimeError("run() called before plan()")
 
     def _merge(self, stream, out_raw, lse_dev, po, pl, qo_indptr_view, slot_rows: int) -> None:
-        p = self._plan
-        k = merge_kernel(self._code, self._head_dim, self._decode, self._variant.use_sigmoid)
-        grid = (self.num_ctas, self._num_kv_heads)
+        """The fixed-grid merge (:func:`nbattn.cuda.merge.run_merge_tiles`); the merge
+        count is read on the device from the header."""
         flat = lambda x: x.reshape(int(np.prod(x.shape)))  # noqa: E731
-        k[grid, _merge_threads(self._head_dim), stream](
-            self._view("header"), self._view("merge_indptr"), self._view("merge_request"),
-            self._view("merge_qo_tile"), self._view("merge_slots"), qo_indptr_view, po, pl,
-            flat(out_raw), flat(lse_dev), self._num_qo_heads, self._group, p.tile_q, slot_rows)
+        run_merge_tiles(
+            self._view("header")[H_NUM_MERGES:H_NUM_MERGES + 1], self._view("merge_indptr"),
+            self._view("merge_request"), self._view("merge_qo_tile"), self._view("merge_slots"),
+            qo_indptr_view, po, pl, flat(out_raw), flat(lse_dev), code=self._code,
+            head_dim=self._head_dim, num_qo_heads=self._num_qo_heads, num_kv_heads=self._num_kv_heads,
+            group=self._group, tile_q=self._plan.tile_q, slot_rows=slot_rows, num_ctas=self.num_ctas,
+            per_request_row=self._decode, use_sigmoid=self._variant.use_sigmoid, stream=stream)
 
     def _check_cache(self, q, paged_kv_cache, rows: int):
         code = A.dtype_code(q, "q")
@@ -409,32 +343,18 @@ class _PlanRunWrapper:
         """(out_user, out_raw_dev, lse_user, lse_dev): given buffers in place, else fresh ones."""
         if out is not None:
             DEC._check_out("out", out, shape, code, kind)
-            out_dev = (A.to_device(out, "out", stream, code) if A.is_device_kind(kind)
-                       else cuda.device_array(shape, A.RAW[code], stream=stream))
-            out_user = out
-        else:
-            out_user, out_dev = A.new_output(kind, shape, code, stream, like=q)
         if lse is not None:
             DEC._check_out("lse", lse, shape[:2], None, kind)
-            lse_dev = (A.to_device(lse, "lse", stream, "f32") if A.is_device_kind(kind)
-                       else cuda.device_array(shape[:2], np.float32, stream=stream))
-            lse_user = lse
-        else:
-            lse_user, lse_dev = A.new_output(kind, shape[:2], "f32", stream, like=q)
+        out_user, out_dev = A.output_for("out", out, kind, shape, code, stream, like=q)
+        lse_user, lse_dev = A.output_for("lse", lse, kind, shape[:2], "f32", stream, like=q)
         return out_user, out_dev, lse_user, lse_dev
 
     def _finish(self, kind, code, stream, out_user, out_dev, lse_user, lse_dev, out, lse,
                 return_lse: bool):
-        if out is not None and not A.is_device_kind(kind):
-            A.copy_into_host(out, out_dev.copy_to_host(stream=stream).view(A.NP_DTYPE[code]))
-            o_res = out
-        else:
-            o_res = A.finish(kind, out_user, out_dev, code, stream)
-        if lse is not None and not A.is_device_kind(kind):
-            A.copy_into_host(lse, lse_dev.copy_to_host(stream=stream))
-            l_res = lse
-        else:
-            l_res = A.finish(kind, lse_user, lse_dev, "f32", stream) if return_lse else None
+        o_res = A.finish_into(kind, out, out_user, out_dev, code, stream)
+        l_res = None
+        if return_lse or lse is not None:
+            l_res = A.finish_into(kind, lse, lse_user, lse_dev, "f32", stream)
         return (o_res, l_res) if return_lse else o_res
 
 
