@@ -3,6 +3,13 @@ compute-sanitizer, bandwidth benchmark with peers, compile time and disk cache.
 
     PYTHONPATH=$PWD python3 benchmarks/gpu_decode.py          # writes $OUT/decode.json,
                                                              # $OUT/decode_correctness.json
+    ... gpu_decode.py correct    # only (a), then exit
+    ... gpu_decode.py bench      # only (c); reads (a)'s file for the compile time if present
+    NBATTN_QUICK=1               # skip FlexAttention, the sanitizer and the second process
+
+Paths: the default decode path on a GPU is the warp kernel (nbattn.cuda.decode_warp);
+every bandwidth record also times the shared-memory kernel (peer "nbattn_smem") in
+the same run, and a few cases sweep the warp path's unroll.
 
 (a) correctness vs the golden model (nbattn.reference) on fresh random inputs:
     batch up to 256, KV up to 32k with non-full last pages, page sizes 1/16/64,
@@ -41,6 +48,7 @@ from nbattn.cuda import merge as MRG
 OUT = os.environ.get("OUT", "/tmp/nbattn_out")
 T0 = time.time()
 BUDGET_S = float(os.environ.get("NBATTN_BUDGET_S", "390"))
+QUICK = os.environ.get("NBATTN_QUICK") == "1"
 TORCH_DT = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 
 
@@ -118,8 +126,9 @@ def lens_of(spec, rng):
     return lens
 
 
-def check_decode(case, rng, gen) -> dict:
+def check_decode(case, rng, gen, path="auto") -> dict:
     name, code, spec, ps, hkv, g, d, layout, variant, meta_dev = case
+    DEC.DECODE_PATH = path
     lens = lens_of(spec, rng)
     q, cache, indptr, indices, last = make_case(gen, code, lens, ps, hkv, g, d, layout)
     meta = [torch.from_numpy(a).cuda() if meta_dev else a for a in (indptr, indices, last)]
@@ -149,7 +158,9 @@ def check_decode(case, rng, gen) -> dict:
                ok_o=bool(np.allclose(o, ro, atol=atol, rtol=rtol) and not np.isnan(o).any()),
                returned_out_buffer=(res[0] if isinstance(res, tuple) else res) is out,
                first_call_s=first, second_call_s=second,
-               split_chunk=DEC.choose_chunk(DEC.prepare_decode(q, cache, *meta, kv_layout=layout, **variant)))
+               split_chunk=DEC.choose_chunk(DEC.prepare_decode(q, cache, *meta, kv_layout=layout, **variant)),
+               path=DEC.prepare_decode(q, cache, *meta, kv_layout=layout, **variant).config().path)
+    DEC.DECODE_PATH = "auto"
     if not sig:
         lv = f32(lse)
         fin = np.isfinite(rl)
@@ -261,8 +272,9 @@ def copy_bandwidth() -> dict:
     return res
 
 
-def our_runner(p, chunk):
-    """A closure launching the decode work (+ merge) on torch's current stream."""
+def our_runner(p, chunk, path="auto", unroll=0):
+    """A closure launching the decode work (+ merge) on torch's current stream,
+    with the decode path (and the warp path's unroll) fixed for its lifetime."""
     (cta_indptr, req, ks, ke, slot, m_indptr, m_row, m_slots, n_slots) = DEC.split_work(p.kv_lens, chunk)
     up = lambda a: cuda.to_device(np.ascontiguousarray(a, np.int32))  # noqa: E731
     work = DEC.WorkList(up(cta_indptr), up(req), up(ks), up(ke), up(slot))
@@ -272,14 +284,26 @@ def our_runner(p, chunk):
     mmap = MRG.MergeMap(up(m_indptr), up(m_row), up(m_slots))
 
     def run():
-        p.stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
-        DEC.run_decode_work(p, work, po, pl)
-        if n_slots:
-            MRG.run_merge_partials(po, pl, mmap, p.out_dev, p.lse_dev, code=p.code, stream=p.stream)
+        DEC.DECODE_PATH, DEC.WARP_UNROLL = path, unroll
+        try:
+            p.stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+            DEC.run_decode_work(p, work, po, pl)
+            if n_slots:
+                MRG.run_merge_partials(po, pl, mmap, p.out_dev, p.lse_dev, code=p.code, stream=p.stream)
+        finally:
+            DEC.DECODE_PATH, DEC.WARP_UNROLL = "auto", 0
     return run, len(req)
 
 
-def bench_case(batch, kv_len, hkv, copy_bw, gen, split_modes=("auto",)):
+def with_path(p, path, unroll, fn):
+    DEC.DECODE_PATH, DEC.WARP_UNROLL = path, unroll
+    try:
+        return fn(p)
+    finally:
+        DEC.DECODE_PATH, DEC.WARP_UNROLL = "auto", 0
+
+
+def bench_case(batch, kv_len, hkv, copy_bw, gen, split_modes=("auto",), unrolls=()):
     hq, d, ps = 32, 128, 16
     lens = np.full(batch, kv_len)
     q, cache, indptr, indices, last = make_case_fast(lens, ps, hkv, d)
@@ -287,13 +311,26 @@ def bench_case(batch, kv_len, hkv, copy_bw, gen, split_modes=("auto",)):
     nbytes = 2 * d * (batch * hq * 2 + 2 * int(lens.sum()) * hkv)
     p = DEC.prepare_decode(q, cache, *meta, return_lse=True)
     recs = []
-    for mode in split_modes:
-        chunk = DEC.choose_chunk(p) if mode == "auto" else (None if mode == "unsplit" else int(mode))
-        fn, items = our_runner(p, chunk)
+    # the default path, the shared-memory path, and (optionally) other warp-path unrolls
+    runs = [(m, "auto", 0) for m in split_modes] + [(m, "smem", 0) for m in split_modes]
+    runs += [(split_modes[0], "warp", u) for u in unrolls]
+    for mode, path, unroll in runs:
+        chunk = (with_path(p, path, unroll, DEC.choose_chunk) if mode == "auto"
+                 else (None if mode == "unsplit" else int(mode)))
+        cfg = with_path(p, path, unroll, lambda p: p.config())
+        fn, items = our_runner(p, chunk, path, unroll)
         ms, graphed = bench(fn)
-        recs.append(dict(mode=mode, chunk=chunk, items=items, ms=ms, graphed=graphed,
+        recs.append(dict(mode=mode, path=cfg.path, unroll=cfg.unroll, heads_per_cta=cfg.heads_per_cta,
+                         chunk=chunk, items=items, ms=ms, graphed=graphed,
                          bw=nbytes / (ms * 1e-3) / 1e9 / copy_bw))
-    # check this exact run against torch's math on a few requests (cheap sanity)
+    # same-run sanity check of the default path's output against torch's math (dense copy)
+    fn, _ = our_runner(p, with_path(p, "auto", 0, DEC.choose_chunk))
+    fn()
+    torch.cuda.synchronize()
+    try:
+        recs[0]["check_max_abs_err"] = dense_check(p, q, cache, indptr, indices, batch, kv_len, hkv, ps, d)
+    except Exception:  # noqa: BLE001
+        log("dense check failed", traceback.format_exc()[-300:])
     peers = {}
     qd = q.view(batch, hkv, hq // hkv, d).reshape(batch, hq, 1, d)
     kd = torch.randn((batch, hkv, kv_len, d), dtype=torch.float16, device="cuda")
@@ -311,7 +348,7 @@ def bench_case(batch, kv_len, hkv, copy_bw, gen, split_modes=("auto",)):
             log(name, "failed:", repr(exc)[:150])
             peers[name] = None
     try:
-        if FLEX is None or kv_len not in (4096, 32768) or left() < 120:
+        if QUICK or FLEX is None or kv_len not in (4096, 32768) or left() < 120:
             raise RuntimeError("flex skipped (compile time per shape)")
         ms, _ = bench(lambda: FLEX(qd, kd, vd, enable_gqa=True))
         peers["flex"] = nbytes / (ms * 1e-3) / 1e9 / copy_bw
@@ -321,6 +358,24 @@ def bench_case(batch, kv_len, hkv, copy_bw, gen, split_modes=("auto",)):
     del q, cache, kd, vd, p
     torch.cuda.empty_cache()
     return recs, peers, nbytes
+
+
+def dense_check(p, q, cache, indptr, indices, batch, kv_len, hkv, ps, d, rows=2):
+    """Max |ours - torch math| over the first `rows` requests (pages gathered on the GPU)."""
+    o = p.out_user[:rows].float().reshape(-1, hkv * (q.shape[1] // hkv), d)
+    idx = torch.from_numpy(indices.astype(np.int64)).cuda()
+    n_pages = -(-kv_len // ps)
+    errs = []
+    for r in range(min(rows, batch)):
+        pages = idx[int(indptr[r]):int(indptr[r]) + n_pages]
+        kv = cache[pages].float()                      # [n, 2, ps, hkv, d]
+        k = kv[:, 0].reshape(-1, hkv, d)[:kv_len]
+        v = kv[:, 1].reshape(-1, hkv, d)[:kv_len]
+        qq = q[r].float().view(hkv, -1, d)             # [hkv, g, d]
+        s = torch.einsum("hgd,thd->hgt", qq, k) / math.sqrt(d)
+        ref = torch.einsum("hgt,thd->hgd", torch.softmax(s, -1), v).reshape(-1, d)
+        errs.append(float((o[r] - ref).abs().max()))
+    return max(errs)
 
 
 def make_case_fast(lens, ps, hkv, d):
@@ -389,8 +444,7 @@ def sanitize() -> dict:
 
 # ---------------------------------------------------------------------------
 
-def main():
-    global FLEX
+def main(mode="all"):
     os.makedirs(OUT, exist_ok=True)
     rng = np.random.default_rng(int(time.time()))
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
@@ -406,17 +460,23 @@ def main():
         with open(os.path.join(OUT, "decode_correctness.json"), "w") as f:
             json.dump(corr, f, indent=1, default=str)
 
-    for case in CORRECTNESS:
+    if mode == "bench":
+        return bench_main(rng, gen, dev, versions)
+    # the default (warp) path on every case, the shared-memory fallback on two
+    todo = [(c, "auto") for c in CORRECTNESS]
+    todo += [(c, "smem") for c in CORRECTNESS if c[0] in ("b64_f16_p16_g8_d128", "b16_f16_variants")]
+    for case, path in todo:
         if left() < 200:
             corr["records"].append({"case": case[0], "skipped": "time"})
             continue
         try:
-            rec = check_decode(case, rng, gen)
+            rec = check_decode(case, rng, gen, path)
         except Exception as exc:  # noqa: BLE001
             rec = {"case": case[0], "ok": False, "error": traceback.format_exc()[-1500:]}
+            DEC.DECODE_PATH = "auto"
         corr["records"].append(rec)
         log("correct", rec["case"], "OK" if rec.get("ok") else "FAIL",
-            {k: rec.get(k) for k in ("max_abs_err_o", "max_abs_err_lse", "unwritten", "first_call_s",
+            {k: rec.get(k) for k in ("path", "max_abs_err_o", "max_abs_err_lse", "unwritten", "first_call_s",
                                      "split_chunk", "error")})
         torch.cuda.empty_cache()
         dump_corr()
@@ -428,10 +488,29 @@ def main():
         corr["records"].append({"case": "merge", "ok": False, "error": traceback.format_exc()[-1500:]})
         log("merge error", traceback.format_exc()[-800:])
     dump_corr()
+    if mode == "correct":
+        print("correctness:", sum(1 for r in corr["records"] if r.get("ok")), "ok of", len(corr["records"]))
+        return
+    bench_main(rng, gen, dev, versions, corr)
+
+
+def bench_main(rng, gen, dev, versions, corr=None):
+    global FLEX
+    if corr is None:
+        try:
+            with open(os.path.join(OUT, "decode_correctness.json")) as f:
+                corr = json.load(f)
+        except OSError:
+            corr = {"records": []}
+
+    def dump_corr():
+        with open(os.path.join(OUT, "decode_correctness.json"), "w") as f:
+            json.dump(corr, f, indent=1, default=str)
 
     # -------- benchmark --------
     result = {"suite": "decode", "gpu": dev, "date": datetime.date.today().isoformat(),
-              "command": "PYTHONPATH=$PWD python3 benchmarks/gpu_decode.py", "versions": versions,
+              "command": os.environ.get("NBATTN_COMMAND", "PYTHONPATH=$PWD python3 benchmarks/gpu_decode.py"),
+              "versions": versions,
               "copy_bandwidth_GBps": None, "records": []}
 
     def dump():
@@ -456,31 +535,43 @@ def main():
                                   "metric": "first_call_s", "value": first["first_call_s"], "unit": "s",
                                   "peers": {"second_call_s": first["second_call_s"]}})
     table = []
-    cases = [(64, L, hkv, ("auto",)) for hkv in (8, 4) for L in (1024, 4096, 16384, 32768)]
-    cases += [(1, 32768, 8, ("auto", "unsplit")), (1, 32768, 4, ("auto", "unsplit"))]
-    for batch, L, hkv, modes in cases:
-        if left() < 60:
+    cases = [(64, L, hkv, ("auto",), (2, 4) if L == 16384 else ()) for hkv in (8, 4)
+             for L in (1024, 4096, 16384, 32768)]
+    cases += [(1, 32768, 8, ("auto", "unsplit"), ()), (1, 32768, 4, ("auto", "unsplit"), ())]
+    for batch, L, hkv, modes, unrolls in cases:
+        if left() < 30:
             log("skipping bench", batch, L, hkv, "(time)")
             continue
         try:
-            recs, peers, nbytes = bench_case(batch, L, hkv, copy_bw, gen, modes)
+            recs, peers, nbytes = bench_case(batch, L, hkv, copy_bw, gen, modes, unrolls)
         except Exception:  # noqa: BLE001
             log("bench error", batch, L, hkv, traceback.format_exc()[-600:])
             continue
+        smem = {r["mode"]: r["bw"] for r in recs if r["path"] == "smem"}
         for r in recs:
             case = {"batch": batch, "kv_len": L, "num_qo_heads": 32, "num_kv_heads": hkv, "group": 32 // hkv,
                     "head_dim": 128, "page_size": 16, "dtype": "f16", "split": r["mode"],
-                    "kv_chunk": r["chunk"], "work_items": r["items"], "graphed": r["graphed"]}
+                    "kv_chunk": r["chunk"], "work_items": r["items"], "graphed": r["graphed"],
+                    "path": r["path"], "unroll": r["unroll"], "heads_per_cta": r["heads_per_cta"]}
+            if "check_max_abs_err" in r:
+                case["check_max_abs_err_vs_torch"] = r["check_max_abs_err"]
+            pe = dict(peers)
+            if r["path"] != "smem":
+                pe["nbattn_smem"] = smem.get(r["mode"])
             result["records"].append({"case": case, "metric": "bw_fraction", "value": r["bw"],
-                                      "unit": "fraction of copy bandwidth", "peers": peers})
+                                      "unit": "fraction of copy bandwidth", "peers": pe})
             result["records"].append({"case": case, "metric": "latency_us", "value": r["ms"] * 1e3,
                                       "unit": "us", "peers": {}})
-            table.append((batch, L, hkv, r["mode"], r["chunk"], r["ms"] * 1e3, r["bw"], peers))
-            log(f"bench b={batch} L={L} hkv={hkv} {r['mode']}(chunk {r['chunk']}): {r['ms']*1e3:.1f} us "
-                f"bw {r['bw']:.3f}  peers " + " ".join(f"{k}={v:.3f}" if v else f"{k}=NA" for k, v in peers.items()))
+            table.append((batch, L, hkv, f"{r['mode']}/{r['path']}{r['unroll'] if r['path'] == 'warp' else ''}",
+                          r["chunk"], r["ms"] * 1e3, r["bw"], peers))
+            log(f"bench b={batch} L={L} hkv={hkv} {r['mode']}/{r['path']} u{r['unroll']} (chunk {r['chunk']}): "
+                f"{r['ms']*1e3:.1f} us bw {r['bw']:.3f} err {r.get('check_max_abs_err')} peers "
+                + " ".join(f"{k}={v:.3f}" if v else f"{k}=NA" for k, v in peers.items()))
         dump()
     # second process: first call should hit the on-disk cache
     try:
+        if QUICK:
+            raise RuntimeError("skipped (NBATTN_QUICK)")
         r = subprocess.run([sys.executable, __file__, "second"], capture_output=True, text=True, timeout=120)
         line = [x for x in r.stdout.splitlines() if x.startswith("{")]
         sec = json.loads(line[-1])["second_process_first_call_s"] if line else None
@@ -491,13 +582,13 @@ def main():
     except Exception as exc:  # noqa: BLE001
         log("second process failed", repr(exc)[:200])
     dump()
-    corr["sanitizer"] = sanitize()
+    corr["sanitizer"] = {"note": "skipped (NBATTN_QUICK)"} if QUICK else sanitize()
     log("sanitizer", json.dumps(corr["sanitizer"])[:1500])
     dump_corr()
-    print("\n batch    L  hkv mode      chunk      us    bw   flash  cudnn   flex")
+    print("\n batch    L  hkv mode/path         chunk      us    bw   flash  cudnn   flex")
     for b, L, h, m, c, us, bw, pe in table:
         fmt = lambda v: f"{v:6.3f}" if v else "    NA"  # noqa: E731
-        print(f"{b:6d} {L:5d} {h:3d} {m:8s} {str(c):>6s} {us:8.1f} {bw:5.3f} {fmt(pe.get('sdpa_flash'))} "
+        print(f"{b:6d} {L:5d} {h:3d} {m:16s} {str(c):>6s} {us:8.1f} {bw:5.3f} {fmt(pe.get('sdpa_flash'))} "
               f"{fmt(pe.get('sdpa_cudnn'))} {fmt(pe.get('flex'))}")
     print("correctness:", sum(1 for r in corr["records"] if r.get("ok")), "ok of", len(corr["records"]))
 
@@ -509,4 +600,4 @@ if __name__ == "__main__":
     elif mode == "second":
         second_process()
     else:
-        main()
+        main(mode)

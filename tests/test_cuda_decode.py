@@ -288,3 +288,115 @@ def test_bad_inputs_raise_before_launch(case, monkeypatch):
     assert not launched
     for a, s in zip(args, snapshot):
         assert np.array_equal(np.asarray(a).view(np.uint8), s.view(np.uint8))
+
+
+# ---------------------------------------------------------------------------
+# The warp path (nbattn.cuda.decode_warp): the GPU's default.  Under the
+# simulator it is forced on with emulated (block-wide) shuffles and one or two
+# warps; on a GPU the same tests run it for real, plus real-size cases with
+# poisoned outputs.
+# ---------------------------------------------------------------------------
+
+@pytest.fixture
+def warp_path(monkeypatch):
+    monkeypatch.setattr(DEC, "DECODE_PATH", "warp")
+
+
+def _config_of(b, layout="NHD", **kw):
+    return DEC.prepare_decode(b["q"], b["cache"], b["indptr"], b["indices"], b["last"],
+                              kv_layout=layout, **kw).config()
+
+
+@pytest.mark.parametrize("code,layout,page_size,group,head_dim,warps", [
+    ("f16", "NHD", 3, 2, 16, 1), ("bf16", "HND", 4, 4, 32, 2), ("f32", "NHD", 1, 1, 64, 1),
+    ("f16", "NHD", 5, 8, 8, 1),
+])
+def test_warp_path_matches_golden(warp_path, monkeypatch, code, layout, page_size, group, head_dim, warps):
+    if SIMULATOR:
+        monkeypatch.setattr(DEC, "WARP_WARPS", warps)
+    rng = np.random.default_rng([21, page_size, group, head_dim])
+    lens = [13, 1, 0, 20] if head_dim <= 32 and warps == 1 else [7, 1, 0, 9]   # slow to emulate
+    b = batch(rng, code, kv_lens=lens, page_size=page_size, group=group, layout=layout,
+              head_dim=head_dim, share=True)
+    assert _config_of(b, layout).path == "warp"
+    o, lse = run(b, layout, return_lse=True)
+    check(o, lse, *golden(b, layout, return_lse=True), code)
+    assert np.all(as_f32(o)[2] == 0) and np.all(np.isneginf(lse[2]))
+
+
+def test_warp_path_variants_and_split(warp_path):
+    rng = np.random.default_rng(22)
+    b = batch(rng, "f32", kv_lens=[9, 12], page_size=3)
+    kw = dict(causal=True, window_left=5, sink_size=2, logits_soft_cap=3.0, pos_encoding_mode="ALIBI",
+              mask_mod=lambda b, h, q, k: (k + h) % 4 != 1)
+    o, lse = run(b, return_lse=True, **kw)
+    check(o, lse, *golden(b, return_lse=True, **kw), "f32")
+    so, sl = _decode_with_chunks(b, 6, **kw)
+    check(so, sl, *golden(b, return_lse=True, **kw), "f32")
+    sig = dict(use_sigmoid=True, sigmoid_bias=-0.5, window_left=6)
+    o, _ = _decode_with_chunks(b, 6, **sig)
+    np.testing.assert_allclose(o, golden(b, **sig), atol=2e-4, rtol=2e-4)
+
+
+def test_warp_path_work_list(warp_path):
+    test_work_list_queue_and_merge_order()
+
+
+def test_warp_path_not_taken_for_odd_head_dim(warp_path):
+    rng = np.random.default_rng(23)
+    b = batch(rng, "f16", kv_lens=[4], page_size=2, head_dim=24)     # 3 chunks per row: no butterfly
+    assert _config_of(b).path == "smem"
+
+
+def _poisoned_run(b, layout, chunk="auto", **kw):
+    """Decode through the device arrays with NaN-poisoned outputs; every element must be written."""
+    p = DEC.prepare_decode(b["q"], b["cache"], b["indptr"], b["indices"], b["last"], kv_layout=layout,
+                           return_lse=True, **kw)
+    code = p.code
+    nan_raw = {"f16": np.uint16(0x7E00), "bf16": np.uint16(0x7FC0), "f32": np.float32(np.nan)}[code]
+    p.out_dev.copy_to_device(np.full(p.out_dev.shape, nan_raw, p.out_dev.dtype))
+    p.lse_dev.copy_to_device(np.full(p.lse_dev.shape, np.nan, np.float32))
+    DEC.run_split(p, DEC.choose_chunk(p) if chunk == "auto" else chunk)
+    o, lse = DEC.finish_decode(p, True)
+    return p.config(), o, lse
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="needs a real GPU")
+@pytest.mark.parametrize("code,layout,page_size,hkv,group,head_dim,nreq,max_len,chunk", [
+    ("f16", "NHD", 16, 8, 4, 128, 24, 4100, "auto"),
+    ("f16", "NHD", 16, 4, 8, 128, 32, 4100, "auto"),
+    ("bf16", "HND", 1, 2, 8, 128, 8, 9000, "auto"),
+    ("f32", "NHD", 64, 4, 1, 64, 32, 3000, None),
+    ("f16", "NHD", 64, 1, 8, 256, 4, 20000, "auto"),
+    ("bf16", "NHD", 3, 4, 4, 64, 16, 2000, 700),
+    ("f16", "HND", 16, 8, 1, 128, 2, 33000, 1000),
+    ("f16", "NHD", 5, 2, 6, 128, 8, 1500, None),
+])
+def test_warp_path_real_sizes_gpu(code, layout, page_size, hkv, group, head_dim, nreq, max_len, chunk):
+    rng = np.random.default_rng([31, page_size, hkv, group, head_dim, nreq])
+    kv_lens = [int(x) for x in rng.integers(1, max_len, size=nreq)]
+    kv_lens[0], kv_lens[-1] = 0, max_len           # an empty request and a full-length one
+    b = batch(rng, code, kv_lens=kv_lens, page_size=page_size, num_kv_heads=hkv, group=group,
+              head_dim=head_dim, layout=layout, share=True)
+    cfg, o, lse = _poisoned_run(b, layout, chunk)
+    assert cfg.path == "warp"
+    assert not np.isnan(as_f32(o)).any() and not np.isnan(lse).any()
+    check(o, lse, *golden(b, layout, return_lse=True), code, lse_tol=2e-3)
+    assert np.all(as_f32(o)[0] == 0) and np.all(np.isneginf(lse[0]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="needs a real GPU")
+def test_warp_path_variants_real_sizes_gpu():
+    rng = np.random.default_rng(32)
+    b = batch(rng, "f16", kv_lens=[int(x) for x in rng.integers(1, 5000, size=12)], page_size=16,
+              num_kv_heads=2, group=4, head_dim=128)
+    for kw in (dict(causal=True, window_left=700, sink_size=4, logits_soft_cap=30.0, pos_encoding_mode="ALIBI"),
+               dict(score_mod=lambda s, b, h, q, k: s - 0.001 * (q - k),
+                    mask_mod=lambda b, h, q, k: (k + h) % 5 != 0)):
+        cfg, o, lse = _poisoned_run(b, "NHD", 512, **kw)
+        assert cfg.path == "warp"
+        check(o, lse, *golden(b, return_lse=True, **kw), "f16", lse_tol=2e-3)
+    o = run(b, use_sigmoid=True, sigmoid_bias=-2.0)
+    np.testing.assert_allclose(as_f32(o), golden(b, use_sigmoid=True, sigmoid_bias=-2.0), atol=4e-3, rtol=4e-3)

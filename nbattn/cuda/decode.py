@@ -31,10 +31,21 @@ applies scale, variant transform and mask; (4) online softmax in base 2
 (running max per head, rescale factor); (5) each thread accumulates
 ``p * V`` for its tokens and chunk in registers.  At the end the NY partial
 accumulators are added through shared memory and the state is written.
+
+Two paths
+---------
+The kernel above (``path="smem"``) is the simulator's path and the fallback.
+On a GPU, :mod:`nbattn.cuda.decode_warp` (``path="warp"``) runs the same work
+list with no block barrier in its main loop; it is picked whenever the head
+dimension maps onto a warp (16-byte chunks, power-of-two lanes per token) and
+the arrays are 16-byte aligned.  ``DECODE_PATH`` (or the environment variable
+``NBATTN_DECODE_PATH``: ``auto`` | ``warp`` | ``smem``) overrides the choice;
+forcing ``warp`` under the simulator runs it with emulated shuffles (tests).
 """
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -47,6 +58,7 @@ from . import _arrays as A
 from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f,
                          ld_v4, load_v4, st_v4)
 from ._driver import jit_kernel, sm_count
+from . import decode_warp as WARP
 from .variants import LOG2E, kernel_variant_key, variant_device_fns
 
 __all__ = ["batch_decode_paged", "DecodeProblem", "WorkList", "prepare_decode", "run_decode_work",
@@ -55,6 +67,10 @@ __all__ = ["batch_decode_paged", "DecodeProblem", "WorkList", "prepare_decode", 
 MAX_HEAD_DIM = 256
 NEG_INF = float32(-math.inf)
 SMEM_BUDGET = 46 * 1024   # static shared memory stays under the 48 KB default
+DECODE_PATH = os.environ.get("NBATTN_DECODE_PATH", "auto")   # auto | warp | smem
+WARP_MAX_HEADS = 4        # heads per CTA on the warp path (q + acc registers)
+WARP_WARPS = 1 if SIMULATOR else 4   # warps per CTA on the warp path
+WARP_UNROLL = 0           # tokens per row per step on the warp path (0: by heads per CTA)
 
 
 class WorkList(NamedTuple):
@@ -76,6 +92,8 @@ class DecodeConfig:
     nthreads: int
     tile_tokens: int
     aligned: bool       # 16-byte aligned q / cache: vector global loads
+    path: str = "smem"  # "smem" | "warp" (see module doc)
+    unroll: int = 1     # warp path: tokens per row per step
 
     @property
     def words_per_row(self) -> int:
@@ -94,8 +112,25 @@ def heads_per_cta(group: int) -> int:
     return 1
 
 
+def _use_warp(code: str, head_dim: int, aligned: bool) -> bool:
+    if DECODE_PATH == "smem":
+        return False
+    if not WARP.warp_eligible(code, head_dim, aligned):
+        return False
+    return DECODE_PATH == "warp" or not SIMULATOR
+
+
 def make_config(code: str, head_dim: int, group: int, kv_layout: str, variant: Variant,
                 aligned: bool = True) -> DecodeConfig:
+    if _use_warp(code, head_dim, aligned):
+        hg = WARP.warp_heads_per_cta(group, WARP_MAX_HEADS)
+        nw = WARP_WARPS
+        # tokens in flight per row: as many as 128 registers hold without spills
+        # (ptxas, sm_90: HG = 4 fits 3, fewer heads fit 4)
+        unroll = 2 if SIMULATOR else (WARP_UNROLL or (3 if hg >= 3 else 4))
+        _, _, _, step = WARP.warp_geometry(code, head_dim, hg, nw, unroll)
+        return DecodeConfig(code, head_dim, hg, kv_layout, kernel_variant_key(variant), 32 * nw, step,
+                            aligned, "warp", unroll)
     hg = heads_per_cta(group)
     w = head_dim // ELEMS_PER_WORD[code]
     nx = w // 4
@@ -128,7 +163,11 @@ def decode_kernel(cfg: DecodeConfig):
     """The compiled decode kernel for ``cfg`` (cached; on disk too on the GPU)."""
     k = _kernels.get(cfg)
     if k is None:
-        k = _kernels[cfg] = _build(cfg)
+        if cfg.path == "warp":
+            k = WARP.build_warp_kernel(cfg, cfg.nthreads // 32, cfg.unroll)
+        else:
+            k = _build(cfg)
+        _kernels[cfg] = k
     return k
 
 
@@ -516,7 +555,8 @@ def run_decode_work(p: DecodeProblem, work: WorkList, partial_o=None, partial_ls
     ``partial_o [slots, num_qo_heads, head_dim]`` / ``partial_lse [slots,
     num_qo_heads]`` (float32 device arrays) receive items with ``out_slot >= 0``;
     items with ``-1`` write ``p.out_dev`` / ``p.lse_dev``.  Grid ``(len(work.cta_indptr)-1,
-    num_qo_heads // heads_per_cta)``.  Asynchronous on ``p.stream``.
+    num_qo_heads // heads_per_cta)`` (flattened to 1-D on the warp path).  Asynchronous on
+    ``p.stream``.
     """
     cfg = p.config()
     num_ctas = int(work.cta_indptr.shape[0]) - 1
@@ -529,11 +569,19 @@ def run_decode_work(p: DecodeProblem, work: WorkList, partial_o=None, partial_ls
     lse_flat = p.lse_dev.reshape(int(np.prod(p.lse_dev.shape)))
     po = partial_o.reshape(int(np.prod(partial_o.shape)))
     pl = partial_lse.reshape(int(np.prod(partial_lse.shape)))
-    grid = (num_ctas, p.num_qo_heads // cfg.heads_per_cta)
-    decode_kernel(cfg)[grid, cfg.nthreads, p.stream](
+    n_hb = p.num_qo_heads // cfg.heads_per_cta
+    tail = (out_flat, lse_flat, po, pl, p.slopes, np.float32(p.sm_scale),
+            np.float32(p.variant.sigmoid_bias))
+    if cfg.path == "warp":
+        ps = p.page_size
+        shift = ps.bit_length() - 1 if ps & (ps - 1) == 0 else -1
+        decode_kernel(cfg)[num_ctas * n_hb, cfg.nthreads, p.stream](
+            p.q_w, p.kv_w, p.kv_indptr, p.kv_indices, p.kv_last, ps, shift, p.num_kv_heads,
+            p.num_qo_heads, n_hb, *work, *tail)
+        return
+    decode_kernel(cfg)[(num_ctas, n_hb), cfg.nthreads, p.stream](
         p.q_w, p.kv_w, p.kv_indptr, p.kv_indices, p.kv_last, p.page_size, p.num_kv_heads,
-        p.num_qo_heads, *work, out_flat, lse_flat, po, pl, p.slopes, np.float32(p.sm_scale),
-        np.float32(p.variant.sigmoid_bias))
+        p.num_qo_heads, *work, *tail)
 
 
 def _upload(stream, *arrays):

@@ -27,6 +27,14 @@ Interface (stable; the prefill/sparse/cascade kernels use it too):
     exp2f(x)                 -> 2**x in float32 (ex2.approx on the GPU; exp2f(-inf) = 0)
     device_fn                   decorator: a force-inlined device function (plain
                                 cuda.jit(device=True) under the simulator)
+    shfl_xor_f32(x, lane_mask)  -> float32 x of lane (lane ^ lane_mask) of this warp
+                                (all 32 lanes take part).  Under the simulator it
+                                is a *block-wide* exchange through shared memory
+                                with two barriers: every thread of the block must
+                                call it at the same point.  It exists so that the
+                                warp-level decode path can be checked on the CPU.
+    shfl_idx_f32(x, src_lane)   -> float32 x of lane src_lane (0..31) of this warp;
+                                same two faces and the same caveat.
 
 Little-endian: the element with the lower index is the low half of a word.
 Warp-collective primitives (shuffles, mma.sync, ldmatrix) are GPU-only and do
@@ -42,7 +50,8 @@ import numpy as np
 from .._compat import simulator_enabled
 
 __all__ = ["load_v4", "ld_v4", "st_v4", "SHARED_ALIGN", "u32_as_f32", "f32_as_u32", "f16x2_to_f32", "bf16x2_to_f32",
-           "f32_to_f16_bits", "f32_to_bf16_bits", "exp2f", "device_fn", "SIMULATOR"]
+           "f32_to_f16_bits", "f32_to_bf16_bits", "exp2f", "device_fn", "SIMULATOR", "shfl_xor_f32",
+           "shfl_idx_f32"]
 
 SIMULATOR = simulator_enabled()
 # cuda.shared.array(..., alignment=SHARED_ALIGN): 16-byte alignment for ld_v4/st_v4
@@ -108,9 +117,31 @@ if SIMULATOR:
     def f32_to_bf16_bits(x):
         return np.uint16(_bf16_bits_rne(int(f32_as_u32(x))))
 
+    @device_fn
+    def shfl_xor_f32(x, lane_mask):
+        # simulated threads are Python threads of one block: emulate the warp
+        # exchange with a block-shared scratch (one allocation per block)
+        buf = cuda.shared.array(1024, np.float32)
+        tid = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
+        buf[tid] = x
+        cuda.syncthreads()
+        y = buf[tid ^ int(lane_mask)]
+        cuda.syncthreads()
+        return np.float32(y)
+
+    @device_fn
+    def shfl_idx_f32(x, src_lane):
+        buf = cuda.shared.array(1024, np.float32)
+        tid = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
+        buf[tid] = x
+        cuda.syncthreads()
+        y = buf[tid - tid % 32 + int(src_lane)]
+        cuda.syncthreads()
+        return np.float32(y)
+
 else:  # pragma: no cover - needs a GPU
     from llvmlite import ir
-    from numba import cuda, types
+    from numba import cuda, float32, types
     from numba.cuda import cgutils
     from numba.cuda.extending import intrinsic
 
@@ -235,6 +266,14 @@ else:  # pragma: no cover - needs a GPU
             return builder.call(asm, [v])
 
         return types.float32(x), codegen
+
+    @device_fn
+    def shfl_xor_f32(x, lane_mask):
+        return cuda.shfl_xor_sync(0xFFFFFFFF, float32(x), lane_mask)
+
+    @device_fn
+    def shfl_idx_f32(x, src_lane):
+        return cuda.shfl_sync(0xFFFFFFFF, float32(x), src_lane)
 
     @device_fn
     def bf16x2_to_f32(w):

@@ -1,0 +1,292 @@
+"""Decode on the GPU without block barriers in the main loop (SPEC sections 1-3, 6).
+
+Same work-list contract as :mod:`nbattn.cuda.decode` (that module's doc): a CTA
+runs the items ``cta_indptr[c]:cta_indptr[c+1]`` for a block of ``HG`` query
+heads of one KV head and writes the final row (``out_slot == -1``) or a partial
+state (normalized fp32 output, base-2 LSE) into its slot.  The shared-memory
+kernel there stays the simulator's and the fallback path; this one is picked
+on the GPU because decode is a pure stream of K/V bytes, and there every block
+barrier per tile is a bubble in that stream.
+
+Why it is shaped like this
+--------------------------
+* A lane owns one 16-byte chunk (``VEC`` elements) of head_dim, so ``NX = D /
+  VEC`` lanes hold one token's K row and a warp covers ``TW = 32 / NX`` tokens
+  at a time.  Every load is one ``ld.global.nc.v4`` (~1.0 of copy bandwidth,
+  ../shared/GPU.md), straight into registers: no shared-memory staging.
+* Each (warp, token-slot) row walks its own strided subset of the item's
+  tokens and keeps its *own* online-softmax state; rows never wait for each
+  other.  They meet once, at the end, through the merge rule of SPEC 3.
+* ``U`` tokens per row are loaded before any is used, and the page ids of the
+  next step are fetched right after, so a row has ``2U`` 16-byte loads plus the
+  index loads of the next step in flight while it does arithmetic.
+* A score is the lane's ``VEC``-element partial dot, summed over the ``NX``
+  lanes of the token by an xor butterfly: every lane ends with the bitwise
+  same total, so all lanes of a row carry identical ``m``/``l`` and no lane has
+  to broadcast anything.
+* Softmax runs in base 2; ``m`` is updated once per step of ``U`` tokens (one
+  rescale of the accumulator per step, not per token).  Without a logits
+  transform, ``sm_scale * log2(e)`` is folded into q once.
+
+Launch shape: 1-D grid of ``num_ctas * n_head_blocks`` CTAs, head blocks of
+one item adjacent in launch order (a group split over two CTAs reads the same
+K/V at the same time, so the second read is an L2 hit); ``NW`` warps per CTA.
+Shared memory is used only for the final combine: ``R = NW * TW`` rows x
+``HG`` heads x ``D`` floats (16 KB for HG = 4) plus their ``m``/``l``.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32, int64, uint32
+
+from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f, load_v4,
+                         shfl_xor_f32, st_v4)
+from ._driver import _closure_hashable
+from .variants import LOG2E, variant_device_fns
+
+__all__ = ["warp_eligible", "warp_heads_per_cta", "build_warp_kernel", "warp_geometry"]
+
+NEG_INF = float32(-math.inf)
+
+
+def warp_eligible(code: str, head_dim: int, aligned: bool) -> bool:
+    """A token's row must be a power-of-two number of 16-byte chunks within one warp."""
+    nx = head_dim // (4 * ELEMS_PER_WORD[code])
+    return aligned and head_dim % (4 * ELEMS_PER_WORD[code]) == 0 and 1 <= nx <= 32 and nx & (nx - 1) == 0
+
+
+def warp_heads_per_cta(group: int, max_heads: int) -> int:
+    """Largest divisor of the group <= max_heads: q and the accumulator of every
+    head live in registers (2 * HG * VEC floats per lane)."""
+    for hg in range(min(group, max_heads), 0, -1):
+        if group % hg == 0:
+            return hg
+    return 1
+
+
+def warp_geometry(code: str, head_dim: int, heads: int, nwarps: int, unroll: int):
+    """``(NX, TW, R, step_tokens)``: lanes per token, tokens per warp, rows per CTA,
+    tokens a CTA consumes per step."""
+    vec = 4 * ELEMS_PER_WORD[code]
+    nx = head_dim // vec
+    tw = 32 // nx
+    return nx, tw, nwarps * tw, nwarps * tw * unroll
+
+
+def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
+    """Compile the warp-path kernel for a :class:`~nbattn.cuda.decode.DecodeConfig`.
+
+    ``min_blocks`` CTAs per SM become launch bounds: they cap registers per
+    thread (65536 / (32 * nwarps * min_blocks)) so that enough warps stay
+    resident to keep HBM busy."""
+    D = cfg.head_dim
+    HG = cfg.heads_per_cta
+    EPW = ELEMS_PER_WORD[cfg.code]
+    VEC = 4 * EPW
+    W = D // EPW                     # 32-bit words per K/V row
+    NX, TW, R, S = warp_geometry(cfg.code, D, HG, nwarps, unroll)
+    U = unroll
+    NT = 32 * nwarps
+    LOG_NX = NX.bit_length() - 1
+    HALF = NX // 2
+    HVEC, HU, U4 = HG * VEC, HG * U, 4 * U           # local array sizes
+    ACC_LEN, ML_LEN = R * HG * D, R * HG             # shared array sizes
+    NHD = cfg.kv_layout == "NHD"
+    var = cfg.variant
+    SIGMOID = var.use_sigmoid
+    ALIBI = var.has_alibi
+    # no logits transform: the score needs no natural-scale value, fold the scale into q
+    PLAIN = not SIGMOID and not ALIBI and not var.has_soft_cap and var.score_mod is None
+    _, store_elem, unpack4 = element_io(cfg.code)
+    transform, keep = variant_device_fns(var)
+
+    @device_fn
+    def page_slot(pos, page_size, ps_shift):
+        # power-of-two pages (the common case) avoid an integer division per token
+        if ps_shift >= 0:
+            pi = uint32(pos) >> uint32(ps_shift)
+            return pi, uint32(pos) & uint32(page_size - 1)
+        pi = uint32(pos) // uint32(page_size)
+        return pi, uint32(pos) - pi * uint32(page_size)
+
+    def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, ps_shift, num_kv_heads,
+               num_qo_heads, n_head_blocks, cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
+               out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias):
+        st_acc = cuda.shared.array(ACC_LEN, np.float32, alignment=SHARED_ALIGN)
+        st_m = cuda.shared.array(ML_LEN, np.float32)
+        st_l = cuda.shared.array(ML_LEN, np.float32)
+        qv = cuda.local.array(HVEC, np.float32)
+        acc = cuda.local.array(HVEC, np.float32)
+        m = cuda.local.array(HG, np.float32)
+        l = cuda.local.array(HG, np.float32)
+        slope = cuda.local.array(HG, np.float32)
+        kw = cuda.local.array(U4, np.uint32)
+        vw = cuda.local.array(U4, np.uint32)
+        pg = cuda.local.array(U, np.int64)
+        sc = cuda.local.array(HU, np.float32)
+        xf = cuda.local.array(VEC, np.float32)
+
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        x = lane % NX                      # my chunk of head_dim
+        row = (tid // 32) * TW + lane // NX  # my token stream
+        cta = cuda.blockIdx.x // n_head_blocks
+        h0 = (cuda.blockIdx.x - cta * n_head_blocks) * HG
+        kvh = h0 // (num_qo_heads // num_kv_heads)
+        ps = int64(page_size)
+        hkv = int64(num_kv_heads)
+        v_off = ps * hkv * W               # V half of a page, both layouts
+        qscale = float32(sm_scale * float32(LOG2E))
+
+        for item in range(cta_indptr[cta], cta_indptr[cta + 1]):
+            r = w_request[item]
+            kv_start = w_kv_start[item]
+            kv_end = w_kv_end[item]
+            slot = w_out_slot[item]
+            page_base = int64(kv_indptr[r])
+            n_pages = kv_indptr[r + 1] - kv_indptr[r]
+            kv_len = (n_pages - 1) * page_size + kv_last[r] if n_pages > 0 else 0
+            q_idx = kv_len - 1
+
+            for g in range(HG):
+                w0, w1, w2, w3 = load_v4(q_w, (int64(r) * num_qo_heads + h0 + g) * W + x * 4)
+                unpack4(w0, w1, w2, w3, qv, g * VEC)
+                if PLAIN:
+                    for e in range(VEC):
+                        qv[g * VEC + e] *= qscale
+                m[g] = NEG_INF
+                l[g] = 0.0
+                slope[g] = slopes[h0 + g] if ALIBI else float32(0.0)
+                for e in range(VEC):
+                    acc[g * VEC + e] = 0.0
+            for u in range(U):
+                pos = kv_start + u * R + row
+                pg[u] = 0
+                if pos < kv_end:
+                    pi, _ = page_slot(pos, page_size, ps_shift)
+                    pg[u] = kv_indices[page_base + int64(pi)]
+
+            # the trip count is the same for every thread of the CTA (the
+            # simulator's emulated shuffle is block-wide and relies on it)
+            for base in range(kv_start, kv_end, S):
+                # this step's K and V rows, all in flight together
+                for u in range(U):
+                    pos = base + u * R + row
+                    k0 = k1 = k2 = k3 = v0 = v1 = v2 = v3 = uint32(0)
+                    if pos < kv_end:
+                        _, within = page_slot(pos, page_size, ps_shift)
+                        if NHD:
+                            row_k = ((pg[u] * 2 * ps + int64(within)) * hkv + kvh) * W + x * 4
+                        else:
+                            row_k = ((pg[u] * 2 * hkv + kvh) * ps + int64(within)) * W + x * 4
+                        k0, k1, k2, k3 = load_v4(kv_w, row_k)
+                        v0, v1, v2, v3 = load_v4(kv_w, row_k + v_off)
+                    kw[4 * u] = k0
+                    kw[4 * u + 1] = k1
+                    kw[4 * u + 2] = k2
+                    kw[4 * u + 3] = k3
+                    vw[4 * u] = v0
+                    vw[4 * u + 1] = v1
+                    vw[4 * u + 2] = v2
+                    vw[4 * u + 3] = v3
+                # next step's page ids: their latency hides behind this step's math
+                for u in range(U):
+                    pos = base + S + u * R + row
+                    if pos < kv_end:
+                        pi, _ = page_slot(pos, page_size, ps_shift)
+                        pg[u] = kv_indices[page_base + int64(pi)]
+
+                # scores of my row's U tokens for every head
+                for u in range(U):
+                    unpack4(kw[4 * u], kw[4 * u + 1], kw[4 * u + 2], kw[4 * u + 3], xf, 0)
+                    pos = base + u * R + row
+                    for g in range(HG):
+                        d = float32(0.0)
+                        for e in range(VEC):
+                            d += qv[g * VEC + e] * xf[e]
+                        for i in range(LOG_NX):
+                            d += shfl_xor_f32(d, HALF >> i)
+                        h = h0 + g
+                        ok = pos < kv_end and keep(r, h, q_idx, pos)
+                        if PLAIN:
+                            s = d
+                        else:
+                            s = transform(d * sm_scale, r, h, q_idx, pos, slope[g])
+                        if SIGMOID:
+                            sc[g * U + u] = (float32(1.0) / (float32(1.0) + math.exp(-(s + sigmoid_bias)))
+                                             if ok else float32(0.0))
+                        elif PLAIN:
+                            sc[g * U + u] = s if ok else NEG_INF
+                        else:
+                            sc[g * U + u] = s * float32(LOG2E) if ok else NEG_INF
+
+                # one running-max update per step; rescale the accumulator once
+                if not SIGMOID:
+                    for g in range(HG):
+                        mx = m[g]
+                        for u in range(U):
+                            mx = max(mx, sc[g * U + u])
+                        f = float32(1.0) if mx == NEG_INF else exp2f(m[g] - mx)
+                        m[g] = mx
+                        l[g] *= f
+                        for e in range(VEC):
+                            acc[g * VEC + e] *= f
+                for u in range(U):
+                    unpack4(vw[4 * u], vw[4 * u + 1], vw[4 * u + 2], vw[4 * u + 3], xf, 0)
+                    for g in range(HG):
+                        s = sc[g * U + u]
+                        if SIGMOID:
+                            p = s
+                        else:
+                            p = float32(0.0) if s == NEG_INF else exp2f(s - m[g])
+                            l[g] += p
+                        for e in range(VEC):
+                            acc[g * VEC + e] += p * xf[e]
+
+            # combine the R rows' states (SPEC 3 merge rule) and write
+            for g in range(HG):
+                o_at = (row * HG + g) * D + x * VEC
+                for e in range(0, VEC, 4):
+                    st_v4(st_acc, o_at + e, acc[g * VEC + e], acc[g * VEC + e + 1],
+                          acc[g * VEC + e + 2], acc[g * VEC + e + 3])
+                if x == 0:
+                    st_m[row * HG + g] = m[g]
+                    st_l[row * HG + g] = l[g]
+            cuda.syncthreads()
+            for i in range(tid, HG * D, NT):
+                g = i // D
+                dd = i - g * D
+                h = h0 + g
+                o = float32(0.0)
+                row_lse = float32(math.nan)
+                if SIGMOID:
+                    for y in range(R):
+                        o += st_acc[(y * HG + g) * D + dd]
+                else:
+                    mm = NEG_INF
+                    for y in range(R):
+                        mm = max(mm, st_m[y * HG + g])
+                    row_lse = NEG_INF
+                    if mm != NEG_INF:
+                        tot = float32(0.0)
+                        for y in range(R):
+                            wy = exp2f(st_m[y * HG + g] - mm)
+                            tot += wy * st_l[y * HG + g]
+                            o += wy * st_acc[(y * HG + g) * D + dd]
+                        o = o / tot
+                        row_lse = mm + math.log2(tot)
+                if slot < 0:
+                    store_elem(out, (int64(r) * num_qo_heads + h) * D + dd, o)
+                    if dd == 0:
+                        lse[int64(r) * num_qo_heads + h] = row_lse
+                else:
+                    part_o[(int64(slot) * num_qo_heads + h) * D + dd] = o
+                    if dd == 0:
+                        part_lse[int64(slot) * num_qo_heads + h] = row_lse
+            cuda.syncthreads()   # the next item overwrites st_*
+
+    if SIMULATOR:                 # the simulator refuses launch bounds
+        return cuda.jit(kernel)
+    return cuda.jit(kernel, cache=_closure_hashable(kernel), launch_bounds=(NT, min_blocks))
