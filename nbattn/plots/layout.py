@@ -53,8 +53,8 @@ def page_table_bsr(path, results_root=None):
     ax.set_yticks(range(pkv.batch_size), [f"R{r} (len {n})" for r, n in enumerate(pkv.kv_lens)])
     ax.set_xlabel(f"page-pool slot (block columns of B_c = page_size = {pkv.page_size}; "
                   "numbers = logical page order)")
-    ax.set_title(f"Page table as BSR: {bsr.nnz_blocks} non-zero blocks of shape {bsr.block_shape}; "
-                 "coloured = valid slots (last pages partly filled)")
+    ax.set_title(f"Page table as BSR: {bsr.nnz_blocks} non-zero blocks of shape {bsr.block_shape}\n"
+                 "coloured = valid slots (last pages partly filled)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
