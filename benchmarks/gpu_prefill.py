@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import sys
 import time

@@ -126,6 +126,62 @@ def test_torch_in_torch_out():
     check(o.numpy(), R.batch_prefill_paged(q, cache, qo, ip, ix, lp))
 
 
+@pytest.mark.parametrize("tdtype", ["float16", "bfloat16", "float32"])
+def test_torch_cpu_inputs_handled_as_before(tdtype):
+    """CPU torch tensors are accepted like NumPy arrays (copied to the device) and
+    answered in kind: torch CPU results in q's dtype, float32 LSE, the same bits
+    as the NumPy path; ``out=``/``lse=`` CPU tensors are filled in place and
+    returned; a wrong ``out`` dtype or a non-float32 ``lse`` is rejected."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(16)
+    q, cache, qo, ip, ix, lp = paged_case(rng, [3, 2], [6, 5], 4, dtype=np.float32)
+    tdt = getattr(torch, tdtype)
+    tq, tcache = torch.from_numpy(q).to(tdt), torch.from_numpy(cache).to(tdt)
+    o, lse = P.batch_prefill_paged(tq, tcache, qo, ip, ix, lp, causal=True, return_lse=True)
+    assert isinstance(o, torch.Tensor) and o.dtype == tdt and o.device.type == "cpu"
+    assert isinstance(lse, torch.Tensor) and lse.dtype == torch.float32 and tuple(lse.shape) == (5, 4)
+    # the same bits as host NumPy inputs (bf16 as its raw |V2 view)
+    if tdtype == "bfloat16":
+        nq, ncache = (t.view(torch.int16).numpy().view("V2") for t in (tq, tcache))
+    else:
+        nq, ncache = tq.numpy(), tcache.numpy()
+    o_np, lse_np = P.batch_prefill_paged(nq, ncache, qo, ip, ix, lp, causal=True, return_lse=True)
+    np.testing.assert_array_equal(o.float().numpy(), f32(o_np))
+    np.testing.assert_array_equal(lse.numpy(), lse_np)
+    check((o.float().numpy(), lse.numpy()),
+          R.batch_prefill_paged(tq.float().numpy(), tcache.float().numpy(), qo, ip, ix, lp, causal=True,
+                                return_lse=True), tol=2e-2 if tdtype == "bfloat16" else 2e-3)
+    # caller's buffers: filled in place, the same objects come back
+    out, lse_buf = torch.full_like(tq, float("nan")), torch.full((5, 4), float("nan"))
+    o2, l2 = P.batch_prefill_paged(tq, tcache, qo, ip, ix, lp, causal=True, return_lse=True, out=out,
+                                   lse=lse_buf)
+    assert o2 is out and l2 is lse_buf
+    assert torch.equal(out, o) and torch.equal(lse_buf, lse)
+    # a mixed host batch (torch q, NumPy k/v) answers in q's kind; wrong buffers are rejected
+    if tdtype != "bfloat16":
+        k = q[:4, :2].astype(tdtype)
+        o3 = P.single_prefill(tq[:3], k, k + 1)
+        assert isinstance(o3, torch.Tensor) and o3.dtype == tdt
+        np.testing.assert_array_equal(o3.numpy(), P.single_prefill(tq[:3].numpy(), k, k + 1))
+    wrong = torch.float32 if tdtype != "float32" else torch.float16
+    with pytest.raises(ValueError, match="out: must have shape"):
+        P.batch_prefill_paged(tq, tcache, qo, ip, ix, lp, out=torch.zeros(tuple(tq.shape), dtype=wrong))
+    with pytest.raises(ValueError, match="lse: must be float32"):
+        P.batch_prefill_paged(tq, tcache, qo, ip, ix, lp, lse=torch.zeros((5, 4), dtype=torch.float16))
+
+
+def test_stream_is_the_callers_or_torchs_current(monkeypatch):
+    """stream=0 (the default) launches where decode does (torch's current stream for
+    torch CUDA inputs, :func:`nbattn.cuda._arrays.launch_stream`); a passed stream wins."""
+    from nbattn.cuda import _arrays as A
+    seen = []
+    monkeypatch.setattr(A, "launch_stream", lambda *arrays: seen.append(arrays) or "torch-current")
+    assert P.resolve_stream(0, "q", None) == "torch-current" and seen == [("q", None)]
+    assert P.resolve_stream(None, "q") == "torch-current"
+    mine = object()
+    assert P.resolve_stream(mine, "q") is mine and len(seen) == 2
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(qo=np.array([0, 3, 4], np.int64)), "must be int32"),
     (dict(lp=np.array([0, 2], np.int32)), "paged_kv_last_page_len"),

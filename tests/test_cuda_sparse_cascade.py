@@ -104,6 +104,25 @@ def test_cascade_three_levels_split_kv_and_empty_group(tc):
     check(got, R.cascade(q, levels, cache, return_lse=True))
 
 
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(use_sigmoid=True)])
+def test_cascade_split_merges_only_written_states(kw, monkeypatch):
+    """With a KV split, groups have different chunk counts; the states a group
+    does not have are never read (here every fresh device array starts as NaN)."""
+    from numba import cuda
+
+    def nan_array(shape, dtype=np.float64, stream=0, **_):
+        fill = np.nan if np.dtype(dtype).kind == "f" else 0
+        return cuda.to_device(np.full(shape, fill, dtype), stream=stream)
+
+    monkeypatch.setattr(cuda, "device_array", nan_array)
+    rng = np.random.default_rng(17)
+    q, cache, qo, pkv = shared_prefix_batch(rng, 3, [2, 6, 4, 1], [1, 2, 1, 1])
+    levels = L.cascade_decompose(qo, pkv)            # prefix: 12 keys; suffixes 2, 6, 4, 1 keys
+    lse = not kw.get("use_sigmoid")
+    got = cuda_cascade(q, levels, cache, return_lse=lse, kv_chunk=2, **kw)
+    check(got, R.cascade(q, levels, cache, return_lse=lse, **kw))
+
+
 def test_cascade_rejects_bad_levels():
     rng = np.random.default_rng(15)
     q, cache, qo, pkv = shared_prefix_batch(rng, 1, [2, 2], [1, 1])

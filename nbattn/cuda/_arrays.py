@@ -20,8 +20,10 @@ Interface (stable; prefill/sparse/cascade wrappers use it too):
     is_device_kind(kind)       -> bool
     launch_stream(*arrays)     -> a numba stream (torch's current one when any
                                   argument is a torch CUDA tensor, else 0)
-    to_device(x, name, stream) -> numba device array holding x's data (raw integer
-                                  dtype for 16-bit floats; zero-copy for device kinds)
+    to_device(x, name, stream, code=None, *, strided=False)
+                               -> numba device array holding x's data (raw integer
+                                  dtype for 16-bit floats; zero-copy for device kinds,
+                                  which must be C-contiguous unless strided=True)
     words(dev)                 -> 1-D uint32 view of a contiguous device array
     halves(dev)                -> 1-D uint16 view (16-bit dtypes)
     new_output(kind, shape, code, stream, like=None) -> (user_object, device_array)
@@ -29,7 +31,8 @@ Interface (stable; prefill/sparse/cascade wrappers use it too):
     finish(kind, user_obj, dev, code, stream) -> what the caller gets back
     host_meta(name, x)         -> host int32 NumPy copy of metadata (for validation)
     device_meta(x, host, stream) -> device int32 array (x itself when on device)
-    output_for(name, given, kind, shape, code, stream, like=None) -> (user_object, device_array)
+    output_for(name, given, kind, shape, code, stream, like=None, *, strided=False)
+                               -> (user_object, device_array)
                                   the caller's ``out=``/``lse=`` buffer (used in place on the
                                   device, a device scratch for host kinds) or a new_output()
     finish_into(kind, given, user_obj, dev, code, stream) -> finish(), except that a
@@ -123,14 +126,17 @@ def _host_raw(x: Any, code: str) -> np.ndarray:
     return np.ascontiguousarray(arr).view(RAW[code])
 
 
-def to_device(x: Any, name: str, stream=0, code: str | None = None):
-    """A numba device array over x's data, raw-typed for 16-bit floats."""
+def to_device(x: Any, name: str, stream=0, code: str | None = None, *, strided: bool = False):
+    """A numba device array over x's data, raw-typed for 16-bit floats.  Device
+    arrays must be C-contiguous unless ``strided`` (for kernels that index
+    with the array's strides: the prefill kernels)."""
     kind = kind_of(x)
     if code is None:
         code = dtype_code(x, name)
     if not is_device_kind(kind):
         return cuda.to_device(_host_raw(x, code), stream=stream)
-    check_contiguous(x, name)
+    if not strided:
+        check_contiguous(x, name)
     if kind == "torch":
         import torch
         t = x.detach()
@@ -217,7 +223,8 @@ def copy_host(x: Any) -> np.ndarray:
     return to_numpy(x)
 
 
-def output_for(name: str, given: Any, kind: str, shape: tuple, code: str, stream=0, like: Any = None):
+def output_for(name: str, given: Any, kind: str, shape: tuple, code: str, stream=0, like: Any = None,
+               *, strided: bool = False):
     """(what the caller will get, raw device array to write) for a result that the
     caller may have preallocated (``given``: an ``out=``/``lse=`` argument or None).
 
@@ -226,7 +233,7 @@ def output_for(name: str, given: Any, kind: str, shape: tuple, code: str, stream
     if given is None:
         return new_output(kind, shape, code, stream, like=like)
     if is_device_kind(kind):
-        return given, to_device(given, name, stream, code)
+        return given, to_device(given, name, stream, code, strided=strided)
     return given, cuda.device_array(shape, RAW[code], stream=stream)
 
 

@@ -20,18 +20,22 @@ How it runs:
    partial state (float32).
 3. The states are merged per row in order -- chunks of level 0, then of
    level 1, ... -- with the merge operator of SPEC section 3 (sigmoid
-   attention: partial outputs add) into the output in q's dtype.
+   attention: partial outputs add) into the output in q's dtype, by
+   :func:`nbattn.cuda.merge.run_merge_partials`'s kernel over a merge map that
+   lists, per row, exactly the states written for it (a group with fewer
+   chunks than its level's longest has none beyond them), so nothing needs
+   clearing first.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
+from numba import cuda
 
-from .. import _compat
 from .. import layout as L
+from . import _arrays as A
+from . import merge as M
 from . import prefill as P
-from .prefill import cuda, float32
+from .primitives import SIMULATOR
 
 __all__ = ["cascade"]
 
@@ -63,13 +67,14 @@ def cascade(q, levels, paged_kv_cache, *, kv_layout: str = "NHD", return_lse: bo
     offsets = np.concatenate([np.zeros((1, req_q.batch_size), np.int64), np.cumsum(lens, axis=0)[:-1]])
 
     spec = P.make_spec("paged", kv_layout, kind, d, hq, dims.num_kv_heads, var, tensor_cores, out_kind="f32")
-    outs = P._Outputs(q, shape, kind, out, lse, return_lse)
+    stream = P.resolve_stream(stream, q, paged_kv_cache, out, lse)
+    outs = P._Outputs(q, shape, kind, out, lse, return_lse, stream)
     row_pos, _, row_req = P.request_rows(req_q, total)
-    dq = P.to_device(q)
-    cache = P.to_device(paged_kv_cache)
+    dq = P.device_in(q, "q", kind, stream)
+    cache = P.device_in(paged_kv_cache, "paged_kv_cache", kind, stream)
 
     # Work per level, with the KV split that fills the GPU.
-    plans = []
+    plans, states = [], []
     n_states = 0
     for li, (qo, pkv) in enumerate(lv):
         chunk = _chunk_size(qo, pkv, spec, dims.num_kv_heads) if kv_chunk is None else int(kv_chunk)
@@ -79,23 +84,43 @@ def cascade(q, levels, paged_kv_cache, *, kv_layout: str = "NHD", return_lse: bo
                             kv_chunk=chunk or None, out_starts=n_states * rows + qo.qo_indptr[:-1],
                             chunk_stride=rows)
         plans.append((pkv, work, offsets[li][row_req].astype(np.int32)))
+        # chunks each group has (as build_work makes them), per query row
+        chunks = (np.maximum(1, -(-pkv.kv_lens.astype(np.int64) // chunk)) if chunk
+                  else np.ones(qo.batch_size, np.int64))
+        row_group = np.searchsorted(qo.qo_indptr, np.arange(rows), side="right") - 1
+        states.append((n_states, n, chunks[row_group]))
         n_states += n
 
-    states_o = cuda.device_array((n_states * rows, hq, d), np.float32)
-    states_lse = cuda.device_array((n_states * rows, hq), np.float32)
+    states_o = cuda.device_array((n_states * rows, hq, d), np.float32, stream=stream)
+    states_lse = cuda.device_array((n_states * rows, hq), np.float32, stream=stream)
     if rows:
-        _empty_states(states_o, states_lse, var.use_sigmoid, stream)
         for pkv, work, kvoff in plans:
             P.launch(spec, dq, cache, cache, pkv.paged_kv_indices, work, row_pos, kvoff, row_req,
                      dims.page_size, 0, dims.num_kv_heads, states_o, states_lse, stream)
-        P.enqueue(_merge(kind, var.use_sigmoid), (rows, hq), min(128, max(32, d)), stream,
-                  (states_o, states_lse, np.int32(n_states), np.int32(rows), outs.d_out, outs.d_lse))
+        merge_map = M.MergeMap(*(A.device_meta(x, x, stream) for x in _merge_map(states, rows)))
+        kernel, grid, threads, args = M.merge_partials_launch(
+            states_o, states_lse, merge_map, outs.d_out, outs.d_lse, code=kind, use_sigmoid=var.use_sigmoid)
+        P.enqueue(kernel, grid, threads, stream, args)
     return outs.finish()
+
+
+def _merge_map(states, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(merge_indptr, merge_row, merge_slots) folding, for each query row, the
+    states written for it in level order, chunks in order.  ``states``: per
+    level (first state, states of the level, chunks of each row's group)."""
+    slots, written = [], []
+    for first, n, row_chunks in states:
+        c = np.arange(n)
+        slots.append((first + c)[None, :] * rows + np.arange(rows)[:, None])   # state i, row r
+        written.append(c[None, :] < row_chunks[:, None])
+    slots, written = np.concatenate(slots, axis=1), np.concatenate(written, axis=1)
+    indptr = np.concatenate([[0], np.cumsum(written.sum(axis=1))])
+    return indptr.astype(np.int32), np.arange(rows, dtype=np.int32), slots[written].astype(np.int32)
 
 
 def _chunk_size(qo: L.RaggedQ, pkv: L.PagedKV, spec: P.KernelSpec, num_kv_heads: int) -> int:
     """Keys per chunk so that the level's work items reach ~TARGET_CTAS blocks (0: no split)."""
-    if _compat.simulator_enabled():
+    if SIMULATOR:
         return 0
     tiles = int(np.sum(-(-qo.lengths.astype(np.int64) * spec.group // spec.tile_q)))
     if tiles == 0 or tiles * num_kv_heads >= TARGET_CTAS:
@@ -104,86 +129,3 @@ def _chunk_size(qo: L.RaggedQ, pkv: L.PagedKV, spec: P.KernelSpec, num_kv_heads:
     want = max(1, TARGET_CTAS // (tiles * num_kv_heads))
     chunk = max(MIN_CHUNK, -(-longest // want))
     return 0 if chunk >= longest else chunk
-
-
-# ---------------------------------------------------------------------------
-# Small kernels: empty states, ordered merge
-# ---------------------------------------------------------------------------
-
-@cuda.jit
-def _fill_empty(states_o, states_lse, zero_o):
-    """Every state starts empty (lse = -inf; sigmoid also needs o = 0): chunks
-    a group does not have are then neutral in the merge."""
-    i = cuda.blockIdx.x
-    h = cuda.blockIdx.y
-    if cuda.threadIdx.x == 0:
-        states_lse[i, h] = -math.inf
-    if zero_o:
-        for dd in range(cuda.threadIdx.x, states_o.shape[2], cuda.blockDim.x):
-            states_o[i, h, dd] = 0.0
-
-
-def _empty_states(states_o, states_lse, sigmoid: bool, stream) -> None:
-    n, hq, d = states_o.shape
-    P.enqueue(_fill_empty, (n, hq), 32, stream, (states_o, states_lse, bool(sigmoid)))
-
-
-_MERGES: dict = {}
-
-
-def _merge(kind: str, sigmoid: bool):
-    """Kernel: fold the n_states states of each (row, head) in order (SPEC
-    section 3) into out (q's dtype) and lse.  Empty states are skipped, never
-    multiplied, so unwritten partial outputs cannot leak NaN."""
-    key = (kind, sigmoid)
-    if key in _MERGES:
-        return _MERGES[key]
-    write = P._element_writer(kind)
-    neg_inf = float32(-math.inf)
-    ln2 = float32(math.log(2.0))
-
-    @cuda.jit
-    def merge(states_o, states_lse, n_states, rows, out, lse):
-        r = cuda.blockIdx.x
-        h = cuda.blockIdx.y
-        d_all = out.shape[2]
-        for dd in range(cuda.threadIdx.x, d_all, cuda.blockDim.x):
-            if sigmoid:
-                acc = float32(0.0)
-                for i in range(n_states):
-                    acc += states_o[i * rows + r, h, dd]
-                out[r, h, dd] = write(acc)
-            else:
-                m = neg_inf
-                acc = float32(0.0)
-                weight = float32(0.0)
-                for i in range(n_states):
-                    s = states_lse[i * rows + r, h]
-                    if s == neg_inf:
-                        continue
-                    if s > m:       # rescale what is accumulated to the new max
-                        shrink = math.exp((m - s) * ln2) if m != neg_inf else float32(0.0)
-                        acc *= shrink
-                        weight *= shrink
-                        m = s
-                    w = math.exp((s - m) * ln2)
-                    acc += states_o[i * rows + r, h, dd] * w
-                    weight += w
-                out[r, h, dd] = write(acc / weight if weight > 0 else float32(0.0))
-        if cuda.threadIdx.x == 0:
-            if sigmoid:
-                lse[r, h] = math.nan
-            else:
-                m = neg_inf
-                for i in range(n_states):
-                    m = max(m, states_lse[i * rows + r, h])
-                total = float32(0.0)
-                if m != neg_inf:
-                    for i in range(n_states):
-                        s = states_lse[i * rows + r, h]
-                        if s != neg_inf:
-                            total += math.exp((s - m) * ln2)
-                lse[r, h] = m + math.log2(total) if total > 0 else neg_inf
-
-    _MERGES[key] = merge
-    return merge

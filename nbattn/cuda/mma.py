@@ -1,6 +1,6 @@
 """Tensor-core and wide-load intrinsics written as inline PTX (GPU only).
 
-The prefill tensor-core path (:mod:`nbattn.cuda.prefill`) is built on four
+The prefill tensor-core path (:mod:`nbattn.cuda.prefill_tc`) is built on three
 pieces, each one PTX instruction wrapped with ``numba.cuda.extending.intrinsic``
 and an ``llvmlite.ir.InlineAsm`` call:
 
@@ -21,8 +21,13 @@ and an ``llvmlite.ir.InlineAsm`` call:
 - ``pack_f16x2`` / ``pack_bf16x2``: two floats rounded and packed into one
   uint32 (``cvt.rn.{f16,bf16}x2.f32``; the first argument lands in the low half).
 - ``load_u32x4``: a 16-byte ``ld.global.nc.v4.u32`` of eight 2-byte elements
-  starting at an array element (which must be 16-byte aligned).
-- ``load_u32``: the 4 bytes (two 2-byte elements) at an array element.
+  starting at an element of an array of any rank, by multi-dimensional index
+  (the address must be 16-byte aligned).  :func:`nbattn.cuda.primitives.load_v4`
+  is the same load over a flat uint32 word view; this form lets the kernel
+  index q and the paged cache with their own strides.
+
+Per-thread conversions (fp16/bf16 <-> float32, bit casts) live in
+:mod:`nbattn.cuda.primitives`.
 
 Warp-collective instructions have no meaning in numba's CUDA simulator; this
 module only defines the intrinsics there (importing it is harmless) and the
@@ -32,8 +37,7 @@ from __future__ import annotations
 
 from .. import _compat  # noqa: F401  (numpy shim, simulator choice)
 
-__all__ = ["AVAILABLE", "mma_f16", "mma_bf16", "pack_f16x2", "pack_bf16x2",
-           "load_u32x4", "load_u32"]
+__all__ = ["AVAILABLE", "mma_f16", "mma_bf16", "pack_f16x2", "pack_bf16x2", "load_u32x4"]
 
 AVAILABLE = not _compat.simulator_enabled()
 
@@ -113,55 +117,9 @@ if AVAILABLE:
 
         return sig, codegen
 
-    @intrinsic
-    def load_u32(typingctx, array, index):
-        """Two 2-byte elements from ``array[index]`` on, as one uint32."""
-        sig = types.uint32(array, index)
-
-        def codegen(context, builder, sig_, args):
-            ptr = _element_pointer(context, builder, sig_.args[0], args[0], sig_.args[1], args[1])
-            return builder.load(builder.bitcast(ptr, _u32.as_pointer()), align=4)
-
-        return sig, codegen
-
 else:  # simulator: names exist, calling them is an error the factory never makes
     def _gpu_only(*args, **kwargs):
         raise RuntimeError("tensor-core intrinsics need a real GPU (the CUDA simulator is active)")
 
-    mma_f16 = mma_bf16 = pack_f16x2 = pack_bf16x2 = load_u32x4 = load_u32 = _gpu_only
+    mma_f16 = mma_bf16 = pack_f16x2 = pack_bf16x2 = load_u32x4 = _gpu_only
 
-
-# ---------------------------------------------------------------------------
-# Bit casts between float32 and uint32 (per-thread, so both faces exist):
-# bf16 values travel as uint16 bit patterns, widened by a shift.
-# ---------------------------------------------------------------------------
-if AVAILABLE:
-    @intrinsic
-    def u32_as_f32(typingctx, x):
-        sig = types.float32(types.uint32)
-
-        def codegen(context, builder, sig_, args):
-            v = context.cast(builder, args[0], x, types.uint32)
-            return builder.bitcast(v, _f32)
-
-        return sig, codegen
-
-    @intrinsic
-    def f32_as_u32(typingctx, x):
-        sig = types.uint32(types.float32)
-
-        def codegen(context, builder, sig_, args):
-            v = context.cast(builder, args[0], x, types.float32)
-            return builder.bitcast(v, _u32)
-
-        return sig, codegen
-else:
-    import numpy as _np
-
-    def u32_as_f32(x):
-        return _np.array(int(x) & 0xFFFFFFFF, dtype=_np.uint32).view(_np.float32)[()]
-
-    def f32_as_u32(x):
-        return _np.array(x, dtype=_np.float32).view(_np.uint32)[()]
-
-__all__ += ["u32_as_f32", "f32_as_u32"]

@@ -38,13 +38,20 @@ adds ``sigmoid(s + bias) v`` and has no LSE (NaN).
 
 Two paths build the same tile:
 
-- CUDA cores (:func:`_core_kernel`): plain per-thread loops over shared
+- CUDA cores (:func:`core_kernel`, here): plain per-thread loops over shared
   memory; it is the path numba's simulator runs (CI) and the fallback.
-- Tensor cores (:func:`_tc_kernel`, GPU only, fp16/bf16): 4 warps x 16 fused
-  rows; ``S = Q K^T`` and ``O += P V`` on ``mma.sync.m16n8k16``
-  (:mod:`nbattn.cuda.mma`), softmax on the accumulator fragments with quad
-  shuffles, P fed to the second product straight from registers.
+- Tensor cores (:func:`nbattn.cuda.prefill_tc.tensor_core_kernel`, GPU only,
+  fp16/bf16): 4 warps x 16 fused rows; ``S = Q K^T`` and ``O += P V`` on
+  ``mma.sync.m16n8k16`` (:mod:`nbattn.cuda.mma`), softmax on the accumulator
+  fragments with quad shuffles, P fed to the second product straight from registers.
+
+Shared building blocks: inputs, outputs and streams (:mod:`nbattn.cuda._arrays`;
+with torch tensors the kernels launch on torch's current stream unless a
+``stream`` is passed), element loads/stores (:func:`nbattn.cuda.primitives.element_io`;
+16-bit data reach the kernels as raw uint16), the variant
+(:func:`nbattn.cuda.variants.variant_device_fns`).
 """
+from __future__ import annotations
 from __future__ import annotations
 
 import math
@@ -53,125 +60,81 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import _compat
 from .. import layout as L
 from ..variants import variant_from_kwargs as parse_variant
 from ..variants import Variant, alibi_slopes
 
-from numba import cuda, float32, int32, int64, uint32  # noqa: E402  (after the shim)
+from numba import cuda, float32, int32  # noqa: E402  (after the shim)
 
+from . import _arrays as A  # noqa: E402
 from . import mma as _mma  # noqa: E402
+from . import prefill_tc as TC  # noqa: E402
+from .primitives import SIMULATOR, element_io  # noqa: E402
+from .variants import LOG2E, sigmoid_weight, variant_device_fns  # noqa: E402
 
 __all__ = ["batch_prefill_paged", "batch_prefill_ragged", "single_prefill"]
 
-LOG2E = 1.4426950408889634
 NO_KEY = -(2 ** 30)        # kv position of a tile slot that holds no key
 MODES = ("paged", "contig", "bsr")
 
 # ---------------------------------------------------------------------------
-# Host side: device arrays, dtypes, outputs
+# Host side: streams, device arrays, outputs (nbattn.cuda._arrays)
 # ---------------------------------------------------------------------------
 
 
-def _is_torch(x: Any) -> bool:
-    return type(x).__module__.startswith("torch")
+def resolve_stream(stream, *arrays: Any):
+    """The stream to launch on: the caller's ``stream`` when one is passed, else
+    (``stream=0``, the default) torch's current stream when any argument is a
+    torch CUDA tensor -- as decode does -- else the default stream."""
+    if stream is None or (isinstance(stream, int) and stream == 0):
+        return A.launch_stream(*arrays)
+    return stream
 
 
-def dtype_kind(x: Any) -> str:
-    """'f16', 'bf16' or 'f32' of a float tensor (bf16 may arrive as raw 2-byte void)."""
-    name = L.dtype_of(x)
-    if name in ("float16", "half"):
-        return "f16"
-    if name in ("bfloat16", "|V2", "V2", "void16"):
-        return "bf16"
-    if name == "float32":
-        return "f32"
-    raise L.LayoutError(f"q: must be float16, bfloat16 or float32, got {name}")
-
-
-def on_device(x: Any) -> bool:
-    """Whether x already lives on the GPU (torch cuda tensor, numba device array, CAI object)."""
-    if _is_torch(x):
-        return x.device.type == "cuda"
-    return hasattr(x, "copy_to_host") or hasattr(x, "__cuda_array_interface__")
-
-
-def to_device(x: Any):
-    """A numba device array for a NumPy array, torch tensor, numba device
-    array or ``__cuda_array_interface__`` object (bf16 as its uint16 bits)."""
-    if _is_torch(x):
-        import torch
-        if x.dtype == torch.bfloat16:
-            x = x.view(torch.int16)
-        if x.device.type != "cuda":
-            return cuda.to_device(x.detach().numpy().view(np.uint16) if x.dtype == torch.int16 else x.detach().numpy())
-        return cuda.as_cuda_array(x.detach())
-    if hasattr(x, "copy_to_host"):
-        arr = x
-    elif hasattr(x, "__cuda_array_interface__"):
-        arr = cuda.as_cuda_array(x)
-    else:
-        arr = cuda.to_device(np.ascontiguousarray(np.asarray(x)))
-    if arr.dtype.kind == "V" and arr.dtype.itemsize == 2:
-        arr = arr.view(np.uint16)
-    return arr
-
-
-def _meta(x: np.ndarray):
-    return cuda.to_device(np.ascontiguousarray(x, dtype=np.int32))
+def device_in(x: Any, name: str, code: str, stream):
+    """A raw-typed device array over an input (copied from the host, zero-copy on
+    the device; strided device arrays are fine: the kernels index with strides)."""
+    return A.to_device(x, name, stream, code, strided=True)
 
 
 class _Outputs:
-    """Output and LSE buffers in the caller's world (NumPy, torch or numba)."""
+    """Output and LSE of one call in the caller's world (:mod:`nbattn.cuda._arrays`):
+    ``out=``/``lse=`` used in place on the device, copied into on the host.
 
-    def __init__(self, like: Any, shape: tuple, kind: str, out: Any, lse: Any, want_lse: bool):
-        self.like, self.shape, self.kind = like, shape, kind
-        self.host = not on_device(like)
-        self.out_user, self.lse_user = out, lse
+    Two results differ from :func:`nbattn.cuda._arrays.finish` (kept as they
+    were): a NumPy bf16 ``q`` (raw ``|V2``) gives float32 values -- NumPy has no
+    bf16, and the golden model answers in float32 too -- and a
+    ``__cuda_array_interface__`` fp16 ``q`` gives a float16 numba array.
+    """
+
+    def __init__(self, like: Any, shape: tuple, code: str, out: Any, lse: Any, want_lse: bool, stream):
         if out is not None:
-            if tuple(out.shape) != shape or dtype_kind(out) != kind:
+            if tuple(out.shape) != shape or A.dtype_code(out, "out") != code:
                 raise L.LayoutError(f"out: must have shape {shape} and q's dtype, got "
                                     f"{tuple(out.shape)} {L.dtype_of(out)}")
         if lse is not None and (tuple(lse.shape) != shape[:2] or L.dtype_of(lse) != "float32"):
             raise L.LayoutError(f"lse: must be float32 with shape {shape[:2]}, got "
                                 f"{tuple(lse.shape)} {L.dtype_of(lse)}")
-        np_dtype = {"f16": np.float16, "bf16": np.uint16, "f32": np.float32}[kind]
-        self.d_out = to_device(out) if (out is not None and not self.host) else cuda.device_array(shape, np_dtype)
-        self.d_lse = to_device(lse) if (lse is not None and not self.host) else cuda.device_array(shape[:2], np.float32)
-        self.want_lse = want_lse
+        self.kind, self.code, self.stream, self.want_lse = A.kind_of(like), code, stream, want_lse
+        self.out, self.lse = out, lse
+        self.out_user, self.d_out = A.output_for("out", out, self.kind, shape, code, stream, like=like,
+                                                 strided=True)
+        self.lse_user, self.d_lse = A.output_for("lse", lse, self.kind, shape[:2], "f32", stream, like=like,
+                                                 strided=True)
 
     def finish(self):
-        o, s = self._wrap(self.d_out, self.out_user, True), self._wrap(self.d_lse, self.lse_user, False)
+        o = A.finish_into(self.kind, self.out, self.out_user, self.d_out, self.code, self.stream)
+        if self.out is None and self.kind == "numpy" and self.code == "bf16":
+            o = (np.ascontiguousarray(o).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        elif self.out is None and self.kind == "cai" and self.code == "f16":
+            o = o.view(np.float16)
+        s = A.finish_into(self.kind, self.lse, self.lse_user, self.d_lse, "f32", self.stream)
         return (o, s) if self.want_lse else o
-
-    def _wrap(self, d, user, is_out):
-        if user is not None and not self.host:
-            return user
-        if self.host:
-            h = d.copy_to_host()
-            if is_out and self.kind == "bf16":
-                h = (h.astype(np.uint32) << 16).view(np.float32)
-                if _is_torch(self.like):
-                    import torch
-                    h = torch.from_numpy(h).to(torch.bfloat16)
-            elif _is_torch(self.like):
-                import torch
-                h = torch.from_numpy(h)
-            if user is not None:
-                user[...] = h
-                return user
-            return h
-        if _is_torch(self.like):
-            import torch
-            t = torch.as_tensor(d, device=self.like.device)
-            return t.view(torch.bfloat16) if (is_out and self.kind == "bf16") else t
-        return d
 
 
 # ---------------------------------------------------------------------------
 # Kernel specification and device helpers
 # ---------------------------------------------------------------------------
-
 @dataclass(frozen=True)
 class KernelSpec:
     mode: str           # "paged" | "contig" | "bsr"
@@ -188,67 +151,32 @@ class KernelSpec:
     threads: int
 
 
-def _element_reader(kind: str) -> Callable:
-    """Device function: one stored element as float32."""
-    if kind == "bf16":
-        to_f32 = _mma.u32_as_f32
 
-        @cuda.jit(device=True, inline=True)
-        def read(x):
-            return to_f32(uint32(x & 0xFFFF) << uint32(16))
-    else:
-        @cuda.jit(device=True, inline=True)
-        def read(x):
-            return float32(x)
-    return read
-
-
-def _element_writer(kind: str) -> Callable:
-    """Device function: float32 to the stored element type (bf16 rounds to nearest even)."""
-    if kind == "bf16":
-        to_u32 = _mma.f32_as_u32
-
-        @cuda.jit(device=True, inline=True)
-        def write(x):
-            bits = to_u32(x)
-            if x != x:
-                return uint32(0x7FC0)
-            return (bits + uint32(0x7FFF) + ((bits >> uint32(16)) & uint32(1))) >> uint32(16)
-    elif kind == "f16":
-        @cuda.jit(device=True, inline=True)
-        def write(x):
-            return x
-    else:
-        @cuda.jit(device=True, inline=True)
-        def write(x):
-            return x
-    return write
-
-
-def _kv_reader(mode: str, kv_layout: str, read: Callable) -> Callable:
+def _kv_reader(mode: str, kv_layout: str, load: Callable) -> Callable:
     """Device function ``(src, which, page, slot, head, d) -> float32`` for one
-    K (which=0) or V (which=1) element; ``src`` is the paged cache, or k / v."""
+    K (which=0) or V (which=1) element; ``src`` is the paged cache, or k / v
+    (``load`` is :func:`element_io`'s ``load_elem``)."""
     if mode == "paged":
         if kv_layout == "NHD":
             @cuda.jit(device=True, inline=True)
             def kv(src, which, page, slot, h, d):
-                return read(src[page, which, slot, h, d])
+                return load(src, (page, which, slot, h, d))
         else:
             @cuda.jit(device=True, inline=True)
             def kv(src, which, page, slot, h, d):
-                return read(src[page, which, h, slot, d])
+                return load(src, (page, which, h, slot, d))
     elif kv_layout == "NHD":
         @cuda.jit(device=True, inline=True)
         def kv(src, which, page, slot, h, d):
-            return read(src[slot, h, d])
+            return load(src, (slot, h, d))
     else:
         @cuda.jit(device=True, inline=True)
         def kv(src, which, page, slot, h, d):
-            return read(src[h, slot, d])
+            return load(src, (h, slot, d))
     return kv
 
 
-def _key_locator(mode: str) -> Callable:
+def key_locator(mode: str) -> Callable:
     """Device function ``(kv_indices, kv_ptr, kv_base, t, block, n_keys) -> (page, slot, pos)``:
     where key t of a work item lives and its position (NO_KEY when it does not exist)."""
     if mode == "paged":
@@ -269,61 +197,11 @@ def _key_locator(mode: str) -> Callable:
     return locate
 
 
-def _variant_functions(var: Variant) -> tuple[Callable, Callable, Callable]:
-    """Device functions of a Variant, with FlexAttention's argument order.
-
-    ``logits(s, b, h, q_idx, kv_idx, slope)``: ALiBi, soft-cap, score_mod on an
-    already-scaled score; ``keep(b, h, q_idx, kv_idx)``: causal, window with
-    sinks, mask_mod; ``prob(s)``: sigmoid attention's weight.
-    """
-    alibi = var.has_alibi
-    cap = float32(var.logits_soft_cap or 0.0)
-    has_cap = var.has_soft_cap
-    causal, window, sinks = var.causal, int(var.window_left), int(var.sink_size)
-    bias = float32(var.sigmoid_bias)
-
-    if var.score_mod is not None:
-        user_score = cuda.jit(device=True)(var.score_mod)
-    else:
-        @cuda.jit(device=True, inline=True)
-        def user_score(s, b, h, q_idx, kv_idx):
-            return s
-
-    if var.mask_mod is not None:
-        user_mask = cuda.jit(device=True)(var.mask_mod)
-    else:
-        @cuda.jit(device=True, inline=True)
-        def user_mask(b, h, q_idx, kv_idx):
-            return True
-
-    @cuda.jit(device=True, inline=True)
-    def logits(s, b, h, q_idx, kv_idx, slope):
-        if alibi:
-            s = s - slope * float32(q_idx - kv_idx)
-        if has_cap:
-            s = cap * math.tanh(s / cap)
-        return float32(user_score(s, b, h, q_idx, kv_idx))
-
-    @cuda.jit(device=True, inline=True)
-    def keep(b, h, q_idx, kv_idx):
-        if causal and kv_idx > q_idx:
-            return False
-        if window >= 0 and q_idx - kv_idx > window and not kv_idx < sinks:
-            return False
-        return bool(user_mask(b, h, q_idx, kv_idx))
-
-    @cuda.jit(device=True, inline=True)
-    def prob(s):
-        return float32(1.0) / (float32(1.0) + math.exp(-(s + bias)))
-
-    return logits, keep, prob
-
-
 # ---------------------------------------------------------------------------
 # The CUDA-core kernel
 # ---------------------------------------------------------------------------
 
-def _core_kernel(spec: KernelSpec):
+def core_kernel(spec: KernelSpec):
     """Scalar path: threads stride over the (row, key) and (row, dim) grids of
     a tile in shared memory.  Launch: grid (n_work, num_kv_heads), ``threads``."""
     D, T_q, T_k, NT, group = spec.head_dim, spec.tile_q, spec.tile_k, spec.threads, spec.group
@@ -332,11 +210,12 @@ def _core_kernel(spec: KernelSpec):
     causal, window, sinks = var.causal, int(var.window_left), int(var.sink_size)
     positional = spec.mode != "bsr"       # key positions grow with t: tile ranges can be cut
     scale = float32(var.scale(D))
-    read = _element_reader(spec.kind)
-    write = _element_writer(spec.out_kind)
-    kv = _kv_reader(spec.mode, spec.kv_layout, read)
-    locate = _key_locator(spec.mode)
-    logits, keep, prob = _variant_functions(var)
+    load, _, _ = element_io(spec.kind)
+    _, store, _ = element_io(spec.out_kind)
+    kv = _kv_reader(spec.mode, spec.kv_layout, load)
+    locate = key_locator(spec.mode)
+    transform, keep = variant_device_fns(var)
+    bias = float32(var.sigmoid_bias)
     neg_inf = float32(-math.inf)
     inv_ln2 = float32(LOG2E)
     store_dtype = float32
@@ -374,7 +253,7 @@ def _core_kernel(spec: KernelSpec):
             if r < n_rows:
                 qi = qo_start + (row0 + r) // group
                 h = kv_head * group + (row0 + r) % group
-                s_q[r, d] = read(q[qi, h, d])
+                s_q[r, d] = load(q, (qi, h, d))
             else:
                 s_q[r, d] = 0.0
         for r in range(tid, T_q, NT):
@@ -454,7 +333,7 @@ def _core_kernel(spec: KernelSpec):
                         acc = float32(0.0)
                         for d in range(D):
                             acc += float32(s_q[r, d]) * float32(s_k[j, d])
-                        s = logits(acc * scale, b, h, q_idx, kv_idx, slopes[h])
+                        s = transform(acc * scale, b, h, q_idx, kv_idx, slopes[h])
                 s_p[r, j] = s
             cuda.syncthreads()
 
@@ -463,7 +342,7 @@ def _core_kernel(spec: KernelSpec):
                 if sigmoid:
                     for j in range(T_k):
                         s = s_p[r, j]
-                        s_p[r, j] = prob(s) if s != neg_inf else float32(0.0)
+                        s_p[r, j] = sigmoid_weight(s, bias) if s != neg_inf else float32(0.0)
                     s_alpha[r] = 1.0
                 else:
                     m_old = s_m[r]
@@ -506,7 +385,7 @@ def _core_kernel(spec: KernelSpec):
             if not sigmoid:
                 l_r = s_l[r]
                 o = o / l_r if l_r > 0 else float32(0.0)
-            out[qi + out_shift, h, d] = write(o)
+            store(out, (qi + out_shift, h, d), o)
         for r in range(tid, n_rows, NT):
             qi = qo_start + (row0 + r) // group
             h = kv_head * group + (row0 + r) % group
@@ -527,13 +406,9 @@ def get_kernel(spec: KernelSpec):
     """Compiled-kernel cache keyed by the spec (a Variant with user functions hashes by identity)."""
     kern = _KERNELS.get(spec)
     if kern is None:
-        kern = _tc_kernel(spec) if spec.tensor_cores else _core_kernel(spec)
+        kern = TC.tensor_core_kernel(spec) if spec.tensor_cores else core_kernel(spec)
         _KERNELS[spec] = kern
     return kern
-
-
-def _tc_kernel(spec: KernelSpec):
-    return tensor_core_kernel(spec)
 
 
 # ---------------------------------------------------------------------------
@@ -544,8 +419,8 @@ def choose_tiles(head_dim: int, kind: str, tensor_cores: bool) -> tuple[int, int
     """(T_q, T_k, threads).  The simulator gets small tiles (each thread is a
     Python thread); the CUDA-core GPU path fits its shared memory in 48 KB."""
     if tensor_cores:
-        return tensor_core_tiles(head_dim)
-    if _compat.simulator_enabled():
+        return TC.tensor_core_tiles(head_dim)
+    if SIMULATOR:
         return 16, 16, 32
     budget = 48 * 1024 - 512
     for tq, tk in ((64, 32), (32, 32), (32, 16), (16, 16), (16, 8), (8, 8)):
@@ -596,8 +471,9 @@ def launch(spec: KernelSpec, q, k_src, v_src, kv_indices: np.ndarray, work: np.n
     kernel = get_kernel(spec)
     slopes = alibi_slopes(spec.num_qo_heads) if spec.variant.has_alibi else np.zeros(spec.num_qo_heads, np.float32)
     idx = kv_indices if len(kv_indices) else np.zeros(1, np.int32)
-    args = (q, k_src, v_src, _meta(idx), _meta(work), _meta(row_pos), _meta(row_kvoff), _meta(row_req),
-            cuda.to_device(slopes), np.int32(block), np.int32(n_keys), out, lse)
+    meta = [A.device_meta(x, x, stream) for x in (idx, work, row_pos, row_kvoff, row_req)]
+    args = (q, k_src, v_src, *meta, cuda.to_device(slopes, stream=stream), np.int32(block), np.int32(n_keys),
+            out, lse)
     enqueue(kernel, (len(work), num_kv_heads), spec.threads, stream, args)
 
 
@@ -644,7 +520,7 @@ def make_spec(mode: str, kv_layout: str, kind: str, head_dim: int, num_qo_heads:
 
 
 def _check_kind_match(**tensors):
-    kinds = {k: dtype_kind(v) for k, v in tensors.items()}
+    kinds = {k: A.dtype_code(v, k) for k, v in tensors.items()}
     if len(set(kinds.values())) > 1:
         listing = ", ".join(f"{k}={v}" for k, v in kinds.items())
         raise L.LayoutError(f"{list(kinds)[-1]}: dtype must match the other inputs, got {listing}")
@@ -690,12 +566,13 @@ def batch_prefill_paged(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_
     if var.causal:
         L.check_causal_lengths(qo.lengths, kv_lens)
     spec = make_spec("paged", kv_layout, kind, dims.head_dim, shape[1], dims.num_kv_heads, var, tensor_cores)
-    outs = _Outputs(q, shape, kind, out, lse, return_lse)
+    stream = resolve_stream(stream, q, paged_kv_cache, out, lse)
+    outs = _Outputs(q, shape, kind, out, lse, return_lse, stream)
     work = build_work(qo.qo_indptr[:-1], qo.lengths, pkv.paged_kv_indptr[:-1],
                       np.zeros(qo.batch_size, np.int32), kv_lens, spec.group, spec.tile_q)
-    cache = to_device(paged_kv_cache)
-    launch(spec, to_device(q), cache, cache, pkv.paged_kv_indices, work, *request_rows(qo, kv_lens),
-           dims.page_size, 0, dims.num_kv_heads, outs.d_out, outs.d_lse, stream)
+    cache = device_in(paged_kv_cache, "paged_kv_cache", kind, stream)
+    launch(spec, device_in(q, "q", kind, stream), cache, cache, pkv.paged_kv_indices, work,
+           *request_rows(qo, kv_lens), dims.page_size, 0, dims.num_kv_heads, outs.d_out, outs.d_lse, stream)
     return outs.finish()
 
 
@@ -727,10 +604,12 @@ def batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, *, kv_layout: str = "NHD
     if var.causal:
         L.check_causal_lengths(qo.lengths, kvp.lengths)
     spec = make_spec("contig", kv_layout, kind, d, shape[1], hkv, var, tensor_cores)
-    outs = _Outputs(q, shape, kind, out, lse, return_lse)
+    stream = resolve_stream(stream, q, k, v, out, lse)
+    outs = _Outputs(q, shape, kind, out, lse, return_lse, stream)
     work = build_work(qo.qo_indptr[:-1], qo.lengths, np.zeros(qo.batch_size, np.int32),
                       kvp.qo_indptr[:-1], kvp.lengths, spec.group, spec.tile_q)
-    launch(spec, to_device(q), to_device(k), to_device(v), np.zeros(1, np.int32), work,
+    launch(spec, device_in(q, "q", kind, stream), device_in(k, "k", kind, stream),
+           device_in(v, "v", kind, stream), np.zeros(1, np.int32), work,
            *request_rows(qo, kvp.lengths), 1, n_kv, hkv, outs.d_out, outs.d_lse, stream)
     return outs.finish()
 
@@ -748,406 +627,4 @@ def single_prefill(q, k, v, *, kv_layout: str = "NHD", return_lse: bool = False,
     return batch_prefill_ragged(q, k, v, np.array([0, nq], np.int32), np.array([0, n_kv], np.int32),
                                 kv_layout=kv_layout, return_lse=return_lse, out=out, lse=lse,
                                 tensor_cores=tensor_cores, stream=stream, **variant)
-
-
-# ---------------------------------------------------------------------------
-# The tensor-core kernel (GPU only)
-# ---------------------------------------------------------------------------
-
-def tensor_core_tiles(head_dim: int) -> tuple[int, int, int]:
-    """(T_q, T_k, threads): 16 fused rows per warp; the static shared memory
-    (Q, K and V^T tiles as packed uint32 pairs, rows padded by 4 words so the
-    fragment reads hit 32 distinct banks) stays under 48 KB."""
-    if head_dim <= 64:
-        return 64, 64, 128
-    if head_dim <= 128:
-        return 64, 32, 128
-    return 32, 16, 64
-
-
-def _kv_vector_reader(mode: str, kv_layout: str) -> Callable:
-    """Device function ``(src, which, page, slot, h, d) -> 4 x uint32``: eight
-    2-byte elements of one K or V row from element d on (one 16-byte load)."""
-    load = _mma.load_u32x4
-    if mode == "paged":
-        if kv_layout == "NHD":
-            @cuda.jit(device=True, inline=True)
-            def vec(src, which, page, slot, h, d):
-                return load(src, (page, which, slot, h, d))
-        else:
-            @cuda.jit(device=True, inline=True)
-            def vec(src, which, page, slot, h, d):
-                return load(src, (page, which, h, slot, d))
-    elif kv_layout == "NHD":
-        @cuda.jit(device=True, inline=True)
-        def vec(src, which, page, slot, h, d):
-            return load(src, (slot, h, d))
-    else:
-        @cuda.jit(device=True, inline=True)
-        def vec(src, which, page, slot, h, d):
-            return load(src, (h, slot, d))
-    return vec
-
-
-def _fragment_functions(head_dim: int, mma, q_in_registers: bool) -> dict:
-    """Straight-line device functions over register tuples, generated per head_dim.
-
-    The O accumulator (head_dim/8 n-tiles x 4 floats per lane) and the Q
-    fragments must stay in registers; a ``cuda.local.array`` indexed in loops
-    only does if the compiler unrolls every loop, which it did not (measured:
-    60 TFLOP/s).  So the loops over n-tiles and k-steps are written out here,
-    once, as source text, and the state travels as tuples (SSA values).
-
-    - ``o_zero()``: the zero O tuple;
-    - ``q_frags(s_q, r_lo, r_hi, tq)``: all A fragments of the warp's 16 rows;
-    - ``qk(qf, s_q, r_lo, r_hi, s_k, k, g, tq)``: S for 16 rows x keys k..k+15
-      as (x0..x3, y0..y3) -- two n-tiles;
-    - ``pv(o, p0, p1, p2, p3, s_vt, kc, g, alpha_lo, alpha_hi)``: O = alpha O + P V;
-    - ``o_get(o, i)`` is plain tuple indexing with a constant.
-    """
-    ndt, ks = head_dim // 8, head_dim // 16
-    n_o = 4 * ndt
-    lines = []
-    names = ", ".join(f"o{i}" for i in range(n_o))
-    lines.append("def o_zero():")
-    lines.append("    z = float32(0.0)")
-    lines.append("    return (" + ", ".join("z" for _ in range(n_o)) + ",)")
-    lines.append("def q_frags(s_q, r_lo, r_hi, tq):")
-    frag = [] if q_in_registers else ["uint32(0)"]
-    for k in range(ks if q_in_registers else 0):
-        c = k * 8
-        frag += [f"s_q[r_lo, {c} + tq]", f"s_q[r_hi, {c} + tq]", f"s_q[r_lo, {c + 4} + tq]", f"s_q[r_hi, {c + 4} + tq]"]
-    lines.append("    return (" + ", ".join(frag) + ",)")
-    lines.append("def qk(qf, s_q, r_lo, r_hi, s_k, k, g, tq):")
-    lines.append("    z = float32(0.0)")
-    lines.append("    x0 = x1 = x2 = x3 = z")
-    lines.append("    y0 = y1 = y2 = y3 = z")
-    lines.append("    ka = k + g")
-    lines.append("    kb = k + 8 + g")
-    for k in range(ks):
-        c = k * 8
-        if q_in_registers:
-            a = f"qf[{4 * k}], qf[{4 * k + 1}], qf[{4 * k + 2}], qf[{4 * k + 3}]"
-        else:
-            lines.append(f"    a0 = s_q[r_lo, {c} + tq]; a1 = s_q[r_hi, {c} + tq]; "
-                         f"a2 = s_q[r_lo, {c + 4} + tq]; a3 = s_q[r_hi, {c + 4} + tq]")
-            a = "a0, a1, a2, a3"
-        lines.append(f"    x0, x1, x2, x3 = mma({a}, s_k[ka, {c} + tq], s_k[ka, {c + 4} + tq], x0, x1, x2, x3)")
-        lines.append(f"    y0, y1, y2, y3 = mma({a}, s_k[kb, {c} + tq], s_k[kb, {c + 4} + tq], y0, y1, y2, y3)")
-    lines.append("    return x0, x1, x2, x3, y0, y1, y2, y3")
-    lines.append("def pv(o, p0, p1, p2, p3, s_vt, kc, g, alpha_lo, alpha_hi):")
-    lines.append(f"    {names}, = o" if n_o else "    pass")
-    for nt in range(ndt):
-        i = 4 * nt
-        lines.append(f"    o{i}, o{i + 1}, o{i + 2}, o{i + 3} = mma(p0, p1, p2, p3, s_vt[{nt * 8} + g, kc], "
-                     f"s_vt[{nt * 8} + g, kc + 4], o{i} * alpha_lo, o{i + 1} * alpha_lo, "
-                     f"o{i + 2} * alpha_hi, o{i + 3} * alpha_hi)")
-    lines.append(f"    return ({names},)")
-    env = {"float32": float32, "uint32": uint32, "mma": mma}
-    exec(compile("\n".join(lines), f"<nbattn fragments D={head_dim}>", "exec"), env)
-    return {name: cuda.jit(device=True, inline=True)(env[name]) for name in ("o_zero", "q_frags", "qk", "pv")}
-
-
-def tensor_core_kernel(spec: KernelSpec):
-    """mma.sync path.  Launch: grid (n_work, num_kv_heads), T_q/16 warps.
-
-    Warp w owns fused rows ``16w .. 16w+15`` of the tile.  Per KV tile (T_k
-    keys in shared memory) it walks 16 keys at a time: S (16x16) = two
-    m16n8k16 n-tiles over head_dim, the variant and mask per element, the
-    online-softmax update on the fragments (row max and sum across the 4
-    lanes of a quad by shuffles), then P (packed to f16/bf16 in registers,
-    the C layout being the A layout) times V^T from shared memory into the
-    O fragments ``o[nt*4 + c]`` (n-tile nt of head_dim, component c).
-    """
-    D, group = spec.head_dim, spec.group
-    T_q, T_k, NT = spec.tile_q, spec.tile_k, spec.threads
-    var = spec.variant
-    sigmoid = var.use_sigmoid
-    causal, window, sinks = var.causal, int(var.window_left), int(var.sink_size)
-    positional = spec.mode != "bsr"
-    # Only causal (or nothing) to apply: interior 16-key steps need no per-element work.
-    plain = not (window >= 0 or sinks or var.has_alibi or var.has_soft_cap or var.score_mod is not None
-                 or var.mask_mod is not None or sigmoid)
-    scale = float32(var.scale(D))
-    scale_log2 = float32(var.scale(D) * LOG2E)
-    log2e = float32(LOG2E)
-    write = _element_writer(spec.out_kind)
-    vec = _kv_vector_reader(spec.mode, spec.kv_layout)
-    locate = _key_locator(spec.mode)
-    logits, keep, prob = _variant_functions(var)
-    mma = _mma.mma_bf16 if spec.kind == "bf16" else _mma.mma_f16
-    pack = _mma.pack_bf16x2 if spec.kind == "bf16" else _mma.pack_f16x2
-    load_q = _mma.load_u32x4
-    q_in_registers = D <= 128          # D=256 would need 64 more registers: read A from shared memory
-    frags = _fragment_functions(D, mma, q_in_registers)
-    o_zero, q_frags, qk, pv = frags["o_zero"], frags["q_frags"], frags["qk"], frags["pv"]
-    neg_inf = float32(-math.inf)
-    W = D // 2 + 4              # padded row of packed pairs (Q, K)
-    WV = T_k // 2 + 4           # padded row of V^T (pairs along keys)
-    NDT = D // 8                # n-tiles of the output
-    N_O = NDT * 4               # O fragment floats per lane
-    KS = D // 16                # k-steps of Q K^T
-    lo16 = uint32(0xFFFF)
-    hi16 = uint32(0xFFFF0000)
-    sh16 = uint32(16)
-
-    @cuda.jit(device=True, inline=True)
-    def score(x, r, s_qpos, s_diag, s_req, s_kpos, row_ok, b_head0, t_local, slopes):
-        """Scaled score of fused row r and tile key t_local -> log2-domain logit or -inf."""
-        pos = s_kpos[t_local]
-        if not row_ok or pos == NO_KEY:
-            return neg_inf
-        q_idx = s_qpos[r]
-        kv_idx = pos + (q_idx - s_diag[r] if positional else 0)
-        h = b_head0 + r % group
-        b = s_req[r]
-        if not keep(b, h, q_idx, kv_idx):
-            return neg_inf
-        s = logits(x * scale, b, h, q_idx, kv_idx, slopes[h])
-        if sigmoid:
-            return s
-        return s * log2e
-
-    @cuda.jit
-    def kernel(q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
-               block, n_keys, out, lse):
-        wi = cuda.blockIdx.x
-        kv_head = cuda.blockIdx.y
-        tid = cuda.threadIdx.x
-        warp = tid // 32
-        lane = tid % 32
-        g = lane // 4
-        tq = lane % 4
-        qo_start, qo_len, row0 = work[wi, 0], work[wi, 1], work[wi, 2]
-        kv_ptr, kv_base, kv_begin, kv_end = work[wi, 3], work[wi, 4], work[wi, 5], work[wi, 6]
-        out_shift = work[wi, 7] - qo_start
-        n_rows = min(T_q, qo_len * group - row0)
-        head0 = kv_head * group
-
-        s_q = cuda.shared.array((T_q, W), uint32)
-        s_k = cuda.shared.array((T_k, W), uint32)
-        s_vt = cuda.shared.array((D, WV), uint32)
-        s_kpos = cuda.shared.array(T_k, int32)
-        s_qpos = cuda.shared.array(T_q, int32)
-        s_diag = cuda.shared.array(T_q, int32)
-        s_req = cuda.shared.array(T_q, int32)
-        s_range = cuda.shared.array(3, int32)
-
-        # Q tile: 16-byte loads, packed pairs stay packed.
-        for e in range(tid, T_q * (D // 8), NT):
-            r = e // (D // 8)
-            c = e % (D // 8)
-            if r < n_rows:
-                qi = qo_start + (row0 + r) // group
-                w0, w1, w2, w3 = load_q(q, (qi, head0 + (row0 + r) % group, c * 8))
-            else:
-                w0 = w1 = w2 = w3 = uint32(0)
-            s_q[r, c * 4] = w0
-            s_q[r, c * 4 + 1] = w1
-            s_q[r, c * 4 + 2] = w2
-            s_q[r, c * 4 + 3] = w3
-        for r in range(tid, T_q, NT):
-            if r < n_rows:
-                qi = qo_start + (row0 + r) // group
-                s_qpos[r] = row_pos[qi]
-                s_diag[r] = row_pos[qi] - row_kvoff[qi]
-                s_req[r] = row_req[qi]
-            else:
-                s_qpos[r] = 0
-                s_diag[r] = 2 ** 30
-                s_req[r] = 0
-        cuda.syncthreads()
-        if tid == 0:
-            lo = kv_begin
-            hi = kv_end
-            sink_end = 0
-            if positional and (causal or window >= 0):
-                d_min = s_diag[0]
-                d_max = s_diag[0]
-                for r in range(1, n_rows):
-                    d_min = min(d_min, s_diag[r])
-                    d_max = max(d_max, s_diag[r])
-                if causal:
-                    hi = min(hi, d_max + 1)
-                if window >= 0:
-                    lo = max(lo, d_min - window)
-                    if sinks > 0:
-                        for r in range(n_rows):
-                            sink_end = max(sink_end, sinks - (s_qpos[r] - s_diag[r]))
-            s_range[0] = lo
-            s_range[1] = hi
-            s_range[2] = sink_end
-        cuda.syncthreads()
-        lo = s_range[0]
-        hi = s_range[1]
-        sink_end = s_range[2]
-
-        r_lo = warp * 16 + g
-        r_hi = r_lo + 8
-        ok_lo = r_lo < n_rows
-        ok_hi = r_hi < n_rows
-        # smallest diagonal of this warp's rows: keys up to it are visible to all of them
-        warp_diag = min(s_diag[warp * 16], s_diag[min(warp * 16 + 15, T_q - 1)])
-        for r in range(warp * 16, warp * 16 + 16):
-            warp_diag = min(warp_diag, s_diag[r])
-
-        o = o_zero()
-        qf = q_frags(s_q, r_lo, r_hi, tq)     # (a dummy when A is read from shared memory)
-        m_lo = neg_inf
-        m_hi = neg_inf
-        l_lo = float32(0.0)
-        l_hi = float32(0.0)
-
-        for t0 in range(kv_begin, hi, T_k):
-            if t0 + T_k <= lo and t0 >= sink_end:
-                continue
-            # K rows as packed pairs; V transposed so that pairs run along keys.
-            for e in range(tid, T_k * (D // 8), NT):
-                j = e // (D // 8)
-                c = e % (D // 8)
-                t = t0 + j
-                w0 = w1 = w2 = w3 = uint32(0)
-                if t < hi:
-                    page, slot, pos = locate(kv_indices, kv_ptr, kv_base, t, block, n_keys)
-                    if pos != NO_KEY:
-                        w0, w1, w2, w3 = vec(k_src, 0, page, slot, kv_head, c * 8)
-                else:
-                    pos = NO_KEY
-                s_k[j, c * 4] = w0
-                s_k[j, c * 4 + 1] = w1
-                s_k[j, c * 4 + 2] = w2
-                s_k[j, c * 4 + 3] = w3
-                if c == 0:
-                    s_kpos[j] = pos
-            for e in range(tid, (T_k // 2) * (D // 8), NT):
-                jj = e // (D // 8)
-                c = e % (D // 8)
-                a0 = a1 = a2 = a3 = uint32(0)
-                b0 = b1 = b2 = b3 = uint32(0)
-                t = t0 + 2 * jj
-                if t < hi:
-                    page, slot, pos = locate(kv_indices, kv_ptr, kv_base, t, block, n_keys)
-                    if pos != NO_KEY:
-                        a0, a1, a2, a3 = vec(v_src, 1, page, slot, kv_head, c * 8)
-                if t + 1 < hi:
-                    page, slot, pos = locate(kv_indices, kv_ptr, kv_base, t + 1, block, n_keys)
-                    if pos != NO_KEY:
-                        b0, b1, b2, b3 = vec(v_src, 1, page, slot, kv_head, c * 8)
-                d0 = c * 8
-                s_vt[d0, jj] = (a0 & lo16) | (b0 << sh16)
-                s_vt[d0 + 1, jj] = (a0 >> sh16) | (b0 & hi16)
-                s_vt[d0 + 2, jj] = (a1 & lo16) | (b1 << sh16)
-                s_vt[d0 + 3, jj] = (a1 >> sh16) | (b1 & hi16)
-                s_vt[d0 + 4, jj] = (a2 & lo16) | (b2 << sh16)
-                s_vt[d0 + 5, jj] = (a2 >> sh16) | (b2 & hi16)
-                s_vt[d0 + 6, jj] = (a3 & lo16) | (b3 << sh16)
-                s_vt[d0 + 7, jj] = (a3 >> sh16) | (b3 & hi16)
-            cuda.syncthreads()
-
-            for k0 in range(0, T_k, 16):
-                if t0 + k0 >= hi:
-                    break
-                # S = Q K^T for 16 rows x 16 keys (two n-tiles)
-                x0, x1, x2, x3, y0, y1, y2, y3 = qk(qf, s_q, r_lo, r_hi, s_k, k0, g, tq)
-                # variant and mask; the fast case is a 16-key step every row sees whole
-                kt = k0 + 2 * tq
-                last = t0 + k0 + 15
-                if plain and positional and last < hi and ok_hi and (not causal or last <= warp_diag):
-                    x0 *= scale_log2
-                    x1 *= scale_log2
-                    x2 *= scale_log2
-                    x3 *= scale_log2
-                    y0 *= scale_log2
-                    y1 *= scale_log2
-                    y2 *= scale_log2
-                    y3 *= scale_log2
-                else:
-                    x0 = score(x0, r_lo, s_qpos, s_diag, s_req, s_kpos, ok_lo, head0, kt, slopes)
-                    x1 = score(x1, r_lo, s_qpos, s_diag, s_req, s_kpos, ok_lo, head0, kt + 1, slopes)
-                    x2 = score(x2, r_hi, s_qpos, s_diag, s_req, s_kpos, ok_hi, head0, kt, slopes)
-                    x3 = score(x3, r_hi, s_qpos, s_diag, s_req, s_kpos, ok_hi, head0, kt + 1, slopes)
-                    y0 = score(y0, r_lo, s_qpos, s_diag, s_req, s_kpos, ok_lo, head0, kt + 8, slopes)
-                    y1 = score(y1, r_lo, s_qpos, s_diag, s_req, s_kpos, ok_lo, head0, kt + 9, slopes)
-                    y2 = score(y2, r_hi, s_qpos, s_diag, s_req, s_kpos, ok_hi, head0, kt + 8, slopes)
-                    y3 = score(y3, r_hi, s_qpos, s_diag, s_req, s_kpos, ok_hi, head0, kt + 9, slopes)
-                if sigmoid:
-                    alpha_lo = float32(1.0)
-                    alpha_hi = float32(1.0)
-                    x0 = prob(x0) if x0 != neg_inf else float32(0.0)
-                    x1 = prob(x1) if x1 != neg_inf else float32(0.0)
-                    x2 = prob(x2) if x2 != neg_inf else float32(0.0)
-                    x3 = prob(x3) if x3 != neg_inf else float32(0.0)
-                    y0 = prob(y0) if y0 != neg_inf else float32(0.0)
-                    y1 = prob(y1) if y1 != neg_inf else float32(0.0)
-                    y2 = prob(y2) if y2 != neg_inf else float32(0.0)
-                    y3 = prob(y3) if y3 != neg_inf else float32(0.0)
-                else:
-                    # online softmax (base 2) per row; a quad of lanes holds one row
-                    mx_lo = max(max(x0, x1), max(y0, y1))
-                    mx_hi = max(max(x2, x3), max(y2, y3))
-                    mx_lo = max(mx_lo, cuda.shfl_xor_sync(0xFFFFFFFF, mx_lo, 1))
-                    mx_lo = max(mx_lo, cuda.shfl_xor_sync(0xFFFFFFFF, mx_lo, 2))
-                    mx_hi = max(mx_hi, cuda.shfl_xor_sync(0xFFFFFFFF, mx_hi, 1))
-                    mx_hi = max(mx_hi, cuda.shfl_xor_sync(0xFFFFFFFF, mx_hi, 2))
-                    new_lo = max(m_lo, mx_lo)
-                    new_hi = max(m_hi, mx_hi)
-                    base_lo = new_lo if new_lo != neg_inf else float32(0.0)
-                    base_hi = new_hi if new_hi != neg_inf else float32(0.0)
-                    alpha_lo = math.exp2(m_lo - base_lo)
-                    alpha_hi = math.exp2(m_hi - base_hi)
-                    x0 = math.exp2(x0 - base_lo)
-                    x1 = math.exp2(x1 - base_lo)
-                    y0 = math.exp2(y0 - base_lo)
-                    y1 = math.exp2(y1 - base_lo)
-                    x2 = math.exp2(x2 - base_hi)
-                    x3 = math.exp2(x3 - base_hi)
-                    y2 = math.exp2(y2 - base_hi)
-                    y3 = math.exp2(y3 - base_hi)
-                    l_lo = l_lo * alpha_lo + (x0 + x1 + y0 + y1)
-                    l_hi = l_hi * alpha_hi + (x2 + x3 + y2 + y3)
-                    m_lo = new_lo
-                    m_hi = new_hi
-                # O = alpha O + P V^T: P's C fragments are the A fragment
-                p0 = pack(x0, x1)
-                p1 = pack(x2, x3)
-                p2 = pack(y0, y1)
-                p3 = pack(y2, y3)
-                o = pv(o, p0, p1, p2, p3, s_vt, k0 // 2 + tq, g, alpha_lo, alpha_hi)
-            cuda.syncthreads()
-
-        # Row sums live spread over the quad: add them up, normalize, write.
-        if not sigmoid:
-            l_lo += cuda.shfl_xor_sync(0xFFFFFFFF, l_lo, 1)
-            l_lo += cuda.shfl_xor_sync(0xFFFFFFFF, l_lo, 2)
-            l_hi += cuda.shfl_xor_sync(0xFFFFFFFF, l_hi, 1)
-            l_hi += cuda.shfl_xor_sync(0xFFFFFFFF, l_hi, 2)
-            inv_lo = float32(1.0) / l_lo if l_lo > 0 else float32(0.0)
-            inv_hi = float32(1.0) / l_hi if l_hi > 0 else float32(0.0)
-        else:
-            inv_lo = float32(1.0)
-            inv_hi = float32(1.0)
-        if ok_lo:
-            qi = qo_start + (row0 + r_lo) // group
-            h = head0 + (row0 + r_lo) % group
-            for nt in range(NDT):
-                out[qi + out_shift, h, nt * 8 + 2 * tq] = write(o[nt * 4] * inv_lo)
-                out[qi + out_shift, h, nt * 8 + 2 * tq + 1] = write(o[nt * 4 + 1] * inv_lo)
-            if tq == 0:
-                if sigmoid:
-                    lse[qi + out_shift, h] = math.nan
-                else:
-                    lse[qi + out_shift, h] = m_lo + math.log2(l_lo) if l_lo > 0 else neg_inf
-        if ok_hi:
-            qi = qo_start + (row0 + r_hi) // group
-            h = head0 + (row0 + r_hi) % group
-            for nt in range(NDT):
-                out[qi + out_shift, h, nt * 8 + 2 * tq] = write(o[nt * 4 + 2] * inv_hi)
-                out[qi + out_shift, h, nt * 8 + 2 * tq + 1] = write(o[nt * 4 + 3] * inv_hi)
-            if tq == 0:
-                if sigmoid:
-                    lse[qi + out_shift, h] = math.nan
-                else:
-                    lse[qi + out_shift, h] = m_hi + math.log2(l_hi) if l_hi > 0 else neg_inf
-
-    return kernel
 

@@ -36,7 +36,8 @@ def block_sparse(q, k, v, bsr: L.BSR, *, kv_layout: str = "NHD", return_lse: boo
     L.check_heads(shape[1], hkv)
     b_r, b_c = bsr.block_shape
     spec = P.make_spec("bsr", kv_layout, kind, d, shape[1], hkv, var, tensor_cores)
-    outs = P._Outputs(q, shape, kind, out, lse, return_lse)
+    stream = P.resolve_stream(stream, q, k, v, out, lse)
+    outs = P._Outputs(q, shape, kind, out, lse, return_lse, stream)
     m = shape[0]
     starts = np.arange(bsr.n_block_rows, dtype=np.int64) * b_r
     lens = np.minimum(b_r, m - starts)
@@ -46,8 +47,9 @@ def block_sparse(q, k, v, bsr: L.BSR, *, kv_layout: str = "NHD", return_lse: boo
     row_pos = (n_kv - m + np.arange(m)).astype(np.int32)        # bottom-right aligned
     zeros = np.zeros(m, np.int32)
     if m:
-        P.launch(spec, P.to_device(q), P.to_device(k), P.to_device(v), bsr.col_indices, work,
-                 row_pos, zeros, zeros, b_c, n_kv, hkv, outs.d_out, outs.d_lse, stream)
+        P.launch(spec, P.device_in(q, "q", kind, stream), P.device_in(k, "k", kind, stream),
+                 P.device_in(v, "v", kind, stream), bsr.col_indices, work, row_pos, zeros, zeros, b_c,
+                 n_kv, hkv, outs.d_out, outs.d_lse, stream)
     # a block row with no non-zero block still gets its work item: it writes o = 0, lse = -inf
     return outs.finish()
 

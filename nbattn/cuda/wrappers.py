@@ -565,10 +565,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PlanRunWrapper):
         stream = A.launch_stream(q, paged_kv_cache, out, lse)
         q_dev = A.to_device(q, "q", stream, code)
         kv_dev = A.to_device(paged_kv_cache, "paged_kv_cache", stream, code)
-        if code == "f16":   # the prefill kernel reads and writes float16 elements
-            q_dev, kv_dev = q_dev.view(np.float16), kv_dev.view(np.float16)
         out_user, out_dev, lse_user, lse_dev = self._outputs(kind, shape, code, stream, q, out, lse)
-        out_k = out_dev.view(np.float16) if code == "f16" else out_dev
         H, D, rows_cap = self._num_qo_heads, self._head_dim, 2 * self.num_ctas * self._slot_rows
         po, pl = self._partials(self._slot_rows, H, D)
         common = (q_dev, kv_dev, kv_dev, self._view("kv_indices"))
@@ -576,7 +573,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PlanRunWrapper):
                 self._slopes, np.int32(self._page_size), np.int32(0))
         graph = self._use_cuda_graph
         for spec, name, n, cap, o, l in (
-                (self._spec, "direct_rows", self._n_direct, self.max_work_items, out_k, lse_dev),
+                (self._spec, "direct_rows", self._n_direct, self.max_work_items, out_dev, lse_dev),
                 (self._spec_part, "split_rows", self._n_split, 2 * self.num_ctas,
                  po.reshape(rows_cap, H, D), pl.reshape(rows_cap, H))):
             blocks = cap if graph else n

@@ -1,0 +1,427 @@
+"""The tensor-core path of the prefill kernel (GPU only, fp16/bf16):
+:func:`tensor_core_kernel` builds the same tile as the CUDA-core kernel of
+:mod:`nbattn.cuda.prefill` -- same work list, launch and arguments -- on
+``mma.sync.m16n8k16`` (:mod:`nbattn.cuda.mma`).
+
+4 warps x 16 fused rows per block; ``S = Q K^T`` and ``O += P V`` on the
+tensor cores, softmax on the accumulator fragments with quad shuffles, P fed
+to the second product straight from registers (the C layout of two n-tiles is
+the A layout).  The straight-line fragment code is generated per head_dim
+(:func:`_fragment_functions`) so that O and Q stay in registers.
+
+Shared with the CUDA-core kernel: the key walk (:func:`nbattn.cuda.prefill.key_locator`,
+``NO_KEY``), element stores (:func:`nbattn.cuda.primitives.element_io`) and
+the variant (:func:`nbattn.cuda.variants.variant_device_fns`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from numba import cuda, float32, int32, uint32
+
+from . import mma as _mma
+from . import prefill as P
+from .primitives import element_io
+from .variants import LOG2E, sigmoid_weight, variant_device_fns
+
+__all__ = ["tensor_core_kernel", "tensor_core_tiles"]
+
+
+def tensor_core_tiles(head_dim: int) -> tuple[int, int, int]:
+    """(T_q, T_k, threads): 16 fused rows per warp; the static shared memory
+    (Q, K and V^T tiles as packed uint32 pairs, rows padded by 4 words so the
+    fragment reads hit 32 distinct banks) stays under 48 KB."""
+    if head_dim <= 64:
+        return 64, 64, 128
+    if head_dim <= 128:
+        return 64, 32, 128
+    return 32, 16, 64
+
+
+def _kv_vector_reader(mode: str, kv_layout: str) -> Callable:
+    """Device function ``(src, which, page, slot, h, d) -> 4 x uint32``: eight
+    2-byte elements of one K or V row from element d on (one 16-byte load)."""
+    load = _mma.load_u32x4
+    if mode == "paged":
+        if kv_layout == "NHD":
+            @cuda.jit(device=True, inline=True)
+            def vec(src, which, page, slot, h, d):
+                return load(src, (page, which, slot, h, d))
+        else:
+            @cuda.jit(device=True, inline=True)
+            def vec(src, which, page, slot, h, d):
+                return load(src, (page, which, h, slot, d))
+    elif kv_layout == "NHD":
+        @cuda.jit(device=True, inline=True)
+        def vec(src, which, page, slot, h, d):
+            return load(src, (slot, h, d))
+    else:
+        @cuda.jit(device=True, inline=True)
+        def vec(src, which, page, slot, h, d):
+            return load(src, (h, slot, d))
+    return vec
+
+
+def _fragment_functions(head_dim: int, mma, q_in_registers: bool) -> dict:
+    """Straight-line device functions over register tuples, generated per head_dim.
+
+    The O accumulator (head_dim/8 n-tiles x 4 floats per lane) and the Q
+    fragments must stay in registers; a ``cuda.local.array`` indexed in loops
+    only does if the compiler unrolls every loop, which it did not (measured:
+    60 TFLOP/s).  So the loops over n-tiles and k-steps are written out here,
+    once, as source text, and the state travels as tuples (SSA values).
+
+    - ``o_zero()``: the zero O tuple;
+    - ``q_frags(s_q, r_lo, r_hi, tq)``: all A fragments of the warp's 16 rows;
+    - ``qk(qf, s_q, r_lo, r_hi, s_k, k, g, tq)``: S for 16 rows x keys k..k+15
+      as (x0..x3, y0..y3) -- two n-tiles;
+    - ``pv(o, p0, p1, p2, p3, s_vt, kc, g, alpha_lo, alpha_hi)``: O = alpha O + P V;
+    - ``o_get(o, i)`` is plain tuple indexing with a constant.
+    """
+    ndt, ks = head_dim // 8, head_dim // 16
+    n_o = 4 * ndt
+    lines = []
+    names = ", ".join(f"o{i}" for i in range(n_o))
+    lines.append("def o_zero():")
+    lines.append("    z = float32(0.0)")
+    lines.append("    return (" + ", ".join("z" for _ in range(n_o)) + ",)")
+    lines.append("def q_frags(s_q, r_lo, r_hi, tq):")
+    frag = [] if q_in_registers else ["uint32(0)"]
+    for k in range(ks if q_in_registers else 0):
+        c = k * 8
+        frag += [f"s_q[r_lo, {c} + tq]", f"s_q[r_hi, {c} + tq]", f"s_q[r_lo, {c + 4} + tq]", f"s_q[r_hi, {c + 4} + tq]"]
+    lines.append("    return (" + ", ".join(frag) + ",)")
+    lines.append("def qk(qf, s_q, r_lo, r_hi, s_k, k, g, tq):")
+    lines.append("    z = float32(0.0)")
+    lines.append("    x0 = x1 = x2 = x3 = z")
+    lines.append("    y0 = y1 = y2 = y3 = z")
+    lines.append("    ka = k + g")
+    lines.append("    kb = k + 8 + g")
+    for k in range(ks):
+        c = k * 8
+        if q_in_registers:
+            a = f"qf[{4 * k}], qf[{4 * k + 1}], qf[{4 * k + 2}], qf[{4 * k + 3}]"
+        else:
+            lines.append(f"    a0 = s_q[r_lo, {c} + tq]; a1 = s_q[r_hi, {c} + tq]; "
+                         f"a2 = s_q[r_lo, {c + 4} + tq]; a3 = s_q[r_hi, {c + 4} + tq]")
+            a = "a0, a1, a2, a3"
+        lines.append(f"    x0, x1, x2, x3 = mma({a}, s_k[ka, {c} + tq], s_k[ka, {c + 4} + tq], x0, x1, x2, x3)")
+        lines.append(f"    y0, y1, y2, y3 = mma({a}, s_k[kb, {c} + tq], s_k[kb, {c + 4} + tq], y0, y1, y2, y3)")
+    lines.append("    return x0, x1, x2, x3, y0, y1, y2, y3")
+    lines.append("def pv(o, p0, p1, p2, p3, s_vt, kc, g, alpha_lo, alpha_hi):")
+    lines.append(f"    {names}, = o" if n_o else "    pass")
+    for nt in range(ndt):
+        i = 4 * nt
+        lines.append(f"    o{i}, o{i + 1}, o{i + 2}, o{i + 3} = mma(p0, p1, p2, p3, s_vt[{nt * 8} + g, kc], "
+                     f"s_vt[{nt * 8} + g, kc + 4], o{i} * alpha_lo, o{i + 1} * alpha_lo, "
+                     f"o{i + 2} * alpha_hi, o{i + 3} * alpha_hi)")
+    lines.append(f"    return ({names},)")
+    env = {"float32": float32, "uint32": uint32, "mma": mma}
+    exec(compile("\n".join(lines), f"<nbattn fragments D={head_dim}>", "exec"), env)
+    return {name: cuda.jit(device=True, inline=True)(env[name]) for name in ("o_zero", "q_frags", "qk", "pv")}
+
+
+def tensor_core_kernel(spec: P.KernelSpec):
+    """mma.sync path.  Launch: grid (n_work, num_kv_heads), T_q/16 warps.
+
+    Warp w owns fused rows ``16w .. 16w+15`` of the tile.  Per KV tile (T_k
+    keys in shared memory) it walks 16 keys at a time: S (16x16) = two
+    m16n8k16 n-tiles over head_dim, the variant and mask per element, the
+    online-softmax update on the fragments (row max and sum across the 4
+    lanes of a quad by shuffles), then P (packed to f16/bf16 in registers,
+    the C layout being the A layout) times V^T from shared memory into the
+    O fragments ``o[nt*4 + c]`` (n-tile nt of head_dim, component c).
+    """
+    D, group = spec.head_dim, spec.group
+    T_q, T_k, NT = spec.tile_q, spec.tile_k, spec.threads
+    var = spec.variant
+    sigmoid = var.use_sigmoid
+    causal, window, sinks = var.causal, int(var.window_left), int(var.sink_size)
+    positional = spec.mode != "bsr"
+    # Only causal (or nothing) to apply: interior 16-key steps need no per-element work.
+    plain = not (window >= 0 or sinks or var.has_alibi or var.has_soft_cap or var.score_mod is not None
+                 or var.mask_mod is not None or sigmoid)
+    scale = float32(var.scale(D))
+    scale_log2 = float32(var.scale(D) * LOG2E)
+    log2e = float32(LOG2E)
+    _, store, _ = element_io(spec.out_kind)
+    vec = _kv_vector_reader(spec.mode, spec.kv_layout)
+    locate = P.key_locator(spec.mode)
+    transform, keep = variant_device_fns(var)
+    bias = float32(var.sigmoid_bias)
+    NO_KEY = P.NO_KEY
+    mma = _mma.mma_bf16 if spec.kind == "bf16" else _mma.mma_f16
+    pack = _mma.pack_bf16x2 if spec.kind == "bf16" else _mma.pack_f16x2
+    load_q = _mma.load_u32x4
+    q_in_registers = D <= 128          # D=256 would need 64 more registers: read A from shared memory
+    frags = _fragment_functions(D, mma, q_in_registers)
+    o_zero, q_frags, qk, pv = frags["o_zero"], frags["q_frags"], frags["qk"], frags["pv"]
+    neg_inf = float32(-math.inf)
+    W = D // 2 + 4              # padded row of packed pairs (Q, K)
+    WV = T_k // 2 + 4           # padded row of V^T (pairs along keys)
+    NDT = D // 8                # n-tiles of the output
+    lo16 = uint32(0xFFFF)
+    hi16 = uint32(0xFFFF0000)
+    sh16 = uint32(16)
+
+    @cuda.jit(device=True, inline=True)
+    def score(x, r, s_qpos, s_diag, s_req, s_kpos, row_ok, b_head0, t_local, slopes):
+        """Scaled score of fused row r and tile key t_local -> log2-domain logit or -inf."""
+        pos = s_kpos[t_local]
+        if not row_ok or pos == NO_KEY:
+            return neg_inf
+        q_idx = s_qpos[r]
+        kv_idx = pos + (q_idx - s_diag[r] if positional else 0)
+        h = b_head0 + r % group
+        b = s_req[r]
+        if not keep(b, h, q_idx, kv_idx):
+            return neg_inf
+        s = transform(x * scale, b, h, q_idx, kv_idx, slopes[h])
+        if sigmoid:
+            return s
+        return s * log2e
+
+    @cuda.jit
+    def kernel(q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
+               block, n_keys, out, lse):
+        wi = cuda.blockIdx.x
+        kv_head = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        tq = lane % 4
+        qo_start, qo_len, row0 = work[wi, 0], work[wi, 1], work[wi, 2]
+        kv_ptr, kv_base, kv_begin, kv_end = work[wi, 3], work[wi, 4], work[wi, 5], work[wi, 6]
+        out_shift = work[wi, 7] - qo_start
+        n_rows = min(T_q, qo_len * group - row0)
+        head0 = kv_head * group
+
+        s_q = cuda.shared.array((T_q, W), uint32)
+        s_k = cuda.shared.array((T_k, W), uint32)
+        s_vt = cuda.shared.array((D, WV), uint32)
+        s_kpos = cuda.shared.array(T_k, int32)
+        s_qpos = cuda.shared.array(T_q, int32)
+        s_diag = cuda.shared.array(T_q, int32)
+        s_req = cuda.shared.array(T_q, int32)
+        s_range = cuda.shared.array(3, int32)
+
+        # Q tile: 16-byte loads, packed pairs stay packed.
+        for e in range(tid, T_q * (D // 8), NT):
+            r = e // (D // 8)
+            c = e % (D // 8)
+            if r < n_rows:
+                qi = qo_start + (row0 + r) // group
+                w0, w1, w2, w3 = load_q(q, (qi, head0 + (row0 + r) % group, c * 8))
+            else:
+                w0 = w1 = w2 = w3 = uint32(0)
+            s_q[r, c * 4] = w0
+            s_q[r, c * 4 + 1] = w1
+            s_q[r, c * 4 + 2] = w2
+            s_q[r, c * 4 + 3] = w3
+        for r in range(tid, T_q, NT):
+            if r < n_rows:
+                qi = qo_start + (row0 + r) // group
+                s_qpos[r] = row_pos[qi]
+                s_diag[r] = row_pos[qi] - row_kvoff[qi]
+                s_req[r] = row_req[qi]
+            else:
+                s_qpos[r] = 0
+                s_diag[r] = 2 ** 30
+                s_req[r] = 0
+        cuda.syncthreads()
+        if tid == 0:
+            lo = kv_begin
+            hi = kv_end
+            sink_end = 0
+            if positional and (causal or window >= 0):
+                d_min = s_diag[0]
+                d_max = s_diag[0]
+                for r in range(1, n_rows):
+                    d_min = min(d_min, s_diag[r])
+                    d_max = max(d_max, s_diag[r])
+                if causal:
+                    hi = min(hi, d_max + 1)
+                if window >= 0:
+                    lo = max(lo, d_min - window)
+                    if sinks > 0:
+                        for r in range(n_rows):
+                            sink_end = max(sink_end, sinks - (s_qpos[r] - s_diag[r]))
+            s_range[0] = lo
+            s_range[1] = hi
+            s_range[2] = sink_end
+        cuda.syncthreads()
+        lo = s_range[0]
+        hi = s_range[1]
+        sink_end = s_range[2]
+
+        r_lo = warp * 16 + g
+        r_hi = r_lo + 8
+        ok_lo = r_lo < n_rows
+        ok_hi = r_hi < n_rows
+        # smallest diagonal of this warp's rows: keys up to it are visible to all of them
+        warp_diag = min(s_diag[warp * 16], s_diag[min(warp * 16 + 15, T_q - 1)])
+        for r in range(warp * 16, warp * 16 + 16):
+            warp_diag = min(warp_diag, s_diag[r])
+
+        o = o_zero()
+        qf = q_frags(s_q, r_lo, r_hi, tq)     # (a dummy when A is read from shared memory)
+        m_lo = neg_inf
+        m_hi = neg_inf
+        l_lo = float32(0.0)
+        l_hi = float32(0.0)
+
+        for t0 in range(kv_begin, hi, T_k):
+            if t0 + T_k <= lo and t0 >= sink_end:
+                continue
+            # K rows as packed pairs; V transposed so that pairs run along keys.
+            for e in range(tid, T_k * (D // 8), NT):
+                j = e // (D // 8)
+                c = e % (D // 8)
+                t = t0 + j
+                w0 = w1 = w2 = w3 = uint32(0)
+                if t < hi:
+                    page, slot, pos = locate(kv_indices, kv_ptr, kv_base, t, block, n_keys)
+                    if pos != NO_KEY:
+                        w0, w1, w2, w3 = vec(k_src, 0, page, slot, kv_head, c * 8)
+                else:
+                    pos = NO_KEY
+                s_k[j, c * 4] = w0
+                s_k[j, c * 4 + 1] = w1
+                s_k[j, c * 4 + 2] = w2
+                s_k[j, c * 4 + 3] = w3
+                if c == 0:
+                    s_kpos[j] = pos
+            for e in range(tid, (T_k // 2) * (D // 8), NT):
+                jj = e // (D // 8)
+                c = e % (D // 8)
+                a0 = a1 = a2 = a3 = uint32(0)
+                b0 = b1 = b2 = b3 = uint32(0)
+                t = t0 + 2 * jj
+                if t < hi:
+                    page, slot, pos = locate(kv_indices, kv_ptr, kv_base, t, block, n_keys)
+                    if pos != NO_KEY:
+                        a0, a1, a2, a3 = vec(v_src, 1, page, slot, kv_head, c * 8)
+                if t + 1 < hi:
+                    page, slot, pos = locate(kv_indices, kv_ptr, kv_base, t + 1, block, n_keys)
+                    if pos != NO_KEY:
+                        b0, b1, b2, b3 = vec(v_src, 1, page, slot, kv_head, c * 8)
+                d0 = c * 8
+                s_vt[d0, jj] = (a0 & lo16) | (b0 << sh16)
+                s_vt[d0 + 1, jj] = (a0 >> sh16) | (b0 & hi16)
+                s_vt[d0 + 2, jj] = (a1 & lo16) | (b1 << sh16)
+                s_vt[d0 + 3, jj] = (a1 >> sh16) | (b1 & hi16)
+                s_vt[d0 + 4, jj] = (a2 & lo16) | (b2 << sh16)
+                s_vt[d0 + 5, jj] = (a2 >> sh16) | (b2 & hi16)
+                s_vt[d0 + 6, jj] = (a3 & lo16) | (b3 << sh16)
+                s_vt[d0 + 7, jj] = (a3 >> sh16) | (b3 & hi16)
+            cuda.syncthreads()
+
+            for k0 in range(0, T_k, 16):
+                if t0 + k0 >= hi:
+                    break
+                # S = Q K^T for 16 rows x 16 keys (two n-tiles)
+                x0, x1, x2, x3, y0, y1, y2, y3 = qk(qf, s_q, r_lo, r_hi, s_k, k0, g, tq)
+                # variant and mask; the fast case is a 16-key step every row sees whole
+                kt = k0 + 2 * tq
+                last = t0 + k0 + 15
+                if plain and positional and last < hi and ok_hi and (not causal or last <= warp_diag):
+                    x0 *= scale_log2
+                    x1 *= scale_log2
+                    x2 *= scale_log2
+                    x3 *= scale_log2
+                    y0 *= scale_log2
+                    y1 *= scale_log2
+                    y2 *= scale_log2
+                    y3 *= scale_log2
+                else:
+                    x0 = score(x0, r_lo, s_qpos, s_diag, s_req, s_kpos, ok_lo, head0, kt, slopes)
+                    x1 = score(x1, r_lo, s_qpos, s_diag, s_req, s_kpos, ok_lo, head0, kt + 1, slopes)
+                    x2 = score(x2, r_hi, s_qpos, s_diag, s_req, s_kpos, ok_hi, head0, kt, slopes)
+                    x3 = score(x3, r_hi, s_qpos, s_diag, s_req, s_kpos, ok_hi, head0, kt + 1, slopes)
+                    y0 = score(y0, r_lo, s_qpos, s_diag, s_req, s_kpos, ok_lo, head0, kt + 8, slopes)
+                    y1 = score(y1, r_lo, s_qpos, s_diag, s_req, s_kpos, ok_lo, head0, kt + 9, slopes)
+                    y2 = score(y2, r_hi, s_qpos, s_diag, s_req, s_kpos, ok_hi, head0, kt + 8, slopes)
+                    y3 = score(y3, r_hi, s_qpos, s_diag, s_req, s_kpos, ok_hi, head0, kt + 9, slopes)
+                if sigmoid:
+                    alpha_lo = float32(1.0)
+                    alpha_hi = float32(1.0)
+                    x0 = sigmoid_weight(x0, bias) if x0 != neg_inf else float32(0.0)
+                    x1 = sigmoid_weight(x1, bias) if x1 != neg_inf else float32(0.0)
+                    x2 = sigmoid_weight(x2, bias) if x2 != neg_inf else float32(0.0)
+                    x3 = sigmoid_weight(x3, bias) if x3 != neg_inf else float32(0.0)
+                    y0 = sigmoid_weight(y0, bias) if y0 != neg_inf else float32(0.0)
+                    y1 = sigmoid_weight(y1, bias) if y1 != neg_inf else float32(0.0)
+                    y2 = sigmoid_weight(y2, bias) if y2 != neg_inf else float32(0.0)
+                    y3 = sigmoid_weight(y3, bias) if y3 != neg_inf else float32(0.0)
+                else:
+                    # online softmax (base 2) per row; a quad of lanes holds one row
+                    mx_lo = max(max(x0, x1), max(y0, y1))
+                    mx_hi = max(max(x2, x3), max(y2, y3))
+                    mx_lo = max(mx_lo, cuda.shfl_xor_sync(0xFFFFFFFF, mx_lo, 1))
+                    mx_lo = max(mx_lo, cuda.shfl_xor_sync(0xFFFFFFFF, mx_lo, 2))
+                    mx_hi = max(mx_hi, cuda.shfl_xor_sync(0xFFFFFFFF, mx_hi, 1))
+                    mx_hi = max(mx_hi, cuda.shfl_xor_sync(0xFFFFFFFF, mx_hi, 2))
+                    new_lo = max(m_lo, mx_lo)
+                    new_hi = max(m_hi, mx_hi)
+                    base_lo = new_lo if new_lo != neg_inf else float32(0.0)
+                    base_hi = new_hi if new_hi != neg_inf else float32(0.0)
+                    alpha_lo = math.exp2(m_lo - base_lo)
+                    alpha_hi = math.exp2(m_hi - base_hi)
+                    x0 = math.exp2(x0 - base_lo)
+                    x1 = math.exp2(x1 - base_lo)
+                    y0 = math.exp2(y0 - base_lo)
+                    y1 = math.exp2(y1 - base_lo)
+                    x2 = math.exp2(x2 - base_hi)
+                    x3 = math.exp2(x3 - base_hi)
+                    y2 = math.exp2(y2 - base_hi)
+                    y3 = math.exp2(y3 - base_hi)
+                    l_lo = l_lo * alpha_lo + (x0 + x1 + y0 + y1)
+                    l_hi = l_hi * alpha_hi + (x2 + x3 + y2 + y3)
+                    m_lo = new_lo
+                    m_hi = new_hi
+                # O = alpha O + P V^T: P's C fragments are the A fragment
+                p0 = pack(x0, x1)
+                p1 = pack(x2, x3)
+                p2 = pack(y0, y1)
+                p3 = pack(y2, y3)
+                o = pv(o, p0, p1, p2, p3, s_vt, k0 // 2 + tq, g, alpha_lo, alpha_hi)
+            cuda.syncthreads()
+
+        # Row sums live spread over the quad: add them up, normalize, write.
+        if not sigmoid:
+            l_lo += cuda.shfl_xor_sync(0xFFFFFFFF, l_lo, 1)
+            l_lo += cuda.shfl_xor_sync(0xFFFFFFFF, l_lo, 2)
+            l_hi += cuda.shfl_xor_sync(0xFFFFFFFF, l_hi, 1)
+            l_hi += cuda.shfl_xor_sync(0xFFFFFFFF, l_hi, 2)
+            inv_lo = float32(1.0) / l_lo if l_lo > 0 else float32(0.0)
+            inv_hi = float32(1.0) / l_hi if l_hi > 0 else float32(0.0)
+        else:
+            inv_lo = float32(1.0)
+            inv_hi = float32(1.0)
+        if ok_lo:
+            qi = qo_start + (row0 + r_lo) // group
+            h = head0 + (row0 + r_lo) % group
+            for nt in range(NDT):
+                store(out, (qi + out_shift, h, nt * 8 + 2 * tq), o[nt * 4] * inv_lo)
+                store(out, (qi + out_shift, h, nt * 8 + 2 * tq + 1), o[nt * 4 + 1] * inv_lo)
+            if tq == 0:
+                if sigmoid:
+                    lse[qi + out_shift, h] = math.nan
+                else:
+                    lse[qi + out_shift, h] = m_lo + math.log2(l_lo) if l_lo > 0 else neg_inf
+        if ok_hi:
+            qi = qo_start + (row0 + r_hi) // group
+            h = head0 + (row0 + r_hi) % group
+            for nt in range(NDT):
+                store(out, (qi + out_shift, h, nt * 8 + 2 * tq), o[nt * 4 + 2] * inv_hi)
+                store(out, (qi + out_shift, h, nt * 8 + 2 * tq + 1), o[nt * 4 + 3] * inv_hi)
+            if tq == 0:
+                if sigmoid:
+                    lse[qi + out_shift, h] = math.nan
+                else:
+                    lse[qi + out_shift, h] = m_hi + math.log2(l_hi) if l_hi > 0 else neg_inf
+
+    return kernel
+
