@@ -123,7 +123,7 @@ def _use_warp(code: str, head_dim: int, aligned: bool) -> bool:
 def make_config(code: str, head_dim: int, group: int, kv_layout: str, variant: Variant,
                 aligned: bool = True) -> DecodeConfig:
     if _use_warp(code, head_dim, aligned):
-        hg = WARP.warp_heads_per_cta(group, WARP_MAX_HEADS)
+        hg = WARP.warp_heads_per_cta(group, WARP_MAX_HEADS, WARP.warp_geometry(code, head_dim, 1, 1, 1)[0])
         nw = WARP_WARPS
         # tokens in flight per row: as many as 128 registers hold without spills
         # (ptxas, sm_90: HG = 4 fits 3, fewer heads fit 4)

@@ -20,10 +20,17 @@ Why it is shaped like this
 * ``U`` tokens per row are loaded before any is used, and the page ids of the
   next step are fetched right after, so a row has ``2U`` 16-byte loads plus the
   index loads of the next step in flight while it does arithmetic.
-* A score is the lane's ``VEC``-element partial dot, summed over the ``NX``
-  lanes of the token by an xor butterfly: every lane ends with the bitwise
-  same total, so all lanes of a row carry identical ``m``/``l`` and no lane has
-  to broadcast anything.
+* A score starts as each lane's ``VEC``-element partial dot for every head.
+  Summing over the token's ``NX`` lanes is a reduce-scatter: at each xor level
+  a lane keeps half of its heads and trades the other half with its partner,
+  so after ``log2(HP)`` levels each lane holds one head (the top bits of its
+  chunk index) and a plain butterfly finishes it.  That is ``HP - 1 +
+  log2(NX / HP)`` shuffles per token instead of ``HP * log2(NX)``, and the
+  variant, mask, exponent and softmax state are computed once per head rather
+  than by every lane for every head.  The probabilities (and, once per step,
+  the rescale factors) are then fetched by every lane with ``HG`` indexed
+  shuffles for its ``p * V`` update.  ``HG`` heads are padded to ``HP``, a
+  power of two; dummy heads have q = 0 and are never written.
 * Softmax runs in base 2; ``m`` is updated once per step of ``U`` tokens (one
   rescale of the accumulator per step, not per token).  Without a logits
   transform, ``sm_scale * log2(e)`` is folded into q once.
@@ -42,7 +49,7 @@ import numpy as np
 from numba import cuda, float32, int64, uint32
 
 from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f, load_v4,
-                         shfl_xor_f32, st_v4)
+                         shfl_idx_f32, shfl_xor_f32, st_v4)
 from ._driver import _closure_hashable
 from .variants import LOG2E, variant_device_fns
 
@@ -57,10 +64,11 @@ def warp_eligible(code: str, head_dim: int, aligned: bool) -> bool:
     return aligned and head_dim % (4 * ELEMS_PER_WORD[code]) == 0 and 1 <= nx <= 32 and nx & (nx - 1) == 0
 
 
-def warp_heads_per_cta(group: int, max_heads: int) -> int:
-    """Largest divisor of the group <= max_heads: q and the accumulator of every
-    head live in registers (2 * HG * VEC floats per lane)."""
-    for hg in range(min(group, max_heads), 0, -1):
+def warp_heads_per_cta(group: int, max_heads: int, lanes: int) -> int:
+    """Largest divisor of the group <= max_heads and <= the lanes of a token: q and
+    the accumulator of every head live in registers (2 * HG * VEC floats per
+    lane), and each head's score ends in its own subset of the token's lanes."""
+    for hg in range(min(group, max_heads, lanes), 0, -1):
         if group % hg == 0:
             return hg
     return 1
@@ -83,15 +91,19 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
     resident to keep HBM busy."""
     D = cfg.head_dim
     HG = cfg.heads_per_cta
+    HP = 1 << (HG - 1).bit_length()  # heads padded to a power of two (dummies never written)
     EPW = ELEMS_PER_WORD[cfg.code]
     VEC = 4 * EPW
     W = D // EPW                     # 32-bit words per K/V row
     NX, TW, R, S = warp_geometry(cfg.code, D, HG, nwarps, unroll)
+    assert HP <= NX, "heads per CTA must fit the lanes of a token"
     U = unroll
     NT = 32 * nwarps
     LOG_NX = NX.bit_length() - 1
+    LOG_HP = HP.bit_length() - 1
+    HEAD_SHIFT = LOG_NX - LOG_HP     # a lane's head is the top LOG_HP bits of its chunk index
     HALF = NX // 2
-    HVEC, HU, U4 = HG * VEC, HG * U, 4 * U           # local array sizes
+    HPV, U4 = HP * VEC, 4 * U                        # local array sizes
     ACC_LEN, ML_LEN = R * HG * D, R * HG             # shared array sizes
     NHD = cfg.kv_layout == "NHD"
     var = cfg.variant
@@ -117,28 +129,39 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
         st_acc = cuda.shared.array(ACC_LEN, np.float32, alignment=SHARED_ALIGN)
         st_m = cuda.shared.array(ML_LEN, np.float32)
         st_l = cuda.shared.array(ML_LEN, np.float32)
-        qv = cuda.local.array(HVEC, np.float32)
-        acc = cuda.local.array(HVEC, np.float32)
-        m = cuda.local.array(HG, np.float32)
-        l = cuda.local.array(HG, np.float32)
-        slope = cuda.local.array(HG, np.float32)
+        qv = cuda.local.array(HPV, np.float32)
+        acc = cuda.local.array(HPV, np.float32)
+        dv = cuda.local.array(HP, np.float32)
         kw = cuda.local.array(U4, np.uint32)
         vw = cuda.local.array(U4, np.uint32)
         pg = cuda.local.array(U, np.int64)
-        sc = cuda.local.array(HU, np.float32)
+        sc = cuda.local.array(U, np.float32)
         xf = cuda.local.array(VEC, np.float32)
 
         tid = cuda.threadIdx.x
         lane = tid % 32
-        x = lane % NX                      # my chunk of head_dim
+        x = lane % NX                        # my chunk of head_dim
         row = (tid // 32) * TW + lane // NX  # my token stream
+        lane0 = lane - x                     # first lane of my token
+        mine = x >> HEAD_SHIFT               # the head whose score and softmax state I keep
+        writer = (x & ((1 << HEAD_SHIFT) - 1)) == 0 and mine < HG
         cta = cuda.blockIdx.x // n_head_blocks
         h0 = (cuda.blockIdx.x - cta * n_head_blocks) * HG
+        h_mine = h0 + min(mine, HG - 1)
         kvh = h0 // (num_qo_heads // num_kv_heads)
         ps = int64(page_size)
         hkv = int64(num_kv_heads)
+        # word offset of (page, slot) = page * page_words + slot * slot_words + my_off
         v_off = ps * hkv * W               # V half of a page, both layouts
+        page_words = 2 * v_off
+        if NHD:
+            slot_words = uint32(num_kv_heads * W)
+            my_off = int64(kvh) * W + x * 4
+        else:
+            slot_words = uint32(W)
+            my_off = int64(kvh) * ps * W + x * 4
         qscale = float32(sm_scale * float32(LOG2E))
+        slope = slopes[h_mine] if ALIBI else float32(0.0)
 
         for item in range(cta_indptr[cta], cta_indptr[cta + 1]):
             r = w_request[item]
@@ -150,17 +173,18 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
             kv_len = (n_pages - 1) * page_size + kv_last[r] if n_pages > 0 else 0
             q_idx = kv_len - 1
 
-            for g in range(HG):
-                w0, w1, w2, w3 = load_v4(q_w, (int64(r) * num_qo_heads + h0 + g) * W + x * 4)
-                unpack4(w0, w1, w2, w3, qv, g * VEC)
-                if PLAIN:
-                    for e in range(VEC):
-                        qv[g * VEC + e] *= qscale
-                m[g] = NEG_INF
-                l[g] = 0.0
-                slope[g] = slopes[h0 + g] if ALIBI else float32(0.0)
+            for g in range(HP):
                 for e in range(VEC):
+                    qv[g * VEC + e] = 0.0
                     acc[g * VEC + e] = 0.0
+                if g < HG:
+                    w0, w1, w2, w3 = load_v4(q_w, (int64(r) * num_qo_heads + h0 + g) * W + x * 4)
+                    unpack4(w0, w1, w2, w3, qv, g * VEC)
+                    if PLAIN:
+                        for e in range(VEC):
+                            qv[g * VEC + e] *= qscale
+            m_mine = NEG_INF
+            l_mine = float32(0.0)
             for u in range(U):
                 pos = kv_start + u * R + row
                 pg[u] = 0
@@ -177,10 +201,7 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
                     k0 = k1 = k2 = k3 = v0 = v1 = v2 = v3 = uint32(0)
                     if pos < kv_end:
                         _, within = page_slot(pos, page_size, ps_shift)
-                        if NHD:
-                            row_k = ((pg[u] * 2 * ps + int64(within)) * hkv + kvh) * W + x * 4
-                        else:
-                            row_k = ((pg[u] * 2 * hkv + kvh) * ps + int64(within)) * W + x * 4
+                        row_k = pg[u] * page_words + int64(within * slot_words) + my_off
                         k0, k1, k2, k3 = load_v4(kv_w, row_k)
                         v0, v1, v2, v3 = load_v4(kv_w, row_k + v_off)
                     kw[4 * u] = k0
@@ -198,50 +219,61 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
                         pi, _ = page_slot(pos, page_size, ps_shift)
                         pg[u] = kv_indices[page_base + int64(pi)]
 
-                # scores of my row's U tokens for every head
+                # scores: partial dots for every head, then a reduce-scatter over
+                # the token's lanes (each level halves the heads a lane carries)
+                # and a plain butterfly once one head is left: HP-1+log2(NX/HP)
+                # shuffles per token instead of HP*log2(NX)
                 for u in range(U):
                     unpack4(kw[4 * u], kw[4 * u + 1], kw[4 * u + 2], kw[4 * u + 3], xf, 0)
-                    pos = base + u * R + row
-                    for g in range(HG):
+                    for g in range(HP):
                         d = float32(0.0)
                         for e in range(VEC):
                             d += qv[g * VEC + e] * xf[e]
-                        for i in range(LOG_NX):
-                            d += shfl_xor_f32(d, HALF >> i)
-                        h = h0 + g
-                        ok = pos < kv_end and keep(r, h, q_idx, pos)
-                        if PLAIN:
-                            s = d
-                        else:
-                            s = transform(d * sm_scale, r, h, q_idx, pos, slope[g])
-                        if SIGMOID:
-                            sc[g * U + u] = (float32(1.0) / (float32(1.0) + math.exp(-(s + sigmoid_bias)))
-                                             if ok else float32(0.0))
-                        elif PLAIN:
-                            sc[g * U + u] = s if ok else NEG_INF
-                        else:
-                            sc[g * U + u] = s * float32(LOG2E) if ok else NEG_INF
+                        dv[g] = d
+                    for i in range(LOG_HP):
+                        off = HALF >> i
+                        half = HP >> (i + 1)
+                        upper = (x & off) != 0
+                        for k in range(half):
+                            a = dv[k]
+                            b = dv[k + half]
+                            dv[k] = (b if upper else a) + shfl_xor_f32(a if upper else b, off)
+                    for i in range(LOG_HP, LOG_NX):
+                        dv[0] += shfl_xor_f32(dv[0], HALF >> i)
+                    pos = base + u * R + row
+                    ok = pos < kv_end and mine < HG and keep(r, h_mine, q_idx, pos)
+                    if PLAIN:
+                        s = dv[0]
+                    else:
+                        s = transform(dv[0] * sm_scale, r, h_mine, q_idx, pos, slope)
+                    if SIGMOID:
+                        sc[u] = float32(1.0) / (float32(1.0) + math.exp(-(s + sigmoid_bias))) if ok else 0.0
+                    elif PLAIN:
+                        sc[u] = s if ok else NEG_INF
+                    else:
+                        sc[u] = s * float32(LOG2E) if ok else NEG_INF
 
-                # one running-max update per step; rescale the accumulator once
+                # my head's online softmax: one running-max update per step
                 if not SIGMOID:
+                    mx = m_mine
+                    for u in range(U):
+                        mx = max(mx, sc[u])
+                    f = float32(1.0) if mx == NEG_INF else exp2f(m_mine - mx)
+                    m_mine = mx
+                    l_mine *= f
+                    for u in range(U):
+                        p = float32(0.0) if sc[u] == NEG_INF else exp2f(sc[u] - mx)
+                        sc[u] = p
+                        l_mine += p
+                    # every lane rescales every head's accumulator: fetch the factors
                     for g in range(HG):
-                        mx = m[g]
-                        for u in range(U):
-                            mx = max(mx, sc[g * U + u])
-                        f = float32(1.0) if mx == NEG_INF else exp2f(m[g] - mx)
-                        m[g] = mx
-                        l[g] *= f
+                        fg = shfl_idx_f32(f, lane0 + (g << HEAD_SHIFT))
                         for e in range(VEC):
-                            acc[g * VEC + e] *= f
+                            acc[g * VEC + e] *= fg
                 for u in range(U):
                     unpack4(vw[4 * u], vw[4 * u + 1], vw[4 * u + 2], vw[4 * u + 3], xf, 0)
                     for g in range(HG):
-                        s = sc[g * U + u]
-                        if SIGMOID:
-                            p = s
-                        else:
-                            p = float32(0.0) if s == NEG_INF else exp2f(s - m[g])
-                            l[g] += p
+                        p = shfl_idx_f32(sc[u], lane0 + (g << HEAD_SHIFT))
                         for e in range(VEC):
                             acc[g * VEC + e] += p * xf[e]
 
@@ -251,9 +283,9 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
                 for e in range(0, VEC, 4):
                     st_v4(st_acc, o_at + e, acc[g * VEC + e], acc[g * VEC + e + 1],
                           acc[g * VEC + e + 2], acc[g * VEC + e + 3])
-                if x == 0:
-                    st_m[row * HG + g] = m[g]
-                    st_l[row * HG + g] = l[g]
+            if writer:
+                st_m[row * HG + mine] = m_mine
+                st_l[row * HG + mine] = l_mine
             cuda.syncthreads()
             for i in range(tid, HG * D, NT):
                 g = i // D
