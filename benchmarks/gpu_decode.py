@@ -131,7 +131,8 @@ def lens_of(spec, rng):
 
 def check_decode(case, rng, gen, path="auto") -> dict:
     name, code, spec, ps, hkv, g, d, layout, variant, meta_dev = case
-    DEC.DECODE_PATH = path
+    # "warp8": the warp path with a whole group of 8 in one CTA (opt-in, WARP_MAX_HEADS = 8)
+    DEC.DECODE_PATH, DEC.WARP_MAX_HEADS = ("warp", 8) if path == "warp8" else (path, 4)
     lens = lens_of(spec, rng)
     q, cache, indptr, indices, last = make_case(gen, code, lens, ps, hkv, g, d, layout)
     meta = [torch.from_numpy(a).cuda() if meta_dev else a for a in (indptr, indices, last)]
@@ -162,8 +163,9 @@ def check_decode(case, rng, gen, path="auto") -> dict:
                returned_out_buffer=(res[0] if isinstance(res, tuple) else res) is out,
                first_call_s=first, second_call_s=second,
                split_chunk=DEC.choose_chunk(DEC.prepare_decode(q, cache, *meta, kv_layout=layout, **variant)),
-               path=DEC.prepare_decode(q, cache, *meta, kv_layout=layout, **variant).config().path)
-    DEC.DECODE_PATH = "auto"
+               path=path if path == "warp8" else DEC.prepare_decode(q, cache, *meta, kv_layout=layout,
+                                                                    **variant).config().path)
+    DEC.DECODE_PATH, DEC.WARP_MAX_HEADS = "auto", 4
     if not sig:
         lv = f32(lse)
         fin = np.isfinite(rl)
@@ -275,7 +277,7 @@ def copy_bandwidth() -> dict:
     return res
 
 
-def our_runner(p, chunk, path="auto", unroll=0):
+def our_runner(p, chunk, path="auto", unroll=0, heads=4):
     """A closure launching the decode work (+ merge) on torch's current stream,
     with the decode path (and the warp path's unroll) fixed for its lifetime."""
     (cta_indptr, req, ks, ke, slot, m_indptr, m_row, m_slots, n_slots) = DEC.split_work(p.kv_lens, chunk)
@@ -287,26 +289,26 @@ def our_runner(p, chunk, path="auto", unroll=0):
     mmap = MRG.MergeMap(up(m_indptr), up(m_row), up(m_slots))
 
     def run():
-        DEC.DECODE_PATH, DEC.WARP_UNROLL = path, unroll
+        DEC.DECODE_PATH, DEC.WARP_UNROLL, DEC.WARP_MAX_HEADS = path, unroll, heads
         try:
             p.stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
             DEC.run_decode_work(p, work, po, pl)
             if n_slots:
                 MRG.run_merge_partials(po, pl, mmap, p.out_dev, p.lse_dev, code=p.code, stream=p.stream)
         finally:
-            DEC.DECODE_PATH, DEC.WARP_UNROLL = "auto", 0
+            DEC.DECODE_PATH, DEC.WARP_UNROLL, DEC.WARP_MAX_HEADS = "auto", 0, 4
     return run, len(req)
 
 
-def with_path(p, path, unroll, fn):
-    DEC.DECODE_PATH, DEC.WARP_UNROLL = path, unroll
+def with_path(p, path, unroll, fn, heads=4):
+    DEC.DECODE_PATH, DEC.WARP_UNROLL, DEC.WARP_MAX_HEADS = path, unroll, heads
     try:
         return fn(p)
     finally:
-        DEC.DECODE_PATH, DEC.WARP_UNROLL = "auto", 0
+        DEC.DECODE_PATH, DEC.WARP_UNROLL, DEC.WARP_MAX_HEADS = "auto", 0, 4
 
 
-def bench_case(batch, kv_len, hkv, copy_bw, gen, split_modes=("auto",), unrolls=()):
+def bench_case(batch, kv_len, hkv, copy_bw, gen, split_modes=("auto",), unrolls=(), heads=()):
     hq, d, ps = 32, 128, 16
     lens = np.full(batch, kv_len)
     q, cache, indptr, indices, last = make_case_fast(lens, ps, hkv, d)
@@ -315,14 +317,16 @@ def bench_case(batch, kv_len, hkv, copy_bw, gen, split_modes=("auto",), unrolls=
     p = DEC.prepare_decode(q, cache, *meta, return_lse=True)
     recs = []
     # the default path, the shared-memory path, and (optionally) other warp-path unrolls
-    runs = [(m, DEFAULT_PATH, 0) for m in split_modes]
+    # (and heads per CTA on the warp path)
+    runs = [(m, DEFAULT_PATH, 0, 4) for m in split_modes]
     if DEFAULT_PATH != "smem":
-        runs += [(m, "smem", 0) for m in split_modes] + [(split_modes[0], "warp", u) for u in unrolls]
-    for mode, path, unroll in runs:
-        chunk = (with_path(p, path, unroll, DEC.choose_chunk) if mode == "auto"
+        runs += [(m, "smem", 0, 4) for m in split_modes] + [(split_modes[0], "warp", u, 4) for u in unrolls]
+        runs += [(split_modes[0], "warp", 0, h) for h in heads]
+    for mode, path, unroll, hmax in runs:
+        chunk = (with_path(p, path, unroll, DEC.choose_chunk, hmax) if mode == "auto"
                  else (None if mode == "unsplit" else int(mode)))
-        cfg = with_path(p, path, unroll, lambda p: p.config())
-        fn, items = our_runner(p, chunk, path, unroll)
+        cfg = with_path(p, path, unroll, lambda p: p.config(), hmax)
+        fn, items = our_runner(p, chunk, path, unroll, hmax)
         ms, graphed = bench(fn)
         recs.append(dict(mode=mode, path=cfg.path, unroll=cfg.unroll, heads_per_cta=cfg.heads_per_cta,
                          chunk=chunk, items=items, ms=ms, graphed=graphed,
@@ -469,6 +473,7 @@ def main(mode="all"):
     # the default (warp) path on every case, the shared-memory fallback on two
     todo = [(c, "auto") for c in CORRECTNESS]
     todo += [(c, "smem") for c in CORRECTNESS if c[0] in ("b64_f16_p16_g8_d128", "b16_f16_variants")]
+    todo += [(c, "warp8") for c in CORRECTNESS if c[0] in ("b64_f16_p16_g8_d128", "b8_bf16_p1_g8_d128_32k")]
     for case, path in todo:
         if left() < 200:
             corr["records"].append({"case": case[0], "skipped": "time"})
@@ -477,7 +482,7 @@ def main(mode="all"):
             rec = check_decode(case, rng, gen, path)
         except Exception as exc:  # noqa: BLE001
             rec = {"case": case[0], "ok": False, "error": traceback.format_exc()[-1500:]}
-            DEC.DECODE_PATH = "auto"
+            DEC.DECODE_PATH, DEC.WARP_MAX_HEADS = "auto", 4
         corr["records"].append(rec)
         log("correct", rec["case"], "OK" if rec.get("ok") else "FAIL",
             {k: rec.get(k) for k in ("path", "max_abs_err_o", "max_abs_err_lse", "unwritten", "first_call_s",
@@ -540,16 +545,17 @@ def bench_main(rng, gen, dev, versions, corr=None):
                                   "peers": {"second_call_s": first["second_call_s"]}})
     table = []
     # most telling first, in case the time budget runs out
-    cases = [(64, 4096, hkv, ("auto",), ()) for hkv in (8, 4)]
-    cases += [(1, 32768, 8, ("auto", "unsplit"), ()), (1, 32768, 4, ("auto", "unsplit"), ())]
-    cases += [(64, L, hkv, ("auto",), (2, 4) if L == 16384 else ()) for L in (16384, 32768, 1024)
-              for hkv in (8, 4)]
-    for batch, L, hkv, modes, unrolls in cases:
+    # (batch, kv_len, kv heads, split modes, warp unroll sweep, warp heads-per-CTA sweep)
+    cases = [(64, 4096, hkv, ("auto",), (), (8,) if hkv == 4 else ()) for hkv in (8, 4)]
+    cases += [(1, 32768, 8, ("auto", "unsplit"), (), ()), (1, 32768, 4, ("auto", "unsplit"), (), (8,))]
+    cases += [(64, L, hkv, ("auto",), (2, 4) if L == 16384 else (), (8,) if hkv == 4 and L == 16384 else ())
+              for L in (16384, 32768, 1024) for hkv in (8, 4)]
+    for batch, L, hkv, modes, unrolls, heads in cases:
         if left() < 30:
             log("skipping bench", batch, L, hkv, "(time)")
             continue
         try:
-            recs, peers, nbytes = bench_case(batch, L, hkv, copy_bw, gen, modes, unrolls)
+            recs, peers, nbytes = bench_case(batch, L, hkv, copy_bw, gen, modes, unrolls, heads)
         except Exception:  # noqa: BLE001
             log("bench error", batch, L, hkv, traceback.format_exc()[-600:])
             continue
@@ -566,12 +572,15 @@ def bench_main(rng, gen, dev, versions, corr=None):
                 pe["nbattn_smem"] = smem.get(r["mode"])
             # the library's default path keeps the plain metric names (plots and notebooks
             # select them by case); the comparison runs get their own
-            alt = "" if (r["path"], r["unroll"]) == (recs[0]["path"], recs[0]["unroll"]) else "_path_sweep"
+            default = (r["path"], r["unroll"], r["heads_per_cta"]) == (recs[0]["path"], recs[0]["unroll"],
+                                                                     recs[0]["heads_per_cta"])
+            alt = "" if default else "_path_sweep"
             result["records"].append({"case": case, "metric": "bw_fraction" + alt, "value": r["bw"],
                                       "unit": "fraction of copy bandwidth", "peers": pe})
             result["records"].append({"case": case, "metric": "latency_us" + alt, "value": r["ms"] * 1e3,
                                       "unit": "us", "peers": {}})
-            table.append((batch, L, hkv, f"{r['mode']}/{r['path']}{r['unroll'] if r['path'] == 'warp' else ''}",
+            tag = f"u{r['unroll']}h{r['heads_per_cta']}" if r["path"] == "warp" else ""
+            table.append((batch, L, hkv, f"{r['mode']}/{r['path']}{tag}",
                           r["chunk"], r["ms"] * 1e3, r["bw"], peers))
             log(f"bench b={batch} L={L} hkv={hkv} {r['mode']}/{r['path']} u{r['unroll']} (chunk {r['chunk']}): "
                 f"{r['ms']*1e3:.1f} us bw {r['bw']:.3f} err {r.get('check_max_abs_err')} peers "

@@ -68,7 +68,10 @@ MAX_HEAD_DIM = 256
 NEG_INF = float32(-math.inf)
 SMEM_BUDGET = 46 * 1024   # static shared memory stays under the 48 KB default
 DECODE_PATH = os.environ.get("NBATTN_DECODE_PATH", "auto")   # auto | warp | smem
-WARP_MAX_HEADS = 4        # heads per CTA on the warp path (q + acc registers)
+# heads per CTA on the warp path (q + acc registers).  4 is measured (H200: group 4 at
+# 0.88 of copy bandwidth; group 8 as two CTAs per KV head at 0.50).  8 (one CTA per
+# KV head for group 8: 168 registers, 3 CTAs/SM, unroll 2) is not measured yet.
+WARP_MAX_HEADS = 4
 WARP_WARPS = 1 if SIMULATOR else 4   # warps per CTA on the warp path
 WARP_UNROLL = 0           # tokens per row per step on the warp path (0: by heads per CTA)
 
@@ -94,6 +97,7 @@ class DecodeConfig:
     aligned: bool       # 16-byte aligned q / cache: vector global loads
     path: str = "smem"  # "smem" | "warp" (see module doc)
     unroll: int = 1     # warp path: tokens per row per step
+    min_blocks: int = 4  # warp path: CTAs per SM the launch bounds ask for (caps registers)
 
     @property
     def words_per_row(self) -> int:
@@ -125,12 +129,14 @@ def make_config(code: str, head_dim: int, group: int, kv_layout: str, variant: V
     if _use_warp(code, head_dim, aligned):
         hg = WARP.warp_heads_per_cta(group, WARP_MAX_HEADS, WARP.warp_geometry(code, head_dim, 1, 1, 1)[0])
         nw = WARP_WARPS
-        # tokens in flight per row: as many as 128 registers hold without spills
-        # (ptxas, sm_90: HG = 4 fits 3, fewer heads fit 4)
-        unroll = 2 if SIMULATOR else (WARP_UNROLL or (3 if hg >= 3 else 4))
+        # tokens in flight per row: as many as the register cap holds without spills
+        # (ptxas, sm_90, 128 registers: HG = 4 fits 3, fewer heads fit 4; HG = 8 needs
+        # 168 registers, i.e. 3 CTAs per SM, and fits 2)
+        min_blocks = 3 if hg > 4 else 4
+        unroll = 2 if SIMULATOR else (WARP_UNROLL or (2 if hg > 4 else 3 if hg >= 3 else 4))
         _, _, _, step = WARP.warp_geometry(code, head_dim, hg, nw, unroll)
         return DecodeConfig(code, head_dim, hg, kv_layout, kernel_variant_key(variant), 32 * nw, step,
-                            aligned, "warp", unroll)
+                            aligned, "warp", unroll, min_blocks)
     hg = heads_per_cta(group)
     w = head_dim // ELEMS_PER_WORD[code]
     nx = w // 4
@@ -164,7 +170,7 @@ def decode_kernel(cfg: DecodeConfig):
     k = _kernels.get(cfg)
     if k is None:
         if cfg.path == "warp":
-            k = WARP.build_warp_kernel(cfg, cfg.nthreads // 32, cfg.unroll)
+            k = WARP.build_warp_kernel(cfg, cfg.nthreads // 32, cfg.unroll, cfg.min_blocks)
         else:
             k = _build(cfg)
         _kernels[cfg] = k
