@@ -222,8 +222,11 @@ def test_work_list_queue_and_merge_order():
 
 def test_builtin_heuristic_splits_long_requests():
     rng = np.random.default_rng(15)
-    # long enough for the heuristic's floor of 8 CTA steps on either path (GPU warp path: 16 tokens a step)
-    b = batch(rng, "f32", kv_lens=[300], page_size=16, num_kv_heads=1, group=1)
+    # long enough for the heuristic's floor of 8 CTA steps, whichever path (and step) this device uses
+    probe = batch(rng, "f32", kv_lens=[16], page_size=16, num_kv_heads=1, group=1)
+    step = DEC.prepare_decode(probe["q"], probe["cache"], probe["indptr"], probe["indices"],
+                              probe["last"]).config().tile_tokens
+    b = batch(rng, "f32", kv_lens=[20 * step + 3], page_size=16, num_kv_heads=1, group=1)
     p = DEC.prepare_decode(b["q"], b["cache"], b["indptr"], b["indices"], b["last"])
     assert DEC.choose_chunk(p) is not None                     # one request cannot fill the GPU
     o, lse = run(b, return_lse=True)

@@ -24,6 +24,12 @@ HQ, HK, D, PAGE = 4, 2, 16, 4
 WS = 1 << 20
 
 
+def workspace(nbytes: int):
+    """A device workspace: what FlashInfer users pass (a host array is refused on a GPU)."""
+    from numba import cuda
+    return cuda.device_array(nbytes, np.uint8)
+
+
 def decode_batch(rng, kv_lens, layout="NHD", dtype=np.float16):
     b = random_paged_batch(rng, qo_lens=[1] * len(kv_lens), kv_lens=kv_lens, page_size=PAGE,
                            num_kv_heads=HK, group=HQ // HK, head_dim=D, kv_layout=layout,
@@ -58,7 +64,7 @@ def ref_prefill(b, causal):
 
 
 def decode_wrapper(b, layout="NHD", **kw):
-    w = BatchDecodeWithPagedKVCacheWrapper(np.zeros(WS, np.uint8), layout, num_ctas=C)
+    w = BatchDecodeWithPagedKVCacheWrapper(workspace(WS), layout, num_ctas=C)
     w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, **kw)
     return w
 
@@ -116,7 +122,7 @@ def test_decode_bitwise_repeatable_and_out_in_place():
 def test_workspace_too_small_names_the_rule_before_any_launch():
     rng = np.random.default_rng(4)
     b = decode_batch(rng, [20, 3])
-    w = BatchDecodeWithPagedKVCacheWrapper(np.zeros(4096, np.uint8), num_ctas=C, max_batch_size=4,
+    w = BatchDecodeWithPagedKVCacheWrapper(workspace(4096), num_ctas=C, max_batch_size=4,
                                            max_num_pages=16, max_work_items=16)
     with pytest.raises(ValueError, match=r"2\*C\*T_q\*H_qo\*\(head_dim\+1\)"):
         w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE)
@@ -124,11 +130,11 @@ def test_workspace_too_small_names_the_rule_before_any_launch():
     with pytest.raises(RuntimeError, match="before plan"):
         w.run(b["q"], b["cache"])
     # capacities are checked too, naming the constructor argument to grow
-    w = BatchDecodeWithPagedKVCacheWrapper(np.zeros(WS, np.uint8), num_ctas=C, max_batch_size=1)
+    w = BatchDecodeWithPagedKVCacheWrapper(workspace(WS), num_ctas=C, max_batch_size=1)
     with pytest.raises(ValueError, match="max_batch_size"):
         w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE)
     with pytest.raises(ValueError, match="plan region"):
-        BatchDecodeWithPagedKVCacheWrapper(np.zeros(64, np.uint8), num_ctas=C)
+        BatchDecodeWithPagedKVCacheWrapper(workspace(64), num_ctas=C)
 
 
 def test_run_checks_q_against_plan():
@@ -149,7 +155,7 @@ def test_run_checks_q_against_plan():
 def test_prefill_matches_golden(causal):
     rng = np.random.default_rng(10)
     b = prefill_batch(rng, [3, 1, 5, 0, 2], [40, 3, 17, 0, 25])
-    w = BatchPrefillWithPagedKVCacheWrapper(np.zeros(WS, np.uint8), num_ctas=C)
+    w = BatchPrefillWithPagedKVCacheWrapper(workspace(WS), num_ctas=C)
     w.plan(b["qo_indptr"], b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, causal=causal)
     assert w.last_plan.num_merges >= 1
     close(w.run(b["q"], b["cache"], return_lse=True), ref_prefill(b, causal))
@@ -159,7 +165,7 @@ def test_prefill_cuda_graph_mode_pads_and_clears_stale_rows():
     """use_cuda_graph pads the grid with no-op rows; a smaller re-plan must
     not leave the previous plan's rows behind in the workspace."""
     rng = np.random.default_rng(11)
-    w = BatchPrefillWithPagedKVCacheWrapper(np.zeros(WS, np.uint8), use_cuda_graph=True,
+    w = BatchPrefillWithPagedKVCacheWrapper(workspace(WS), use_cuda_graph=True,
                                             num_ctas=C, max_work_items=8)
     b = prefill_batch(rng, [2, 4, 1], [30, 6, 9])
     w.plan(b["qo_indptr"], b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, causal=True)

@@ -247,13 +247,14 @@ class _PlanRunWrapper:
 
     def _copy(self, name: str, host: np.ndarray, stream, *, clear_stale: bool = False) -> None:
         """Copy ``host`` (int32) to the front of array ``name``.  With
-        ``clear_stale``, entries the previous plan wrote beyond it are zeroed,
-        so a padded fixed grid sees no-op rows there."""
+        ``clear_stale``, the rest of the array's capacity is zeroed, so a padded
+        fixed grid sees no-op rows there: the workspace may arrive uninitialized
+        (``torch.empty``) and a previous plan may have been longer."""
         host = np.ascontiguousarray(host, dtype=np.int32).reshape(-1)
         n = host.size
-        old = self._used.get(name, 0)
-        if clear_stale and old > n:
-            host = np.concatenate([host, np.zeros(old - n, np.int32)])
+        if clear_stale:
+            cap = int(self._view(name).size)
+            host = np.concatenate([host, np.zeros(cap - n, np.int32)])
         if host.size:
             self._view(name)[:host.size].copy_to_device(host, stream=stream)
         self._used[name] = n
