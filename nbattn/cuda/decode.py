@@ -53,7 +53,7 @@ import numpy as np
 from numba import cuda, float32, int64
 
 from .. import layout as L
-from ..variants import VARIANT_FIELDS, Variant, alibi_slopes, make_variant
+from ..variants import Variant, alibi_slopes, variant_from_kwargs
 from . import _arrays as A
 from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f,
                          ld_v4, load_v4, st_v4)
@@ -407,16 +407,6 @@ class DecodeProblem:
                            self.aligned)
 
 
-def _variant_of(kw: dict) -> Variant:
-    v = kw.pop("variant", None)
-    unknown = set(kw) - set(VARIANT_FIELDS)
-    if unknown:
-        raise TypeError(f"unknown keyword argument(s): {sorted(unknown)}")
-    if v is not None:
-        return v.with_(**kw) if kw else v
-    return make_variant(**kw)
-
-
 def _check_head_dim(head_dim: int) -> None:
     if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
         raise L.LayoutError(f"paged_kv_cache: head_dim must be a multiple of 8 in 8..{MAX_HEAD_DIM} "
@@ -447,7 +437,7 @@ def prepare_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_k
                    *, kv_layout="NHD", return_lse=False, out=None, lse=None, **variant) -> DecodeProblem:
     """Validate every argument (nothing is launched or modified on error) and
     bring the arrays to the device."""
-    var = _variant_of(dict(variant))
+    var = variant_from_kwargs(dict(variant))
     if return_lse and var.use_sigmoid:
         raise ValueError("return_lse: sigmoid attention has no log-sum-exp (its partial outputs add)")
     L.check_kv_layout(kv_layout)
