@@ -52,7 +52,6 @@ with torch tensors the kernels launch on torch's current stream unless a
 (:func:`nbattn.cuda.variants.variant_device_fns`).
 """
 from __future__ import annotations
-from __future__ import annotations
 
 import math
 from dataclasses import dataclass
@@ -61,8 +60,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import layout as L
-from ..variants import variant_from_kwargs as parse_variant
-from ..variants import Variant, alibi_slopes
+from ..variants import Variant, alibi_slopes, variant_from_kwargs
 
 from numba import cuda, float32, int32  # noqa: E402  (after the shim)
 
@@ -152,10 +150,11 @@ class KernelSpec:
 
 
 
-def _kv_reader(mode: str, kv_layout: str, load: Callable) -> Callable:
-    """Device function ``(src, which, page, slot, head, d) -> float32`` for one
-    K (which=0) or V (which=1) element; ``src`` is the paged cache, or k / v
-    (``load`` is :func:`element_io`'s ``load_elem``)."""
+def kv_reader(mode: str, kv_layout: str, load: Callable) -> Callable:
+    """Device function ``(src, which, page, slot, head, d)`` reading K (which=0)
+    or V (which=1) at element d of a row; ``src`` is the paged cache, or k / v.
+    ``load(array, index)`` decides what comes back: one float (``element_io``'s
+    ``load_elem``, CUDA-core path) or 4 x uint32 (``mma.load_u32x4``, tensor cores)."""
     if mode == "paged":
         if kv_layout == "NHD":
             @cuda.jit(device=True, inline=True)
@@ -212,7 +211,7 @@ def core_kernel(spec: KernelSpec):
     scale = float32(var.scale(D))
     load, _, _ = element_io(spec.kind)
     _, store, _ = element_io(spec.out_kind)
-    kv = _kv_reader(spec.mode, spec.kv_layout, load)
+    kv = kv_reader(spec.mode, spec.kv_layout, load)
     locate = key_locator(spec.mode)
     transform, keep = variant_device_fns(var)
     bias = float32(var.sigmoid_bias)
@@ -551,7 +550,7 @@ def batch_prefill_paged(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_
     """Batch prefill/append over a paged KV cache (golden:
     :func:`nbattn.reference.batch_prefill_paged`).  ``tensor_cores`` forces a
     path (default: tensor cores on a GPU for fp16/bf16)."""
-    var = parse_variant(variant)
+    var = variant_from_kwargs(variant)
     _check_lse(var, return_lse)
     L.check_same_device(q=q, paged_kv_cache=paged_kv_cache)
     kind = _check_kind_match(q=q, paged_kv_cache=paged_kv_cache)
@@ -590,7 +589,7 @@ def batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, *, kv_layout: str = "NHD
                          return_lse: bool = False, out=None, lse=None,
                          tensor_cores: bool | None = None, stream=0, **variant):
     """Ragged Q over ragged contiguous KV (golden: :func:`nbattn.reference.batch_prefill_ragged`)."""
-    var = parse_variant(variant)
+    var = variant_from_kwargs(variant)
     _check_lse(var, return_lse)
     L.check_same_device(q=q, k=k, v=v)
     kind = _check_kind_match(q=q, k=k, v=v)
@@ -621,7 +620,7 @@ def single_prefill(q, k, v, *, kv_layout: str = "NHD", return_lse: bool = False,
     if len(q.shape) != 3:
         L.check_q(q, int(k.shape[-1]))
     nq = int(q.shape[0])
-    var = parse_variant(dict(variant))
+    var = variant_from_kwargs(dict(variant))
     if var.causal:
         L.check_causal_lengths(np.array([nq]), np.array([n_kv]), name="q")
     return batch_prefill_ragged(q, k, v, np.array([0, nq], np.int32), np.array([0, n_kv], np.int32),

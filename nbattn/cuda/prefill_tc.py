@@ -16,7 +16,6 @@ the variant (:func:`nbattn.cuda.variants.variant_device_fns`).
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 from numba import cuda, float32, int32, uint32
 
@@ -37,30 +36,6 @@ def tensor_core_tiles(head_dim: int) -> tuple[int, int, int]:
     if head_dim <= 128:
         return 64, 32, 128
     return 32, 16, 64
-
-
-def _kv_vector_reader(mode: str, kv_layout: str) -> Callable:
-    """Device function ``(src, which, page, slot, h, d) -> 4 x uint32``: eight
-    2-byte elements of one K or V row from element d on (one 16-byte load)."""
-    load = _mma.load_u32x4
-    if mode == "paged":
-        if kv_layout == "NHD":
-            @cuda.jit(device=True, inline=True)
-            def vec(src, which, page, slot, h, d):
-                return load(src, (page, which, slot, h, d))
-        else:
-            @cuda.jit(device=True, inline=True)
-            def vec(src, which, page, slot, h, d):
-                return load(src, (page, which, h, slot, d))
-    elif kv_layout == "NHD":
-        @cuda.jit(device=True, inline=True)
-        def vec(src, which, page, slot, h, d):
-            return load(src, (slot, h, d))
-    else:
-        @cuda.jit(device=True, inline=True)
-        def vec(src, which, page, slot, h, d):
-            return load(src, (h, slot, d))
-    return vec
 
 
 def _fragment_functions(head_dim: int, mma, q_in_registers: bool) -> dict:
@@ -146,7 +121,7 @@ def tensor_core_kernel(spec: P.KernelSpec):
     scale_log2 = float32(var.scale(D) * LOG2E)
     log2e = float32(LOG2E)
     _, store, _ = element_io(spec.out_kind)
-    vec = _kv_vector_reader(spec.mode, spec.kv_layout)
+    vec = P.kv_reader(spec.mode, spec.kv_layout, _mma.load_u32x4)  # 16 B: eight 2-byte elements from d on
     locate = P.key_locator(spec.mode)
     transform, keep = variant_device_fns(var)
     bias = float32(var.sigmoid_bias)

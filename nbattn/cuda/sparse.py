@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import layout as L
+from ..variants import variant_from_kwargs
 from . import prefill as P
 
 __all__ = ["block_sparse"]
@@ -23,7 +24,7 @@ __all__ = ["block_sparse"]
 def block_sparse(q, k, v, bsr: L.BSR, *, kv_layout: str = "NHD", return_lse: bool = False,
                  out=None, lse=None, tensor_cores: bool | None = None, stream=0, **variant):
     """``q [M, Hq, D]``, ``k, v [N, Hkv, D]`` (NHD), ``bsr`` of shape (M, N)."""
-    var = P.parse_variant(variant)
+    var = variant_from_kwargs(variant)
     P._check_lse(var, return_lse)
     if not isinstance(bsr, L.BSR):
         raise L.LayoutError(f"bsr: must be an nbattn.layout.BSR, got {type(bsr).__name__}")
