@@ -322,6 +322,22 @@ def decode_bandwidth_figure(results_root=None):
 # Split-KV speedup vs batch
 # --------------------------------------------------------------------------
 
+def _split_speedups_from_bw(suite) -> dict:
+    """Split-KV speedups from ``bw_fraction`` records measured both ways in one
+    run: same bytes, so the speedup is the ratio of the two fractions."""
+    unsplit, split = {}, {}
+    for r in suite.select("bw_fraction"):
+        key = (_kv_len(r.case), r.case.get("group"), _batch(r.case))
+        if None in key[:1] or "split" not in r.case:
+            continue
+        (unsplit if r.case["split"] == "unsplit" else split)[key] = r.value
+    out = defaultdict(list)
+    for key, v in unsplit.items():
+        if key in split and v > 0:
+            out[key[:2]].append((key[2], split[key] / v))
+    return out
+
+
 def split_kv_figure(results_root=None):
     """Split-KV speedup over a non-split kernel vs batch size: measured or modelled."""
     suite = None if results_root is None else load_suite("decode", results_root)
@@ -330,7 +346,9 @@ def split_kv_figure(results_root=None):
         for r in suite.select("split_speedup"):
             kv = _kv_len(r.case)
             if kv is not None:
-                measured[kv].append((_batch(r.case), r.value))
+                measured[(kv, r.case.get("group"))].append((_batch(r.case), r.value))
+        if not measured:
+            measured = _split_speedups_from_bw(suite)
     spec = (_gpus.match_gpu(suite.gpu) if suite else None) or _gpus.H200
     batch = np.unique(np.geomspace(1, 256, 40).round())
     lo, hi = PAPER["flashdecoding_range"]
@@ -346,11 +364,12 @@ def split_kv_figure(results_root=None):
                     color=colour, ls=ls, lw=1.2,
                     label=f"model, KV {kv}, {'MHA' if h_kv == 32 else f'GQA {32 // h_kv}:1'}",
                     gid=f"model:kv{kv}:hkv{h_kv}")
-        for i, (kv, pts) in enumerate(sorted(measured.items())):
+        for i, ((kv, group), pts) in enumerate(sorted(measured.items(), key=lambda kv_g: str(kv_g[0]))):
             pts.sort()
+            tag = "" if group is None else f", group {group}"
             ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o",
                     color=["#2a9d3a", "#8e44ad", "#e07b00", "#16a085"][i % 4],
-                    label=f"ours, KV {kv}", gid=f"measured:kv{kv}")
+                    label=f"ours, KV {kv}{tag}", gid=f"measured:kv{kv}" + (f":g{group}" if tag else ""))
         ax.axhline(1.0, color="black", lw=0.8)
         if not measured:
             style.note_no_measured(ax, "model only; measured comes from\n"
