@@ -172,12 +172,18 @@ def cmd_bench(args) -> int:
         print("nbattn bench: no CUDA GPU here (the CUDA simulator cannot be timed); "
               "run it on a GPU machine, or use `nbattn bench --cpu`", file=sys.stderr)
         return 2
+    import os
+
     from tqdm import tqdm
     suites = [REPO / "benchmarks" / s for s in GPU_SUITES if (REPO / "benchmarks" / s).exists()]
-    failed = 0
+    # Each suite script writes <suite>.json into $OUT, the folder figures read.
+    env = dict(os.environ, OUT=str(args.results), PYTHONPATH=str(REPO))
+    failed = []
     for script in tqdm(suites, desc="GPU suites", unit="suite"):
-        rc = subprocess.call([sys.executable, str(script), "--out", str(args.results)], cwd=REPO)
-        failed += rc != 0
+        if subprocess.call([sys.executable, str(script)], cwd=REPO, env=env) != 0:
+            failed.append(script.name)
+    if failed:
+        print(f"nbattn bench: failed suites: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
 
 
