@@ -46,6 +46,42 @@ from nbattn.cuda import decode as DEC
 from nbattn.cuda import merge as MRG
 
 OUT = os.environ.get("OUT", "/tmp/nbattn_out")
+
+
+# Fields of a correctness entry that are measurements; the rest describe the case.
+_CHECK_FIELDS = ("ok", "ok_o", "ok_lse", "unwritten", "max_abs_err_o", "max_abs_err_lse", "lse_inf_match",
+                 "first_call_s", "second_call_s", "returned_out_buffer", "error", "skipped")
+
+
+def corr_as_suite(corr: dict) -> dict:
+    """The correctness report in the result-file format of GPU.md: one record per
+    case, metric ``ok`` (1.0 or 0.0), the error figures beside it as extra fields."""
+    out = {k: v for k, v in corr.items() if k != "records"}
+    out.setdefault("copy_bandwidth_GBps", None)
+    recs = []
+    for r in corr.get("records", []):
+        if "metric" in r:          # already converted (bench mode re-reads the file)
+            recs.append(r)
+            continue
+        case = {k: (json.dumps(v) if isinstance(v, (dict, list)) else v)
+                for k, v in r.items() if k not in _CHECK_FIELDS}
+        if isinstance(case.get("case"), str):
+            case["name"] = case.pop("case")
+        extra = {k: r[k] for k in _CHECK_FIELDS if k in r and k != "ok"}
+        recs.append(dict({"case": case, "metric": "ok", "value": 1.0 if r.get("ok") else 0.0,
+                          "unit": "bool", "peers": {}}, **extra))
+    out["records"] = recs
+    return out
+
+
+def _case_name(r: dict):
+    return r["case"].get("name") if isinstance(r.get("case"), dict) else r.get("case")
+
+
+def _is_ok(r: dict) -> bool:
+    return bool(r["value"]) if r.get("metric") == "ok" else bool(r.get("ok"))
+
+
 T0 = time.time()
 BUDGET_S = float(os.environ.get("NBATTN_BUDGET_S", "390"))
 QUICK = os.environ.get("NBATTN_QUICK") == "1"
@@ -466,7 +502,7 @@ def main(mode="all"):
 
     def dump_corr():
         with open(os.path.join(OUT, "decode_correctness.json"), "w") as f:
-            json.dump(corr, f, indent=1, default=str)
+            json.dump(corr_as_suite(corr), f, indent=1, default=str)
 
     if mode == "bench":
         return bench_main(rng, gen, dev, versions)
@@ -498,7 +534,7 @@ def main(mode="all"):
         log("merge error", traceback.format_exc()[-800:])
     dump_corr()
     if mode == "correct":
-        print("correctness:", sum(1 for r in corr["records"] if r.get("ok")), "ok of", len(corr["records"]))
+        print("correctness:", sum(1 for r in corr["records"] if _is_ok(r)), "ok of", len(corr["records"]))
         return
     bench_main(rng, gen, dev, versions, corr)
 
@@ -514,7 +550,7 @@ def bench_main(rng, gen, dev, versions, corr=None):
 
     def dump_corr():
         with open(os.path.join(OUT, "decode_correctness.json"), "w") as f:
-            json.dump(corr, f, indent=1, default=str)
+            json.dump(corr_as_suite(corr), f, indent=1, default=str)
 
     # -------- benchmark --------
     result = {"suite": "decode", "gpu": dev, "date": datetime.date.today().isoformat(),
@@ -538,7 +574,7 @@ def bench_main(rng, gen, dev, versions, corr=None):
         FLEX = torch.compile(flex_attention, dynamic=False)
     except Exception as exc:  # noqa: BLE001
         log("flex unavailable", repr(exc)[:100])
-    first = next((r for r in corr["records"] if r.get("case") == "b256_f16_p16_g4_d128"), {})
+    first = next((r for r in corr["records"] if _case_name(r) == "b256_f16_p16_g4_d128"), {})
     if "first_call_s" in first:
         result["records"].append({"case": {"dtype": "f16", "head_dim": 128, "group": 4, "page_size": 16},
                                   "metric": "first_call_s", "value": first["first_call_s"], "unit": "s",
@@ -608,7 +644,7 @@ def bench_main(rng, gen, dev, versions, corr=None):
         fmt = lambda v: f"{v:6.3f}" if v else "    NA"  # noqa: E731
         print(f"{b:6d} {L:5d} {h:3d} {m:16s} {str(c):>6s} {us:8.1f} {bw:5.3f} {fmt(pe.get('sdpa_flash'))} "
               f"{fmt(pe.get('sdpa_cudnn'))} {fmt(pe.get('flex'))}")
-    print("correctness:", sum(1 for r in corr["records"] if r.get("ok")), "ok of", len(corr["records"]))
+    print("correctness:", sum(1 for r in corr["records"] if _is_ok(r)), "ok of", len(corr["records"]))
 
 
 if __name__ == "__main__":
