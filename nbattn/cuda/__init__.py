@@ -34,3 +34,9 @@ __all__ += ["batch_prefill_paged", "batch_prefill_ragged", "single_prefill", "bl
 from .wrappers import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper  # noqa: E402
 
 __all__ += ["BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper"]
+
+# Appending tokens into pages (FlashInfer's append_paged_kv_cache) and one-query decode.
+from .page import append_paged_kv_cache  # noqa: E402
+from .decode import single_decode  # noqa: E402
+
+__all__ += ["append_paged_kv_cache", "single_decode"]

@@ -61,7 +61,7 @@ from ._driver import jit_kernel, sm_count
 from . import decode_warp as WARP
 from .variants import LOG2E, kernel_variant_key, variant_device_fns
 
-__all__ = ["batch_decode_paged", "DecodeProblem", "WorkList", "prepare_decode", "run_decode_work",
+__all__ = ["batch_decode_paged", "single_decode", "DecodeProblem", "WorkList", "prepare_decode", "run_decode_work",
            "split_work", "decode_kernel", "DecodeConfig", "MAX_HEAD_DIM"]
 
 MAX_HEAD_DIM = 256
@@ -635,3 +635,24 @@ def batch_decode_paged(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, pag
                        kv_layout=kv_layout, return_lse=return_lse, out=out, lse=lse, **variant)
     run_split(p, choose_chunk(p))
     return finish_decode(p, return_lse, out, lse)
+
+
+def single_decode(q, k, v, *, kv_layout: str = "NHD", return_lse: bool = False, out=None, lse=None,
+                  **variant):
+    """One query token over contiguous KV (golden: :func:`nbattn.reference.single_decode`):
+    ``q [num_qo_heads, head_dim]``, ``k, v [kv_len, num_kv_heads, head_dim]`` (NHD).
+
+    A one-row prefill over the contiguous keys, so no page table is built and
+    no KV is copied; returns ``o [num_qo_heads, head_dim]`` (and ``lse``).
+    """
+    from .prefill import single_prefill
+
+    if len(q.shape) != 2:
+        raise L.LayoutError(f"q: must have shape [num_qo_heads, head_dim], got {tuple(q.shape)}")
+    row = lambda x: None if x is None else x.reshape((1,) + tuple(x.shape))  # noqa: E731
+    res = single_prefill(row(q), k, v, kv_layout=kv_layout, return_lse=return_lse, out=row(out),
+                         lse=row(lse), **variant)
+    if return_lse:
+        o, s = res
+        return o.reshape(tuple(o.shape[1:])), s.reshape(tuple(s.shape[1:]))
+    return res.reshape(tuple(res.shape[1:]))

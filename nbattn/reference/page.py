@@ -24,17 +24,9 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     if not isinstance(paged_kv_cache, np.ndarray):
         raise L.LayoutError("paged_kv_cache: the golden model writes into a NumPy array; "
                             f"got {type(paged_kv_cache).__name__}")
-    pkv, dims = L.PagedKV.from_cache(paged_kv_cache, paged_kv_indptr, paged_kv_indices,
-                                     paged_kv_last_page_len, kv_layout)
+    page, slot = L.check_append(append_key, append_value, batch_indices, positions, paged_kv_cache,
+                                paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, kv_layout)
     k, v = L.to_numpy(append_key), L.to_numpy(append_value)
-    want = (dims.num_kv_heads, dims.head_dim)
-    if k.ndim != 3 or k.shape[1:] != want:
-        raise L.LayoutError(f"append_key: must be [nnz, {want[0]}, {want[1]}], got {k.shape}")
-    if v.shape != k.shape:
-        raise L.LayoutError(f"append_value: must match append_key's shape {k.shape}, got {v.shape}")
-    if len(L.as_int32("batch_indices", batch_indices)) != k.shape[0]:
-        raise L.LayoutError(f"batch_indices: must have one entry per appended token ({k.shape[0]})")
-    page, slot = L.append_slots(batch_indices, positions, pkv)
     if kv_layout == "NHD":
         paged_kv_cache[page, 0, slot] = k
         paged_kv_cache[page, 1, slot] = v
