@@ -200,14 +200,46 @@ def key_locator(mode: str) -> Callable:
 # The CUDA-core kernel
 # ---------------------------------------------------------------------------
 
+def tile_key_range(var: Variant, positional: bool):
+    """Device function ``(s_diag, s_qpos, n_rows, kv_begin, kv_end) -> (lo, hi, sink_end)``:
+    the keys ``[lo, hi)`` a query tile can see, so tiles wholly above the causal
+    diagonal or left of the window are skipped, not masked (issue 4); plus the
+    end of the always-visible sink keys.  Causal ends at the last row's
+    diagonal, a window starts at the first row's; ``positional`` is False for
+    block-sparse views, whose key positions do not grow with t.  Both prefill
+    paths (CUDA cores, tensor cores) use it."""
+    causal, window, sinks = var.causal, int(var.window_left), int(var.sink_size)
+
+    @cuda.jit(device=True, inline=True)
+    def key_range(s_diag, s_qpos, n_rows, kv_begin, kv_end):
+        lo = kv_begin
+        hi = kv_end
+        sink_end = 0
+        if positional and (causal or window >= 0):
+            d_min = s_diag[0]
+            d_max = s_diag[0]
+            for r in range(1, n_rows):
+                d_min = min(d_min, s_diag[r])
+                d_max = max(d_max, s_diag[r])
+            if causal:
+                hi = min(hi, d_max + 1)
+            if window >= 0:
+                lo = max(lo, d_min - window)
+                # sinks: keys with kv_idx < sink_size, i.e. t < sink_size - kvoff of some row
+                for r in range(n_rows if sinks > 0 else 0):
+                    sink_end = max(sink_end, sinks - (s_qpos[r] - s_diag[r]))
+        return lo, hi, sink_end
+    return key_range
+
+
 def core_kernel(spec: KernelSpec):
     """Scalar path: threads stride over the (row, key) and (row, dim) grids of
     a tile in shared memory.  Launch: grid (n_work, num_kv_heads), ``threads``."""
     D, T_q, T_k, NT, group = spec.head_dim, spec.tile_q, spec.tile_k, spec.threads, spec.group
     var = spec.variant
     sigmoid = var.use_sigmoid
-    causal, window, sinks = var.causal, int(var.window_left), int(var.sink_size)
     positional = spec.mode != "bsr"       # key positions grow with t: tile ranges can be cut
+    key_range = tile_key_range(var, positional)
     scale = float32(var.scale(D))
     load, _, _ = element_io(spec.kind)
     _, store, _ = element_io(spec.out_kind)
@@ -268,23 +300,7 @@ def core_kernel(spec: KernelSpec):
         # Key range this tile can see: causal ends at the last row's diagonal,
         # a window starts at the first row's.
         if tid == 0:
-            lo = kv_begin
-            hi = kv_end
-            if positional and (causal or window >= 0):
-                d_min = s_diag[0]
-                d_max = s_diag[0]
-                for r in range(1, n_rows):
-                    d_min = min(d_min, s_diag[r])
-                    d_max = max(d_max, s_diag[r])
-                if causal:
-                    hi = min(hi, d_max + 1)
-                if window >= 0:
-                    lo = max(lo, d_min - window)
-            # sinks: keys with kv_idx < sink_size, i.e. t < sink_size - kvoff of some row
-            sink_end = 0
-            if positional and window >= 0 and sinks > 0:
-                for r in range(n_rows):
-                    sink_end = max(sink_end, sinks - (s_qpos[r] - s_diag[r]))
+            lo, hi, sink_end = key_range(s_diag, s_qpos, n_rows, kv_begin, kv_end)
             s_range[0] = lo
             s_range[1] = hi
             s_range[2] = sink_end

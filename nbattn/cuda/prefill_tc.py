@@ -114,6 +114,7 @@ def tensor_core_kernel(spec: P.KernelSpec):
     sigmoid = var.use_sigmoid
     causal, window, sinks = var.causal, int(var.window_left), int(var.sink_size)
     positional = spec.mode != "bsr"
+    key_range = P.tile_key_range(var, positional)
     # Only causal (or nothing) to apply: interior 16-key steps need no per-element work.
     plain = not (window >= 0 or sinks or var.has_alibi or var.has_soft_cap or var.score_mod is not None
                  or var.mask_mod is not None or sigmoid)
@@ -207,22 +208,7 @@ def tensor_core_kernel(spec: P.KernelSpec):
                 s_req[r] = 0
         cuda.syncthreads()
         if tid == 0:
-            lo = kv_begin
-            hi = kv_end
-            sink_end = 0
-            if positional and (causal or window >= 0):
-                d_min = s_diag[0]
-                d_max = s_diag[0]
-                for r in range(1, n_rows):
-                    d_min = min(d_min, s_diag[r])
-                    d_max = max(d_max, s_diag[r])
-                if causal:
-                    hi = min(hi, d_max + 1)
-                if window >= 0:
-                    lo = max(lo, d_min - window)
-                    if sinks > 0:
-                        for r in range(n_rows):
-                            sink_end = max(sink_end, sinks - (s_qpos[r] - s_diag[r]))
+            lo, hi, sink_end = key_range(s_diag, s_qpos, n_rows, kv_begin, kv_end)
             s_range[0] = lo
             s_range[1] = hi
             s_range[2] = sink_end
