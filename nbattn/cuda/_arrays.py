@@ -244,3 +244,14 @@ def finish_into(kind: str, given: Any, user_obj: Any, dev, code: str, stream=0):
         copy_into_host(given, dev.copy_to_host(stream=stream).view(NP_DTYPE[code]))
         return given
     return finish(kind, user_obj, dev, code, stream)
+
+
+def finish_results(kind: str, code: str, stream, out: Any, out_user: Any, out_dev, lse: Any,
+                   lse_user: Any, lse_dev, return_lse: bool):
+    """``o`` (and ``lse`` with ``return_lse``) of a call that made its results with
+    :func:`output_for`; a host ``lse=`` buffer is filled even when not returned."""
+    o_res = finish_into(kind, out, out_user, out_dev, code, stream)
+    if not (return_lse or lse is not None):
+        return o_res
+    l_res = finish_into(kind, lse, lse_user, lse_dev, "f32", stream)
+    return (o_res, l_res) if return_lse else o_res

@@ -477,16 +477,8 @@ def prepare_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_k
     meta = [A.device_meta(x, host[n], stream) for n, x in (("paged_kv_indptr", paged_kv_indptr),
                                                            ("paged_kv_indices", paged_kv_indices),
                                                            ("paged_kv_last_page_len", paged_kv_last_page_len))]
-    if out is None:
-        out_user, out_dev = A.new_output(kind, shape, code, stream, like=q)
-    else:
-        out_user, out_dev = out, (A.to_device(out, "out", stream, code) if A.is_device_kind(kind)
-                                  else cuda.device_array(shape, A.RAW[code], stream=stream))
-    if lse is None:
-        lse_user, lse_dev = A.new_output(kind, shape[:2], "f32", stream, like=q)
-    else:
-        lse_user, lse_dev = lse, (A.to_device(lse, "lse", stream, "f32") if A.is_device_kind(kind)
-                                  else cuda.device_array(shape[:2], np.float32, stream=stream))
+    out_user, out_dev = A.output_for("out", out, kind, shape, code, stream, like=q)
+    lse_user, lse_dev = A.output_for("lse", lse, kind, shape[:2], "f32", stream, like=q)
     slopes = alibi_slopes(shape[1]) if var.has_alibi else np.zeros(shape[1], np.float32)
     q_w, kv_w = A.words(q_dev), A.words(kv_dev)
     return DecodeProblem(code, kind, stream, var, var.scale(dims.head_dim), pkv.batch_size, shape[1],
@@ -604,22 +596,8 @@ def run_split(p: DecodeProblem, kv_chunk_size: int | None) -> None:
 
 def finish_decode(p: DecodeProblem, return_lse: bool, out=None, lse=None):
     """Copy host results back (host kinds) or hand back the device objects."""
-    if out is not None and not A.is_device_kind(p.kind):
-        o = p.out_dev.copy_to_host(stream=p.stream).view(A.NP_DTYPE[p.code])
-        A.copy_into_host(out, o)
-        o_res = out
-    else:
-        o_res = A.finish(p.kind, p.out_user, p.out_dev, p.code, p.stream)
-    if not return_lse:
-        if lse is not None and not A.is_device_kind(p.kind):
-            A.copy_into_host(lse, p.lse_dev.copy_to_host(stream=p.stream))
-        return o_res
-    if lse is not None and not A.is_device_kind(p.kind):
-        A.copy_into_host(lse, p.lse_dev.copy_to_host(stream=p.stream))
-        l_res = lse
-    else:
-        l_res = A.finish(p.kind, p.lse_user, p.lse_dev, "f32", p.stream)
-    return o_res, l_res
+    return A.finish_results(p.kind, p.code, p.stream, out, p.out_user, p.out_dev, lse, p.lse_user,
+                            p.lse_dev, return_lse)
 
 
 def batch_decode_paged(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,

@@ -350,14 +350,6 @@ class _PlanRunWrapper:
         lse_user, lse_dev = A.output_for("lse", lse, kind, shape[:2], "f32", stream, like=q)
         return out_user, out_dev, lse_user, lse_dev
 
-    def _finish(self, kind, code, stream, out_user, out_dev, lse_user, lse_dev, out, lse,
-                return_lse: bool):
-        o_res = A.finish_into(kind, out, out_user, out_dev, code, stream)
-        l_res = None
-        if return_lse or lse is not None:
-            l_res = A.finish_into(kind, lse, lse_user, lse_dev, "f32", stream)
-        return (o_res, l_res) if return_lse else o_res
-
 
 # ---------------------------------------------------------------------------
 # Decode
@@ -374,7 +366,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_PlanRunWrapper):
     ...     o = w.run(q[layer], kv_cache[layer])
 
     ``num_ctas`` is the fixed grid per KV head (the planner's C); the decode
-    kernel's grid is ``(num_ctas, num_qo_heads // heads_per_cta)``.
+    kernel runs ``num_ctas * num_qo_heads // heads_per_cta`` CTAs (see
+    :func:`nbattn.cuda.decode.run_decode_work`).
     """
 
     _decode = True
@@ -452,8 +445,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_PlanRunWrapper):
         po, pl = self._partials(1, self._num_qo_heads, self._head_dim)
         DEC.run_decode_work(prob, work, po, pl)
         self._merge(stream, out_dev, lse_dev, po, pl, self._view("cta_indptr"), 1)
-        return self._finish(kind, code, stream, out_user, out_dev, lse_user, lse_dev, out, lse,
-                            return_lse)
+        return A.finish_results(kind, code, stream, out, out_user, out_dev, lse, lse_user, lse_dev,
+                                return_lse)
 
     forward = run
 
@@ -585,7 +578,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PlanRunWrapper):
             # Both paths (CUDA cores, tensor cores) launch the same way: grid (rows, KV heads).
             P.get_kernel(spec)[(blocks, self._num_kv_heads), spec.threads, stream](*args)
         self._merge(stream, out_dev, lse_dev, po, pl, self._view("qo_indptr"), self._slot_rows)
-        return self._finish(kind, code, stream, out_user, out_dev, lse_user, lse_dev, out, lse,
-                            return_lse)
+        return A.finish_results(kind, code, stream, out, out_user, out_dev, lse, lse_user, lse_dev,
+                                return_lse)
 
     forward = run
