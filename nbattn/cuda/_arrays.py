@@ -24,8 +24,8 @@ Interface (stable; prefill/sparse/cascade wrappers use it too):
                                -> numba device array holding x's data (raw integer
                                   dtype for 16-bit floats; zero-copy for device kinds,
                                   which must be C-contiguous unless strided=True)
-    words(dev)                 -> 1-D uint32 view of a contiguous device array
-    halves(dev)                -> 1-D uint16 view (16-bit dtypes)
+    flat(dev)                  -> 1-D view of a contiguous device array
+    words(dev)                 -> 1-D uint32 view of it
     new_output(kind, shape, code, stream, like=None) -> (user_object, device_array)
                                   a fresh result of ``kind`` (device array raw-typed)
     finish(kind, user_obj, dev, code, stream) -> what the caller gets back
@@ -37,6 +37,8 @@ Interface (stable; prefill/sparse/cascade wrappers use it too):
                                   device, a device scratch for host kinds) or a new_output()
     finish_into(kind, given, user_obj, dev, code, stream) -> finish(), except that a
                                   caller's host buffer ``given`` gets the result copied in
+    finish_results(kind, code, stream, out, out_user, out_dev, lse, lse_user, lse_dev,
+                   return_lse)  -> o, or (o, lse): finish_into() of both results
 """
 from __future__ import annotations
 
@@ -45,17 +47,16 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
-from ..layout import LayoutError, as_int32, to_numpy
+from ..layout import LayoutError, as_int32
 from .primitives import SIMULATOR
 
-__all__ = ["dtype_code", "kind_of", "is_device_kind", "launch_stream", "to_device", "words",
-           "halves", "new_output", "finish", "host_meta", "device_meta", "RAW", "NP_DTYPE",
-           "ELEM_BYTES", "check_contiguous", "copy_into_host", "output_for", "finish_into"]
+__all__ = ["dtype_code", "kind_of", "is_device_kind", "launch_stream", "to_device", "flat", "words",
+           "new_output", "finish", "host_meta", "device_meta", "RAW", "NP_DTYPE",
+           "check_contiguous", "copy_into_host", "output_for", "finish_into", "finish_results"]
 
-# Raw element type the kernels see, the NumPy dtype a host result has, bytes.
+# Raw element type the kernels see, the NumPy dtype a host result has.
 RAW = {"f16": np.uint16, "bf16": np.uint16, "f32": np.float32}
 NP_DTYPE = {"f16": np.dtype(np.float16), "bf16": np.dtype("V2"), "f32": np.dtype(np.float32)}
-ELEM_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
 
 
 def _is_torch(x: Any) -> bool:
@@ -153,15 +154,14 @@ def to_device(x: Any, name: str, stream=0, code: str | None = None, *, strided: 
     return dev
 
 
+def flat(dev):
+    """1-D view of a contiguous device array."""
+    return dev.reshape(int(np.prod(dev.shape)))
+
+
 def words(dev):
     """1-D uint32 view of a contiguous device array whose byte size is a multiple of 4."""
-    flat = dev.reshape(int(np.prod(dev.shape)))
-    return flat.view(np.uint32)
-
-
-def halves(dev):
-    flat = dev.reshape(int(np.prod(dev.shape)))
-    return flat.view(np.uint16)
+    return flat(dev).view(np.uint32)
 
 
 def new_output(kind: str, shape: tuple, code: str, stream=0, like: Any = None):
@@ -193,7 +193,7 @@ def finish(kind: str, user_obj: Any, dev, code: str, stream=0):
 
 def host_meta(name: str, x: Any) -> np.ndarray:
     """Host int32 copy of index metadata (validated by nbattn.layout)."""
-    return as_int32(name, x if isinstance(x, (list, tuple)) else x)
+    return as_int32(name, x)
 
 
 def device_meta(x: Any, host: np.ndarray, stream=0):
@@ -216,11 +216,6 @@ def copy_into_host(dst: Any, src: np.ndarray) -> None:
             dst.copy_(torch.from_numpy(np.ascontiguousarray(src)))
     else:
         dst[...] = src.view(dst.dtype) if src.dtype.itemsize == dst.dtype.itemsize else src
-
-
-def copy_host(x: Any) -> np.ndarray:
-    """Host NumPy snapshot of any supported array (tests and validation)."""
-    return to_numpy(x)
 
 
 def output_for(name: str, given: Any, kind: str, shape: tuple, code: str, stream=0, like: Any = None,

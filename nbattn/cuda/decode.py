@@ -553,13 +553,9 @@ def run_decode_work(p: DecodeProblem, work: WorkList, partial_o=None, partial_ls
     if partial_o is None:
         partial_o = cuda.device_array(1, np.float32, stream=p.stream)
         partial_lse = cuda.device_array(1, np.float32, stream=p.stream)
-    out_flat = p.out_dev.reshape(int(np.prod(p.out_dev.shape)))
-    lse_flat = p.lse_dev.reshape(int(np.prod(p.lse_dev.shape)))
-    po = partial_o.reshape(int(np.prod(partial_o.shape)))
-    pl = partial_lse.reshape(int(np.prod(partial_lse.shape)))
     n_hb = p.num_qo_heads // cfg.heads_per_cta
-    tail = (out_flat, lse_flat, po, pl, p.slopes, np.float32(p.sm_scale),
-            np.float32(p.variant.sigmoid_bias))
+    tail = (A.flat(p.out_dev), A.flat(p.lse_dev), A.flat(partial_o), A.flat(partial_lse),
+            p.slopes, np.float32(p.sm_scale), np.float32(p.variant.sigmoid_bias))
     if cfg.path == "warp":
         ps = p.page_size
         shift = ps.bit_length() - 1 if ps & (ps - 1) == 0 else -1

@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from numba import cuda, float32, int64
 
-from ..layout import LayoutError, dtype_of
+from ..layout import LayoutError, dtype_of, to_numpy
 from ..reference.state import AttentionState
 from . import _arrays as A
 from ._driver import jit_kernel
@@ -135,11 +135,10 @@ def merge_partials_launch(partial_o, partial_lse, merge_map: MergeMap, out, lse,
     if m == 0:
         return None
     num_heads, head_dim = int(partial_o.shape[1]), int(partial_o.shape[2])
-    flat = lambda x: x.reshape(int(np.prod(x.shape)))  # noqa: E731
     k = _partials_kernel(code, head_dim, bool(use_sigmoid))
     return k, (m, num_heads), _threads(head_dim), (
-        flat(partial_o), flat(partial_lse), merge_map.merge_indptr, merge_map.merge_row,
-        merge_map.merge_slots, flat(out), flat(lse), num_heads)
+        A.flat(partial_o), A.flat(partial_lse), merge_map.merge_indptr, merge_map.merge_row,
+        merge_map.merge_slots, A.flat(out), A.flat(lse), num_heads)
 
 
 def run_merge_partials(partial_o, partial_lse, merge_map: MergeMap, out, lse, *, code: str,
@@ -298,10 +297,6 @@ def _kinds(**arrays) -> str:
     return next(iter(kinds.values()))
 
 
-def _flat(dev):
-    return dev.reshape(int(np.prod(dev.shape)))
-
-
 def _empty_check(head_dim: int, name: str) -> None:
     if head_dim < 1:
         raise LayoutError(f"{name}: head_dim must be >= 1")
@@ -329,7 +324,7 @@ def merge_state(v_a, s_a, v_b, s_b) -> AttentionState:
     if rows:
         dummy = cuda.device_array(1, np.uint8, stream=stream)
         _pair_kernel(code, D)[rows, _threads(D), stream](
-            _flat(da), _flat(la), _flat(db), _flat(lb), _flat(o_dev), _flat(l_dev), dummy, False)
+            A.flat(da), A.flat(la), A.flat(db), A.flat(lb), A.flat(o_dev), A.flat(l_dev), dummy, False)
     return AttentionState(A.finish(kind, o_user, o_dev, code, stream),
                           A.finish(kind, l_user, l_dev, "f32", stream))
 
@@ -352,7 +347,7 @@ def merge_states(v, s) -> AttentionState:
     l_user, l_dev = A.new_output(kind, (rows, H), "f32", stream, like=v)
     if rows and H:
         _fold_kernel(code, D)[(rows, H), _threads(D), stream](
-            _flat(dv), _flat(ds), n, H, _flat(o_dev), _flat(l_dev))
+            A.flat(dv), A.flat(ds), n, H, A.flat(o_dev), A.flat(l_dev))
     return AttentionState(A.finish(kind, o_user, o_dev, code, stream),
                           A.finish(kind, l_user, l_dev, "f32", stream))
 
@@ -385,11 +380,11 @@ def merge_state_in_place(v, s, v_other, s_other, mask=None) -> None:
     if mask is None:
         dmask, use = cuda.device_array(1, np.uint8, stream=stream), False
     else:
-        per_row = np.repeat(np.asarray(A.copy_host(mask)).astype(np.uint8), rows // max(lead, 1))
+        per_row = np.repeat(np.asarray(to_numpy(mask)).astype(np.uint8), rows // max(lead, 1))
         dmask, use = cuda.to_device(np.ascontiguousarray(per_row), stream=stream), True
     if rows:
         _pair_kernel(code, D)[rows, _threads(D), stream](
-            _flat(dv), _flat(ds), _flat(do), _flat(dso), _flat(dv), _flat(ds), dmask, use)
+            A.flat(dv), A.flat(ds), A.flat(do), A.flat(dso), A.flat(dv), A.flat(ds), dmask, use)
     if not A.is_device_kind(kind):  # host arrays: write the result back into them
         A.copy_into_host(v, dv.copy_to_host(stream=stream).view(A.NP_DTYPE[code]))
         A.copy_into_host(s, ds.copy_to_host(stream=stream))

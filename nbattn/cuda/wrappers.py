@@ -147,7 +147,7 @@ def _workspace_bytes(buf: Any):
         dev = cuda.as_cuda_array(buf.detach().reshape(-1).view(torch.uint8))
     else:
         dev = buf if kind == "numba" else cuda.as_cuda_array(buf)
-        dev = dev.reshape(int(np.prod(dev.shape))).view(np.uint8)
+        dev = A.flat(dev).view(np.uint8)
     return dev, int(dev.shape[0])
 
 
@@ -302,11 +302,10 @@ class _PlanRunWrapper:
     def _merge(self, stream, out_raw, lse_dev, po, pl, qo_indptr_view, slot_rows: int) -> None:
         """The fixed-grid merge (:func:`nbattn.cuda.merge.run_merge_tiles`); the merge
         count is read on the device from the header."""
-        flat = lambda x: x.reshape(int(np.prod(x.shape)))  # noqa: E731
         run_merge_tiles(
             self._view("header")[H_NUM_MERGES:H_NUM_MERGES + 1], self._view("merge_indptr"),
             self._view("merge_request"), self._view("merge_qo_tile"), self._view("merge_slots"),
-            qo_indptr_view, po, pl, flat(out_raw), flat(lse_dev), code=self._code,
+            qo_indptr_view, po, pl, A.flat(out_raw), A.flat(lse_dev), code=self._code,
             head_dim=self._head_dim, num_qo_heads=self._num_qo_heads, num_kv_heads=self._num_kv_heads,
             group=self._group, tile_q=self._plan.tile_q, slot_rows=slot_rows, num_ctas=self.num_ctas,
             per_request_row=self._decode, use_sigmoid=self._variant.use_sigmoid, stream=stream)
