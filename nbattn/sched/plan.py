@@ -209,10 +209,11 @@ def check_partial_capacity(p: Plan, num_qo_heads: int, head_dim: int, capacity: 
 
 
 @njit(cache=True)
-def _plan_core(qo_lens, kv_lens, group, tile_q, num_ctas, alpha, beta, causal):
+def query_tiles(qo_lens, kv_lens, group, tile_q, causal):
+    """Query tiles over fused rows in (request, tile) order: request, tile index,
+    fused rows and KV length of each (with ``causal``, trimmed to the keys the
+    tile's last row can see).  The planner and the simulator both cut tiles here."""
     batch = qo_lens.shape[0]
-
-    # Query tiles over fused rows, with their (possibly causally trimmed) KV length.
     num_tiles = 0
     for r in range(batch):
         num_tiles += (qo_lens[r] * group + tile_q - 1) // tile_q
@@ -220,7 +221,6 @@ def _plan_core(qo_lens, kv_lens, group, tile_q, num_ctas, alpha, beta, causal):
     tile_index = np.empty(num_tiles, np.int32)
     tile_rows = np.empty(num_tiles, np.int64)
     tile_kv = np.empty(num_tiles, np.int64)
-    total_work = 0
     t = 0
     for r in range(batch):
         rows = qo_lens[r] * group
@@ -236,8 +236,17 @@ def _plan_core(qo_lens, kv_lens, group, tile_q, num_ctas, alpha, beta, causal):
             tile_index[t] = k
             tile_rows[t] = end - start
             tile_kv[t] = kv
-            total_work += kv
             t += 1
+    return tile_request, tile_index, tile_rows, tile_kv
+
+
+@njit(cache=True)
+def _plan_core(qo_lens, kv_lens, group, tile_q, num_ctas, alpha, beta, causal):
+    tile_request, tile_index, tile_rows, tile_kv = query_tiles(qo_lens, kv_lens, group, tile_q, causal)
+    num_tiles = tile_request.shape[0]
+    total_work = 0
+    for t in range(num_tiles):
+        total_work += tile_kv[t]
 
     chunk_limit = max(1, (total_work + num_ctas - 1) // num_ctas)
 
@@ -477,7 +486,7 @@ def plan(
         merge_slots=_readonly(merge_slots),
         num_partials=int(num_partials),
         cta_cost=_readonly(cta_cost),
-        makespan=float(cta_cost.max()) if num_ctas else 0.0,
+        makespan=float(cta_cost.max()),
         lower_bound=float(lower_bound),
     )
     if partial_capacity is not None:

@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .plan import Plan, plan
+from .plan import Plan, plan, query_tiles
 from .tiles import choose_tile_q
 
 __all__ = [
@@ -232,26 +232,6 @@ def make_workload(
     return Workload(name=name, qo_lens=qo, kv_lens=kv, group=group)
 
 
-def _tiles(qo_lens, kv_lens, group, tile_q, causal=False):
-    """Query tiles in (request, tile) order: request, tile index, fused rows, keys.
-
-    With ``causal`` a tile's keys are those its last row can see (as the
-    planner trims them, see :mod:`nbattn.sched.plan`).
-    """
-    rows = qo_lens.astype(np.int64) * group
-    per_request = -(-rows // tile_q)
-    request = np.repeat(np.arange(qo_lens.shape[0]), per_request)
-    first = np.cumsum(per_request) - per_request
-    tile = np.arange(request.shape[0]) - np.repeat(first, per_request)
-    tile_rows = np.minimum(rows[request] - tile * tile_q, tile_q)
-    keys = kv_lens.astype(np.int64)[request]
-    if causal:
-        last_position = (tile * tile_q + tile_rows - 1) // group
-        visible = keys - qo_lens.astype(np.int64)[request] + last_position + 1
-        keys = np.where(keys > 0, np.minimum(keys, visible), 0)
-    return request, tile, tile_rows, keys
-
-
 def _greedy(times, num_ctas, start_loads=None):
     """Place jobs in the given order on the CTA that is free first (lowest id on ties).
 
@@ -355,7 +335,7 @@ def simulate_plan(p: Plan, cost: CostModel | None = None, workload: str = "") ->
         "kv_end": np.asarray(p.kv_end, dtype=np.int64),
         "rows": rows, "cta": cta, "start": start,
     }
-    tiles = _tiles(p.qo_lens, p.kv_lens, p.group, p.tile_q, p.causal)
+    tiles = query_tiles(p.qo_lens, p.kv_lens, p.group, p.tile_q, p.causal)
     result = _finish("lpt", workload, p.num_ctas, p.tile_q, cost, chunks, tiles)
     assert result.num_partials == p.num_partials
     return result
@@ -403,7 +383,7 @@ def simulate(
         alpha = cost.alpha + cost.chunk_overhead / tile_q
         p = plan(qo, kv, num_ctas, tile_q, group=group, alpha=alpha, beta=cost.beta)
         return simulate_plan(p, cost, workload)
-    tiles = _tiles(qo, kv, group, tile_q)
+    tiles = query_tiles(qo, kv, group, tile_q, False)
     if policy == "one_per_cta":
         splits = 1
     elif policy == "fixed_split":
