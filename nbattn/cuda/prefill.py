@@ -73,7 +73,6 @@ from .variants import LOG2E, sigmoid_weight, variant_device_fns  # noqa: E402
 __all__ = ["batch_prefill_paged", "batch_prefill_ragged", "single_prefill"]
 
 NO_KEY = -(2 ** 30)        # kv position of a tile slot that holds no key
-MODES = ("paged", "contig", "bsr")
 
 # ---------------------------------------------------------------------------
 # Host side: streams, device arrays, outputs (nbattn.cuda._arrays)
