@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .roofline import ridge_point
+
 __all__ = [
     "GPUSpec",
     "H200",
@@ -63,7 +65,7 @@ class GPUSpec:
     def ridge_intensity(self, peak_tflops: float | None = None) -> float:
         """FLOP/byte where the roofline's slope meets its flat roof."""
         peak = self.tensor_tflops if peak_tflops is None else peak_tflops
-        return peak * 1e3 / self.copy_bandwidth_GBps
+        return float(ridge_point(peak, self.copy_bandwidth_GBps))
 
 
 # Datasheet values (NVIDIA H200 / H100 / A100 product briefs, SXM form factor).
