@@ -110,6 +110,12 @@ def variant_from_kwargs(kwargs: dict) -> Variant:
     return make_variant(**kwargs)
 
 
+def check_return_lse(variant: Variant, return_lse: bool) -> None:
+    """Raise when an LSE is asked of sigmoid attention: it has no softmax normalizer."""
+    if return_lse and variant.use_sigmoid:
+        raise ValueError("return_lse: sigmoid attention has no log-sum-exp (its partial outputs add)")
+
+
 def alibi_slopes(num_heads: int) -> np.ndarray:
     """The usual geometric ALiBi slopes (float32, one per query head).
 

@@ -32,7 +32,7 @@ import numpy as np
 from numba import cuda
 
 from .. import layout as L
-from ..variants import variant_from_kwargs
+from ..variants import check_return_lse, variant_from_kwargs
 from . import _arrays as A
 from . import merge as M
 from . import prefill as P
@@ -50,7 +50,7 @@ def cascade(q, levels, paged_kv_cache, *, kv_layout: str = "NHD", return_lse: bo
     ``paged_kv_cache`` shared by all levels.  ``kv_chunk`` fixes the split size
     (default: chosen to fill the GPU; 0 = never split)."""
     var = variant_from_kwargs(variant)
-    P._check_lse(var, return_lse)
+    check_return_lse(var, return_lse)
     L.check_same_device(q=q, paged_kv_cache=paged_kv_cache)
     kind = P._check_kind_match(q=q, paged_kv_cache=paged_kv_cache)
     dims = L.cache_dims(paged_kv_cache, kv_layout)

@@ -53,7 +53,7 @@ import numpy as np
 from numba import cuda, float32, int64
 
 from .. import layout as L
-from ..variants import Variant, alibi_slopes, variant_from_kwargs
+from ..variants import Variant, alibi_slopes, check_return_lse, variant_from_kwargs
 from . import _arrays as A
 from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f,
                          ld_v4, load_v4, st_v4)
@@ -438,8 +438,7 @@ def prepare_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_k
     """Validate every argument (nothing is launched or modified on error) and
     bring the arrays to the device."""
     var = variant_from_kwargs(dict(variant))
-    if return_lse and var.use_sigmoid:
-        raise ValueError("return_lse: sigmoid attention has no log-sum-exp (its partial outputs add)")
+    check_return_lse(var, return_lse)
     L.check_kv_layout(kv_layout)
     code = A.dtype_code(q, "q")
     kv_code = A.dtype_code(paged_kv_cache, "paged_kv_cache")

@@ -60,7 +60,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import layout as L
-from ..variants import Variant, alibi_slopes, variant_from_kwargs
+from ..variants import Variant, alibi_slopes, check_return_lse, variant_from_kwargs
 
 from numba import cuda, float32, int32  # noqa: E402  (after the shim)
 
@@ -541,11 +541,6 @@ def _check_kind_match(**tensors):
     return next(iter(kinds.values()))
 
 
-def _check_lse(var: Variant, return_lse: bool):
-    if return_lse and var.use_sigmoid:
-        raise ValueError("return_lse: sigmoid attention has no log-sum-exp (its partial outputs add)")
-
-
 def request_rows(qo: L.RaggedQ, kv_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per query row: position (bottom-right aligned), key offset 0, request index."""
     lens = qo.lengths.astype(np.int64)
@@ -566,7 +561,7 @@ def batch_prefill_paged(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_
     :func:`nbattn.reference.batch_prefill_paged`).  ``tensor_cores`` forces a
     path (default: tensor cores on a GPU for fp16/bf16)."""
     var = variant_from_kwargs(variant)
-    _check_lse(var, return_lse)
+    check_return_lse(var, return_lse)
     L.check_same_device(q=q, paged_kv_cache=paged_kv_cache)
     kind = _check_kind_match(q=q, paged_kv_cache=paged_kv_cache)
     pkv, dims = L.PagedKV.from_cache(paged_kv_cache, paged_kv_indptr, paged_kv_indices,
@@ -605,7 +600,7 @@ def batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, *, kv_layout: str = "NHD
                          tensor_cores: bool | None = None, stream=0, **variant):
     """Ragged Q over ragged contiguous KV (golden: :func:`nbattn.reference.batch_prefill_ragged`)."""
     var = variant_from_kwargs(variant)
-    _check_lse(var, return_lse)
+    check_return_lse(var, return_lse)
     L.check_same_device(q=q, k=k, v=v)
     kind = _check_kind_match(q=q, k=k, v=v)
     n_kv, hkv, d = _contig_dims(k, v, kv_layout)

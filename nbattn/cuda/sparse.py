@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import layout as L
-from ..variants import variant_from_kwargs
+from ..variants import check_return_lse, variant_from_kwargs
 from . import prefill as P
 
 __all__ = ["block_sparse"]
@@ -25,7 +25,7 @@ def block_sparse(q, k, v, bsr: L.BSR, *, kv_layout: str = "NHD", return_lse: boo
                  out=None, lse=None, tensor_cores: bool | None = None, stream=0, **variant):
     """``q [M, Hq, D]``, ``k, v [N, Hkv, D]`` (NHD), ``bsr`` of shape (M, N)."""
     var = variant_from_kwargs(variant)
-    P._check_lse(var, return_lse)
+    check_return_lse(var, return_lse)
     if not isinstance(bsr, L.BSR):
         raise L.LayoutError(f"bsr: must be an nbattn.layout.BSR, got {type(bsr).__name__}")
     L.check_same_device(q=q, k=k, v=v)

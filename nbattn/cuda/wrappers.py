@@ -65,7 +65,7 @@ from numba import cuda
 
 from .. import layout as L
 from ..sched.plan import DIRECT, Plan, plan as lpt_plan
-from ..variants import alibi_slopes, variant_from_kwargs
+from ..variants import alibi_slopes, check_return_lse, variant_from_kwargs
 from . import _arrays as A
 from . import decode as DEC
 from ._driver import sm_count
@@ -423,8 +423,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PlanRunWrapper):
         """Attention of ``q [batch, num_qo_heads, head_dim]`` against the planned
         pages of ``paged_kv_cache``; returns ``o`` (and the base-2 ``lse``)."""
         self._need_plan()
-        if return_lse and self._variant.use_sigmoid:
-            raise ValueError("return_lse: sigmoid attention has no log-sum-exp")
+        check_return_lse(self._variant, return_lse)
         code, kind, shape = self._check_cache(q, paged_kv_cache, self._batch)
         L.check_same_device(q=q, out=out, lse=lse)
         stream = A.launch_stream(q, paged_kv_cache, out, lse)
@@ -551,8 +550,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PlanRunWrapper):
         from . import prefill as P
 
         self._need_plan()
-        if return_lse and self._variant.use_sigmoid:
-            raise ValueError("return_lse: sigmoid attention has no log-sum-exp")
+        check_return_lse(self._variant, return_lse)
         code, kind, shape = self._check_cache(q, paged_kv_cache, self._total_q)
         L.check_same_device(q=q, out=out, lse=lse)
         stream = A.launch_stream(q, paged_kv_cache, out, lse)

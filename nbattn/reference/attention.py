@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import layout as L
-from ..variants import Variant, variant_from_kwargs
+from ..variants import Variant, check_return_lse, variant_from_kwargs
 from .masks import keep_mask, transform_logits
 from .state import LN2, AttentionState, merge_states
 
@@ -119,11 +119,6 @@ def _finish(o: np.ndarray, lse: np.ndarray, return_lse: bool):
     return (o, lse) if return_lse else o
 
 
-def _check_lse_request(variant: Variant, return_lse: bool) -> None:
-    if return_lse and variant.use_sigmoid:
-        raise ValueError("return_lse: sigmoid attention has no log-sum-exp (its partial outputs add)")
-
-
 # ---------------------------------------------------------------------------
 # Public forms
 # ---------------------------------------------------------------------------
@@ -132,7 +127,7 @@ def single_prefill(q, k, v, *, kv_layout: str = "NHD", return_lse: bool = False,
                    dtype=np.float32, **variant):
     """One request, contiguous KV: ``q [Q, Hq, D]``, ``k, v [K, Hkv, D]`` (NHD)."""
     var = variant_from_kwargs(variant)
-    _check_lse_request(var, return_lse)
+    check_return_lse(var, return_lse)
     k, v = _contiguous_kv(k, v, kv_layout)
     q = _float("q", q)
     L.check_q(q, k.shape[2])
@@ -158,7 +153,7 @@ def batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, *, kv_layout: str = "NHD
     """Ragged Q and ragged contiguous KV: request r's keys are
     ``k[kv_indptr[r]:kv_indptr[r+1]]``."""
     var = variant_from_kwargs(variant)
-    _check_lse_request(var, return_lse)
+    check_return_lse(var, return_lse)
     k, v = _contiguous_kv(k, v, kv_layout)
     q = _float("q", q)
     qo = L.RaggedQ.validate(qo_indptr, total_rows=q.shape[0] if q.ndim == 3 else None)
@@ -202,7 +197,7 @@ def batch_prefill_paged(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_
                         dtype=np.float32, **variant):
     """Batch prefill/append over a paged KV cache (SPEC sections 1-2)."""
     var = variant_from_kwargs(variant)
-    _check_lse_request(var, return_lse)
+    check_return_lse(var, return_lse)
     q, cache, qo, pkv = _paged_common(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_indices,
                                       paged_kv_last_page_len, kv_layout, var)
     o = np.zeros(q.shape, dtype)
@@ -231,7 +226,7 @@ def block_sparse(q, k, v, bsr: L.BSR, *, kv_layout: str = "NHD", return_lse: boo
     ``(i // B_r, j // B_c)`` is non-zero (``q [M, Hq, D]``, ``k, v [N, Hkv, D]``).
     Variants apply on top (causal is bottom-right aligned over M x N)."""
     var = variant_from_kwargs(variant)
-    _check_lse_request(var, return_lse)
+    check_return_lse(var, return_lse)
     k, v = _contiguous_kv(k, v, kv_layout)
     q = _float("q", q)
     if not isinstance(bsr, L.BSR):
@@ -256,7 +251,7 @@ def split_kv(q, k, v, kv_chunk_indptr, *, kv_layout: str = "NHD", return_lse: bo
     ``(o [Q, n_chunks, Hq, D], lse [Q, n_chunks, Hq])``.
     """
     var = variant_from_kwargs(variant)
-    _check_lse_request(var, return_lse)
+    check_return_lse(var, return_lse)
     k, v = _contiguous_kv(k, v, kv_layout)
     q = _float("q", q)
     L.check_q(q, k.shape[2])
@@ -291,7 +286,7 @@ def cascade(q, levels: Sequence[Any], paged_kv_cache, *, kv_layout: str = "NHD",
     each level yields a state and the states are merged in level order.
     """
     var = variant_from_kwargs(variant)
-    _check_lse_request(var, return_lse)
+    check_return_lse(var, return_lse)
     L.check_same_dtype(q=q, paged_kv_cache=paged_kv_cache)
     cache = _float("paged_kv_cache", paged_kv_cache)
     dims = L.cache_dims(cache, kv_layout)
