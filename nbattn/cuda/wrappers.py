@@ -101,6 +101,22 @@ def _q_code(q_data_type: Any) -> str:
         raise ValueError(f"q_data_type: must be float16, bfloat16 or float32, got {q_data_type!r}")
 
 
+def _data_code(q_data_type: Any, kv_data_type: Any) -> str:
+    """plan()'s element type; ``kv_data_type`` may only repeat it (no mixed precision)."""
+    code = _q_code(q_data_type)
+    if kv_data_type is not None and _q_code(kv_data_type) != code:
+        raise ValueError("kv_data_type: must equal q_data_type (no mixed precision)")
+    return code
+
+
+def _page_table(indptr, indices, last_page_len, page_size) -> L.PagedKV:
+    """plan()'s page table; the cache is not known yet, so any page id fits (run() checks)."""
+    if int(page_size) < 1:
+        raise ValueError(f"page_size: must be >= 1, got {page_size}")
+    return L.PagedKV.validate(indptr, indices, last_page_len, int(page_size),
+                              num_pages=np.iinfo(np.int32).max)
+
+
 # ---------------------------------------------------------------------------
 # Workspace layout
 # ---------------------------------------------------------------------------
@@ -387,15 +403,10 @@ class BatchDecodeWithPagedKVCacheWrapper(_PlanRunWrapper):
         t0 = time.perf_counter()
         var = variant_from_kwargs(dict(variant, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
                             logits_soft_cap=logits_soft_cap, sm_scale=sm_scale))
-        code = _q_code(q_data_type)
-        if kv_data_type is not None and _q_code(kv_data_type) != code:
-            raise ValueError("kv_data_type: must equal q_data_type (no mixed precision)")
+        code = _data_code(q_data_type, kv_data_type)
         group = L.check_heads(int(num_qo_heads), int(num_kv_heads))
         DEC._check_head_dim(int(head_dim))
-        if int(page_size) < 1:
-            raise ValueError(f"page_size: must be >= 1, got {page_size}")
-        pkv = L.PagedKV.validate(indptr, indices, last_page_len, int(page_size),
-                                 num_pages=np.iinfo(np.int32).max)
+        pkv = _page_table(indptr, indices, last_page_len, page_size)
         batch = pkv.batch_size
         kv_lens = pkv.kv_lens
         # One query tile per request: its `group` fused rows are one decode CTA's heads.
@@ -480,15 +491,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_PlanRunWrapper):
         var = variant_from_kwargs(dict(variant, causal=causal, pos_encoding_mode=pos_encoding_mode,
                             window_left=window_left, logits_soft_cap=logits_soft_cap,
                             sm_scale=sm_scale))
-        code = _q_code(q_data_type)
-        if kv_data_type is not None and _q_code(kv_data_type) != code:
-            raise ValueError("kv_data_type: must equal q_data_type (no mixed precision)")
+        code = _data_code(q_data_type, kv_data_type)
         hq, hk, D = int(num_qo_heads), int(num_kv_heads), int(head_dim_qk)
         group = L.check_heads(hq, hk)
-        if int(page_size) < 1:
-            raise ValueError(f"page_size: must be >= 1, got {page_size}")
-        pkv = L.PagedKV.validate(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
-                                 int(page_size), num_pages=np.iinfo(np.int32).max)
+        pkv = _page_table(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size)
         qo = L.RaggedQ.validate(qo_indptr)
         if qo.batch_size != pkv.batch_size:
             raise L.LayoutError(f"paged_kv_indptr: has {pkv.batch_size} requests, qo_indptr has "
