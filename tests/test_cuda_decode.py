@@ -6,8 +6,6 @@ inputs from its own seeded generator.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
