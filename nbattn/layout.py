@@ -582,6 +582,20 @@ def validate_cascade(levels: Sequence[Any], page_size: int, num_pages: int,
     return out
 
 
+def cascade_keys(levels: list[tuple[RaggedQ, PagedKV]]) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """Where each request of validated cascade ``levels`` finds its keys:
+    ``(group_of, total, offsets)`` with ``group_of[l][r]`` the group of level l
+    that request r reads, ``total[r]`` its key count over all levels and
+    ``offsets[l, r]`` where level l's keys start in its key sequence."""
+    req_q = levels[-1][0]
+    # a request with no query rows may sit on a group boundary: any group will do, it computes nothing
+    group_of = [np.clip(np.searchsorted(qo.qo_indptr, req_q.qo_indptr[:-1], side="right") - 1,
+                        0, qo.batch_size - 1) for qo, _ in levels]
+    lens = np.stack([p.kv_lens[g] for (_, p), g in zip(levels, group_of)]).astype(np.int64)  # [levels, nreq]
+    offsets = np.concatenate([np.zeros((1, req_q.batch_size), np.int64), np.cumsum(lens, axis=0)[:-1]])
+    return group_of, lens.sum(axis=0), offsets
+
+
 def cascade_decompose(qo_indptr: Any, pkv: PagedKV) -> list[CascadeLevel]:
     """Split a flat page table into a shared-prefix level and a unique-suffix level.
 

@@ -60,12 +60,9 @@ def cascade(q, levels, paged_kv_cache, *, kv_layout: str = "NHD", return_lse: bo
     L.check_heads(shape[1], dims.num_kv_heads)
     req_q = lv[-1][0]
     rows, hq, d = shape
-    group_of = [np.searchsorted(qo.qo_indptr, req_q.qo_indptr[:-1], side="right") - 1 for qo, _ in lv]
-    lens = np.stack([p.kv_lens[g] for (_, p), g in zip(lv, group_of)]).astype(np.int64)  # [levels, nreq]
-    total = lens.sum(axis=0)
+    _, total, offsets = L.cascade_keys(lv)
     if var.causal:
         L.check_causal_lengths(req_q.lengths, total, name=f"levels[{len(lv) - 1}].qo_indptr")
-    offsets = np.concatenate([np.zeros((1, req_q.batch_size), np.int64), np.cumsum(lens, axis=0)[:-1]])
 
     spec = P.make_spec("paged", kv_layout, kind, d, hq, dims.num_kv_heads, var, tensor_cores, out_kind="f32")
     stream = P.resolve_stream(stream, q, paged_kv_cache, out, lse)

@@ -297,15 +297,9 @@ def cascade(q, levels: Sequence[Any], paged_kv_cache, *, kv_layout: str = "NHD",
     L.check_heads(q.shape[1], dims.num_kv_heads)
     req_q = lv[-1][0]
     nreq = req_q.batch_size
-    # group index of every request at every level, and each request's total length
-    # (a request with no query rows may sit on a group boundary: any group will do, it computes nothing)
-    group_of = [np.clip(np.searchsorted(qo.qo_indptr, req_q.qo_indptr[:-1], side="right") - 1,
-                        0, qo.batch_size - 1) for qo, _ in lv]
-    lens = np.stack([p.kv_lens[g] for (_, p), g in zip(lv, group_of)])   # [levels, nreq]
-    total = lens.sum(axis=0)
+    group_of, total, offsets = L.cascade_keys(lv)
     if var.causal:
         L.check_causal_lengths(req_q.lengths, total, name=f"levels[{len(lv) - 1}].qo_indptr")
-    offsets = np.concatenate([np.zeros((1, nreq), np.int64), np.cumsum(lens, axis=0)[:-1]])
     o = np.zeros(q.shape, dtype)
     lse = np.full(q.shape[:2], -np.inf, dtype)
     for r in range(nreq):
