@@ -302,16 +302,24 @@ def _empty_check(head_dim: int, name: str) -> None:
         raise LayoutError(f"{name}: head_dim must be >= 1")
 
 
+def _check_pair(names: tuple[str, str, str, str], v, s, v2, s2) -> str:
+    """Dtype code of two states ``(v, s)``, ``(v2, s2)`` that must agree in shape
+    and type; ``names`` are the arguments' names for the error messages."""
+    nv, ns, nv2, ns2 = names
+    if _shape(v) != _shape(v2) or _shape(s) != _shape(s2) or _shape(v)[:-1] != _shape(s):
+        raise LayoutError(f"{nv2}: shapes must match, got {nv} {_shape(v)}, {ns} {_shape(s)}, "
+                          f"{nv2} {_shape(v2)}, {ns2} {_shape(s2)}")
+    code = A.dtype_code(v, nv)
+    if A.dtype_code(v2, nv2) != code:
+        raise LayoutError(f"{nv2}: dtype must match {nv}, got {dtype_of(v)} and {dtype_of(v2)}")
+    _check_lse_dtype(ns, s)
+    _check_lse_dtype(ns2, s2)
+    return code
+
+
 def merge_state(v_a, s_a, v_b, s_b) -> AttentionState:
     """Merge the states of two disjoint key sets: ``v [..., D]``, ``s [...]`` (base 2)."""
-    if _shape(v_a) != _shape(v_b) or _shape(s_a) != _shape(s_b) or _shape(v_a)[:-1] != _shape(s_a):
-        raise LayoutError(f"v_b: shapes must match, got v_a {_shape(v_a)}, s_a {_shape(s_a)}, "
-                          f"v_b {_shape(v_b)}, s_b {_shape(s_b)}")
-    code = A.dtype_code(v_a, "v_a")
-    if A.dtype_code(v_b, "v_b") != code:
-        raise LayoutError(f"v_b: dtype must match v_a, got {dtype_of(v_a)} and {dtype_of(v_b)}")
-    _check_lse_dtype("s_a", s_a)
-    _check_lse_dtype("s_b", s_b)
+    code = _check_pair(("v_a", "s_a", "v_b", "s_b"), v_a, s_a, v_b, s_b)
     kind = _kinds(v_a=v_a, s_a=s_a, v_b=v_b, s_b=s_b)
     D = _shape(v_a)[-1]
     _empty_check(D, "v_a")
@@ -355,14 +363,7 @@ def merge_states(v, s) -> AttentionState:
 def merge_state_in_place(v, s, v_other, s_other, mask=None) -> None:
     """``(v, s) <- merge((v, s), (v_other, s_other))``; rows where the boolean
     ``mask [rows]`` (over the first axis of s) is False are left unchanged."""
-    if _shape(v) != _shape(v_other) or _shape(s) != _shape(s_other) or _shape(v)[:-1] != _shape(s):
-        raise LayoutError(f"v_other: shapes must match, got v {_shape(v)}, s {_shape(s)}, "
-                          f"v_other {_shape(v_other)}, s_other {_shape(s_other)}")
-    code = A.dtype_code(v, "v")
-    if A.dtype_code(v_other, "v_other") != code:
-        raise LayoutError(f"v_other: dtype must match v, got {dtype_of(v)} and {dtype_of(v_other)}")
-    _check_lse_dtype("s", s)
-    _check_lse_dtype("s_other", s_other)
+    code = _check_pair(("v", "s", "v_other", "s_other"), v, s, v_other, s_other)
     rows = int(np.prod(_shape(s)))
     lead = _shape(s)[0] if _shape(s) else 1
     if mask is not None and _shape(mask) != (lead,):
