@@ -3,8 +3,7 @@
 Import order matters: :mod:`nbattn._compat` runs before anything imports
 ``numba.cuda`` (numpy-2.5 shim, simulator choice).
 """
-from . import _compat  # noqa: F401  (must stay first)
-from ._compat import BACKEND, simulator_enabled
+from ._compat import BACKEND, simulator_enabled  # must stay first
 
 __version__ = "0.1.0"
 __all__ = ["BACKEND", "simulator_enabled", "__version__"]
