@@ -18,9 +18,9 @@ it falls in, so masks and ALiBi are chunk-independent.
 
 Launch shape
 ------------
-grid ``(num_ctas, num_qo_heads // heads_per_cta)``; ``blockIdx.y`` picks a
-block of ``HG`` query heads of one KV head (``HG`` = the group, or a divisor of
-it <= 8).  Block ``NT = NX * NY`` threads: lane ``tx`` of a row owns one
+grid ``(num_ctas, num_qo_heads // heads_per_cta)`` (the warp path below
+flattens it to 1-D); ``blockIdx.y`` picks a block of ``HG`` query heads of one
+KV head (``HG`` = the group, or a divisor of it <= 8).  Block ``NT = NX * NY`` threads: lane ``tx`` of a row owns one
 16-byte chunk of head_dim (``VEC`` elements), ``ty`` picks tokens
 ``ty, ty+NY, ...`` of a tile of ``T = NY * TPT`` tokens.
 
