@@ -429,8 +429,9 @@ def get_kernel(spec: KernelSpec):
 # Tile choice and launch
 # ---------------------------------------------------------------------------
 
-def choose_tiles(head_dim: int, kind: str, tensor_cores: bool) -> tuple[int, int, int]:
-    """(T_q, T_k, threads).  The simulator gets small tiles (each thread is a
+def kernel_tiles(head_dim: int, kind: str, tensor_cores: bool) -> tuple[int, int, int]:
+    """(T_q, T_k, threads) of a prefill kernel build (the scheduler's tile heuristic
+    is :func:`nbattn.sched.choose_tiles`).  The simulator gets small tiles (each thread is a
     Python thread); the CUDA-core GPU path fits its shared memory in 48 KB."""
     if tensor_cores:
         return TC.tensor_core_tiles(head_dim)
@@ -528,7 +529,7 @@ def make_spec(mode: str, kv_layout: str, kind: str, head_dim: int, num_qo_heads:
     use_tc = tensor_cores_usable(kind, head_dim, variant) if tensor_cores is None else bool(tensor_cores)
     if use_tc and not tensor_cores_usable(kind, head_dim, variant):
         raise ValueError("tensor_cores: needs a GPU, fp16/bf16 and head_dim a multiple of 16 up to 256")
-    tq, tk, nt = choose_tiles(head_dim, kind, use_tc)
+    tq, tk, nt = kernel_tiles(head_dim, kind, use_tc)
     return KernelSpec(mode, kv_layout, kind, out_kind or kind, int(head_dim), num_qo_heads // num_kv_heads,
                       int(num_qo_heads), variant, use_tc, tq, tk, nt)
 
