@@ -64,6 +64,10 @@ def ref_prefill(b, causal):
 
 
 def decode_wrapper(b, layout="NHD", **kw):
+    # SPEC section 5's chunk rule and no item price: at these tiny lengths the
+    # default price would keep every request whole, and the merge path untested.
+    kw.setdefault("chunk_overhead", 0.0)
+    kw.setdefault("chunk_limit", None)
     w = BatchDecodeWithPagedKVCacheWrapper(workspace(WS), layout, num_ctas=C)
     w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, **kw)
     return w
@@ -105,6 +109,40 @@ def test_decode_plan_serves_layers_and_replan_keeps_addresses():
     w.plan(b2["indptr"], b2["indices"], b2["last"], HQ, HK, D, PAGE)
     assert w.layout is layout
     close(w.run(b2["q"], b2["cache"], return_lse=True), ref_decode(b2))
+
+
+def test_decode_default_plan_prices_items_and_caps_ctas():
+    # Defaults: chunk_overhead=DECODE_CHUNK_OVERHEAD, chunk_limit="auto", C from
+    # decode_plan_ctas.  Equal lengths stay whole (no partials), a long request
+    # is still cut, and the output is right either way.
+    from nbattn.cuda.wrappers import DECODE_CHUNK_OVERHEAD
+    rng = np.random.default_rng(6)
+    for lens, split in (([24, 24, 24, 24, 24], False), ([400, 3, 5, 2], True)):
+        b = decode_batch(rng, lens)
+        w = BatchDecodeWithPagedKVCacheWrapper(workspace(WS), num_ctas=C)
+        w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE)
+        p = w.last_plan
+        assert p.chunk_overhead == DECODE_CHUNK_OVERHEAD and p.num_ctas <= C
+        assert (p.num_merges > 0) == split
+        close(w.run(b["q"], b["cache"], return_lse=True), ref_decode(b))
+    # A plan on fewer CTAs than the grid: the spare CTAs get empty queues.
+    w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, num_ctas=2)
+    assert w.last_plan.num_ctas == 2
+    close(w.run(b["q"], b["cache"], return_lse=True), ref_decode(b))
+    with pytest.raises(ValueError, match="num_ctas"):
+        w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, num_ctas=C + 1)
+
+
+def test_decode_plan_ctas_is_one_resident_wave():
+    from types import SimpleNamespace
+    from nbattn.cuda._driver import sm_count
+    from nbattn.cuda.wrappers import decode_plan_ctas
+    warp = SimpleNamespace(path="warp", heads_per_cta=4, min_blocks=4)
+    # 32 query heads in blocks of 4: 8 kernel CTAs per planner CTA.
+    assert decode_plan_ctas(warp, 32, 10 ** 6) == 4 * sm_count() // 8
+    assert decode_plan_ctas(warp, 32, 1) == 1
+    assert decode_plan_ctas(warp, 8, 10 ** 6) == 4 * sm_count() // 2
+    assert decode_plan_ctas(SimpleNamespace(path="smem"), 32, 7) == 7
 
 
 def test_decode_bitwise_repeatable_and_out_in_place():

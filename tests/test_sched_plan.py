@@ -53,17 +53,19 @@ def expected_tiles(qo, kv, group, tile_q):
     return tiles
 
 
-def reference_lpt(qo, kv, group, tile_q, num_ctas, alpha, beta):
-    """The SPEC section 5 algorithm written plainly with Python objects."""
+def reference_lpt(qo, kv, group, tile_q, num_ctas, alpha, beta, overhead=0.0, limit=None):
+    """The SPEC section 5 algorithm written plainly with Python objects
+    (``limit``: force a chunk limit instead of SPEC's ceil(W/C))."""
     tiles = expected_tiles(qo, kv, group, tile_q)
     work = sum(k for _, k in tiles.values())
-    limit = max(1, -(-work // num_ctas))
+    if limit is None:
+        limit = max(1, -(-work // num_ctas))
     chunks = []
     for (r, t), (rows, k) in sorted(tiles.items()):
         n = max(1, -(-k // limit))
         for c in range(n):
             start, end = c * limit, min((c + 1) * limit, k)
-            chunks.append((alpha * rows + beta * (end - start), r, t, c, start, end))
+            chunks.append((overhead + alpha * rows + beta * (end - start), r, t, c, start, end))
     chunks.sort(key=lambda ch: (-ch[0], ch[1], ch[2], ch[3]))
     heap = [(0.0, c) for c in range(num_ctas)]
     queues = [[] for _ in range(num_ctas)]
@@ -71,7 +73,20 @@ def reference_lpt(qo, kv, group, tile_q, num_ctas, alpha, beta):
         load, c = heapq.heappop(heap)
         queues[c].append((r, t, start, end))
         heapq.heappush(heap, (load + cost, c))
-    return limit, queues
+    makespan = max(load for load, _ in heap)
+    return limit, queues, makespan
+
+
+def reference_auto_limit(qo, kv, group, tile_q, num_ctas, alpha, beta, overhead):
+    """chunk_limit="auto" written plainly: SPEC's limit, no split, and the longest
+    tile cut in 2..4, judged by LPT makespan; ties go to the larger limit."""
+    spec, _, _ = reference_lpt(qo, kv, group, tile_q, num_ctas, alpha, beta, overhead)
+    longest = max([k for _, k in expected_tiles(qo, kv, group, tile_q).values()], default=0)
+    cands = sorted({-(-longest // n) for n in range(1, 5)} - {spec}, reverse=True)
+    cands = [c for c in cands if c > spec] + [spec]
+    spans = [reference_lpt(qo, kv, group, tile_q, num_ctas, alpha, beta, overhead, c)[2]
+             for c in cands]
+    return cands[int(np.argmin(spans))], min(spans)
 
 
 def items_of(p: Plan):
@@ -161,7 +176,7 @@ def test_plan_matches_plain_python_lpt(lens, num_ctas, tile_q, group, alpha, bet
     # same queues, including every tie-break.
     qo, kv = lens
     p = plan(qo, kv, num_ctas, tile_q, group=group, alpha=alpha, beta=beta)
-    limit, queues = reference_lpt(qo, kv, group, p.tile_q, num_ctas, alpha, beta)
+    limit, queues, _ = reference_lpt(qo, kv, group, p.tile_q, num_ctas, alpha, beta)
     assert p.chunk_limit == limit
     got = [[item[:4] for item in items_of(p)[p.cta_indptr[c]:p.cta_indptr[c + 1]]]
            for c in range(num_ctas)]
@@ -181,6 +196,61 @@ def test_plan_is_deterministic(lens, num_ctas, tile_q, group, alpha, beta):
         assert x.dtype == y.dtype and np.array_equal(x, y), name
     assert (a.makespan, a.lower_bound, a.num_partials) == (b.makespan, b.lower_bound,
                                                            b.num_partials)
+
+
+@SETTINGS
+@given(lens=batches(max_kv=3000), overhead=st.sampled_from([0.0, 4.0, 50.0]), **plan_args)
+def test_auto_chunk_limit_matches_plain_python(lens, overhead, num_ctas, tile_q, group, alpha, beta):
+    # The candidate search, re-done by hand, picks the same limit and the same
+    # queues; the plan keeps every invariant (2*C partial bound included, since
+    # no candidate is below SPEC's limit) and is never worse under its own cost
+    # than the SPEC limit or no split.
+    qo, kv = lens
+    p = plan(qo, kv, num_ctas, tile_q, group=group, alpha=alpha, beta=beta,
+             chunk_overhead=overhead, chunk_limit="auto")
+    limit, span = reference_auto_limit(qo, kv, group, p.tile_q, num_ctas, alpha, beta, overhead)
+    assert p.chunk_limit == limit
+    _, queues, _ = reference_lpt(qo, kv, group, p.tile_q, num_ctas, alpha, beta, overhead, limit)
+    got = [[item[:4] for item in items_of(p)[p.cta_indptr[c]:p.cta_indptr[c + 1]]]
+           for c in range(num_ctas)]
+    assert got == queues
+    check_plan_invariants(p, qo, kv, group)
+    assert p.makespan == pytest.approx(span)
+    spec = plan(qo, kv, num_ctas, tile_q, group=group, alpha=alpha, beta=beta, chunk_overhead=overhead)
+    assert p.makespan <= spec.makespan + 1e-9
+    assert p.chunk_limit >= spec.chunk_limit
+
+
+def test_auto_chunk_limit_on_the_benchmark_shapes():
+    # 64 x 4096 keys on 66 CTAs: SPEC's limit (3972) leaves 124-key tails that two
+    # CTAs run 32 at a time; with a per-item price the search keeps requests whole.
+    const = [4096] * 64
+    spec = plan([1] * 64, const, 66, 4, group=4, chunk_overhead=50)
+    assert spec.chunk_limit == 3972 and spec.num_partials == 128
+    auto = plan([1] * 64, const, 66, 4, group=4, chunk_overhead=50, chunk_limit="auto")
+    assert auto.chunk_limit == 4096 and auto.num_partials == 0 and auto.makespan < spec.makespan
+    # Without the price SPEC's limit is already the best LPT can do here.
+    assert plan([1] * 64, const, 66, 4, group=4, chunk_limit="auto").chunk_limit == 3972
+    # Skewed (1 x 32k + 63 x 512): the long request must still be cut.
+    skew = [32768] + [512] * 63
+    auto = plan([1] * 64, skew, 66, 4, group=4, chunk_overhead=50, chunk_limit="auto")
+    assert auto.chunk_limit == plan([1] * 64, skew, 66, 4, group=4).chunk_limit == 986
+    assert auto.makespan < 1.1 * auto.lower_bound
+
+
+def test_forced_chunk_limit_and_bad_values():
+    p = plan([1, 1], [250, 30], 4, 1, chunk_limit=100)
+    assert p.chunk_limit == 100
+    assert sorted(zip(p.request.tolist(), p.kv_start.tolist(), p.kv_end.tolist())) == [
+        (0, 0, 100), (0, 100, 200), (0, 200, 250), (1, 0, 30)]
+    for bad in (0, -3, 2.5, "spec"):
+        with pytest.raises(ValueError, match="chunk_limit"):
+            plan([1], [10], 2, 1, chunk_limit=bad)
+    with pytest.raises(ValueError, match="chunk_overhead"):
+        plan([1], [10], 2, 1, chunk_overhead=-1)
+    # The overhead is part of every item's cost.
+    p = plan([1, 1], [10, 20], 1, 1, chunk_overhead=7)
+    np.testing.assert_allclose(sorted(p.item_cost()), [7 + 1 + 10, 7 + 1 + 20])
 
 
 def brute_force_makespan(costs, num_ctas):

@@ -169,11 +169,13 @@ def test_simulate_causal_plan():
 
 
 def test_lpt_policy_passes_overhead_to_planner():
-    # With a fixed per-chunk overhead the planner sees alpha + overhead/tile_q.
+    # The simulator's lpt is the planner with the simulator's own chunk price.
     cost = CostModel(alpha=1, beta=1, chunk_overhead=32, merge_cost=1)
-    r = simulate([1] * 64, [1024] * 64, 132, "lpt", cost=cost)
-    p = plan([1] * 64, [1024] * 64, 132, 1, alpha=33, beta=1)
-    assert r.num_chunks == p.num_items
+    kv = np.r_[[5000] * 3, [700] * 61]
+    r = simulate([1] * 64, kv, 132, "lpt", cost=cost)
+    p = plan([1] * 64, kv, 132, 1, alpha=1, beta=1, chunk_overhead=32, chunk_limit="auto")
+    assert r.num_chunks == p.num_items > 64
+    np.testing.assert_allclose(r.schedule.end[r.schedule.kind == 0].max(), p.makespan)
     np.testing.assert_array_equal(
         np.bincount(r.schedule.cta[r.schedule.kind == 0], minlength=132), np.diff(p.cta_indptr))
 

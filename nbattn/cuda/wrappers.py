@@ -73,7 +73,7 @@ from .merge import run_merge_tiles
 from .primitives import SIMULATOR
 
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
-           "WorkspaceLayout", "default_num_ctas"]
+           "WorkspaceLayout", "default_num_ctas", "decode_plan_ctas", "DECODE_CHUNK_OVERHEAD"]
 
 ALIGN = 256                 # byte alignment of every workspace array (16-byte loads need 16)
 HEADER = 8                  # int32 header words
@@ -82,9 +82,34 @@ _Q_TYPES = {"float16": "f16", "half": "f16", "bfloat16": "bf16", "float32": "f32
             "f16": "f16", "bf16": "bf16", "f32": "f32"}
 
 
+# Fixed price of one decode work item in KV tokens (the planner's
+# ``chunk_overhead``): queue entry, first page ids, pipeline fill, the combine
+# and the write of its state.  Fitted on the H200 from the decode kernel's time
+# for the same keys cut into 1, 4, 16 and 64 items per CTA
+# (``benchmarks/gpu_sched.py``, record ``item_overhead_tokens`` in sched.json).
+DECODE_CHUNK_OVERHEAD = 50.0
+
+
 def default_num_ctas() -> int:
-    """CTAs per KV head when the caller does not say: one per SM (4 on the simulator)."""
+    """CTAs per KV head the workspace is built for when the caller does not say:
+    one per SM (4 on the simulator).  A decode plan may use fewer (see
+    :meth:`BatchDecodeWithPagedKVCacheWrapper.plan`)."""
     return sm_count()
+
+
+def decode_plan_ctas(cfg, num_qo_heads: int, capacity: int) -> int:
+    """CTAs per KV head a decode plan balances over: the CTAs of the persistent
+    grid that are resident at once, at most ``capacity``.
+
+    The warp path's launch bounds promise ``cfg.min_blocks`` CTAs per SM, and
+    each planner CTA is ``num_qo_heads // heads_per_cta`` kernel CTAs.  Planning
+    for more queues than can run at once only cuts requests into chunks that
+    then wait for a second wave; the shared-memory path (simulator, fallback)
+    keeps the capacity."""
+    if cfg.path != "warp":
+        return capacity
+    head_blocks = num_qo_heads // cfg.heads_per_cta
+    return max(1, min(capacity, cfg.min_blocks * sm_count() // head_blocks))
 
 
 def _round_up(x: int, a: int = ALIGN) -> int:
@@ -193,7 +218,10 @@ class _PlanRunWrapper:
         self.max_work_items = int(max_work_items or max(1, nbytes // 1024))
         self.max_qo_rows = int(max_qo_rows or max(1, nbytes // 512))
         B, I = self.max_batch_size, self.max_work_items
-        sizes = {"header": HEADER, "cta_indptr": C + 1}
+        # Small per-plan arrays first and together, so one plan() is a handful of
+        # host-to-device copies (see _flush), not one per array.
+        sizes = {"header": HEADER, "cta_indptr": C + 1, "merge_indptr": C + 1, "merge_request": C,
+                 "merge_qo_tile": C, "merge_slots": 2 * C, "kv_indptr": B + 1, "kv_last": B}
         if self._decode:
             # A decode plan has one query tile per request, so at most
             # batch + 2*C items (the split tiles add at most 2*C chunks).
@@ -201,11 +229,10 @@ class _PlanRunWrapper:
         else:
             # Prefill work rows (8 int32 columns, see nbattn.cuda.prefill.build_work):
             # unsplit tiles, and the at most 2*C chunks of split tiles.
-            sizes.update(direct_rows=8 * I, split_rows=8 * 2 * C,
-                         qo_indptr=B + 1, row_pos=self.max_qo_rows, row_kvoff=self.max_qo_rows,
+            sizes.update(qo_indptr=B + 1, split_rows=8 * 2 * C, direct_rows=8 * I,
+                         row_pos=self.max_qo_rows, row_kvoff=self.max_qo_rows,
                          row_req=self.max_qo_rows)
-        sizes.update(merge_indptr=C + 1, merge_request=C, merge_qo_tile=C, merge_slots=2 * C,
-                     kv_indptr=B + 1, kv_indices=self.max_num_pages, kv_last=B)
+        sizes.update(kv_indices=self.max_num_pages)
         self.layout = WorkspaceLayout.build(nbytes, sizes)
         if self.layout.plan_bytes >= nbytes:
             raise ValueError(
@@ -214,6 +241,11 @@ class _PlanRunWrapper:
                 f"max_num_pages={self.max_num_pages}, max_work_items={I}); pass a larger "
                 f"buffer or smaller capacities")
         self._ints = self._ws[:self.layout.plan_bytes].view(np.int32)
+        # Fixed-shape views, made once: slicing a device array costs tens of us.
+        self._views = {name: self._ints[off // 4: off // 4 + max(cap, 1)]
+                       for name, (off, cap) in self.layout.arrays.items()}
+        self._host = np.zeros(self.layout.plan_bytes // 4, np.int32)   # staging image of the plan region
+        self._dirty: list = []         # element spans of _host that plan() wrote
         self._plan: Plan | None = None
         self._used: dict = {}          # elements of each array the last plan wrote
         self._slopes = None
@@ -222,8 +254,7 @@ class _PlanRunWrapper:
     # -- workspace views ----------------------------------------------------
     def _view(self, name: str):
         """Fixed-shape int32 view (the array's full capacity) of a plan array."""
-        off, cap = self.layout.arrays[name]
-        return self._ints[off // 4: off // 4 + max(cap, 1)]
+        return self._views[name]
 
     def _partials(self, slot_rows: int, num_qo_heads: int, head_dim: int):
         """(partial_o, partial_lse) flat float32 views for 2*C slots of ``slot_rows`` rows."""
@@ -261,19 +292,37 @@ class _PlanRunWrapper:
                 f"outputs and LSEs, here 2*{C} slots x {slot_rows} rows x {num_qo_heads} heads x "
                 f"({head_dim}+1) (T_q={tile_q}); pass at least {total} bytes or fewer num_ctas")
 
-    def _copy(self, name: str, host: np.ndarray, stream, *, clear_stale: bool = False) -> None:
-        """Copy ``host`` (int32) to the front of array ``name``.  With
-        ``clear_stale``, the rest of the array's capacity is zeroed, so a padded
-        fixed grid sees no-op rows there: the workspace may arrive uninitialized
-        (``torch.empty``) and a previous plan may have been longer."""
+    def _copy(self, name: str, host: np.ndarray, *, clear_stale: bool = False) -> None:
+        """Stage ``host`` (int32) at the front of array ``name``; :meth:`_flush`
+        sends it.  With ``clear_stale``, the rest of the array's capacity is
+        zeroed, so a padded fixed grid sees no-op rows there: the workspace may
+        arrive uninitialized (``torch.empty``) and a previous plan may have
+        been longer."""
         host = np.ascontiguousarray(host, dtype=np.int32).reshape(-1)
-        n = host.size
+        off, cap = self.layout.arrays[name]
+        start, n = off // 4, host.size
+        self._host[start:start + n] = host
+        end = start + n
         if clear_stale:
-            cap = int(self._view(name).size)
-            host = np.concatenate([host, np.zeros(cap - n, np.int32)])
-        if host.size:
-            self._view(name)[:host.size].copy_to_device(host, stream=stream)
+            self._host[end:start + cap] = 0
+            end = start + cap
+        if end > start:
+            self._dirty.append((start, end))
         self._used[name] = n
+
+    def _flush(self, stream) -> None:
+        """Copy the staged spans to the workspace, neighbours merged into one copy
+        when the gap between them is small (the small arrays sit together)."""
+        spans = sorted(self._dirty)
+        self._dirty = []
+        merged: list = []
+        for a, b in spans:
+            if merged and a - merged[-1][1] <= 4096:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        for a, b in merged:
+            self._ints[a:b].copy_to_device(self._host[a:b], stream=stream)
 
     def _stream(self):
         return A.launch_stream(self._ws_user)
@@ -290,18 +339,24 @@ class _PlanRunWrapper:
         header[H_NUM_MERGES] = p.num_merges
         header[H_NUM_PARTIALS] = p.num_partials
         header[H_BATCH] = len(kv_indptr) - 1
-        self._copy("header", header, stream)
-        self._copy("cta_indptr", p.cta_indptr, stream)
-        self._copy("merge_indptr", p.merge_indptr, stream)
-        self._copy("merge_request", p.merge_request, stream)
-        self._copy("merge_qo_tile", p.merge_qo_tile, stream)
-        self._copy("merge_slots", p.merge_slots, stream)
-        self._copy("kv_indptr", kv_indptr, stream)
-        self._copy("kv_indices", kv_indices, stream)
-        self._copy("kv_last", kv_last, stream)
+        self._copy("header", header)
+        # A plan may use fewer queues than the grid has CTAs: the rest get empty ones.
+        cta_indptr = np.full(self.num_ctas + 1, p.num_items, np.int32)
+        cta_indptr[:p.num_ctas + 1] = p.cta_indptr
+        self._copy("cta_indptr", cta_indptr)
+        self._copy("merge_indptr", p.merge_indptr)
+        self._copy("merge_request", p.merge_request)
+        self._copy("merge_qo_tile", p.merge_qo_tile)
+        self._copy("merge_slots", p.merge_slots)
+        self._copy("kv_indptr", kv_indptr)
+        self._copy("kv_indices", kv_indices)
+        self._copy("kv_last", kv_last)
 
     def _check_bound(self, p: Plan) -> None:
         C = self.num_ctas
+        if p.num_ctas > C:
+            raise ValueError(f"num_ctas: a plan over {p.num_ctas} CTAs does not fit the grid of "
+                             f"{C} the wrapper was built for")
         if p.num_partials > 2 * C or p.num_merges > C:
             raise ValueError(f"plan has {p.num_partials} partial slots / {p.num_merges} merges, over "
                              f"the SPEC section 5 bound of 2*C={2 * C} / C={C}")
@@ -391,14 +446,20 @@ class BatchDecodeWithPagedKVCacheWrapper(_PlanRunWrapper):
              head_dim: int, page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
              logits_soft_cap: float | None = None, q_data_type: Any = "float16",
              kv_data_type: Any = None, sm_scale: float | None = None, *, alpha: float = 1.0,
-             beta: float = 1.0, **variant) -> None:
+             beta: float = 1.0, chunk_overhead: float = DECODE_CHUNK_OVERHEAD,
+             chunk_limit: int | str | None = "auto", num_ctas: int | None = None,
+             **variant) -> None:
         """LPT-plan a decode step and copy the plan into the workspace.
 
         Arguments are FlashInfer's; other variant keywords of
         :mod:`nbattn.variants` (``sink_size``, ``use_sigmoid``, ``score_mod``,
-        ...) pass through.  ``alpha``/``beta`` are the planner's chunk cost
-        ``alpha*l_q + beta*l_kv``.  Raises before touching the workspace when
-        the plan would not fit it.
+        ...) pass through.  ``alpha``/``beta``/``chunk_overhead`` are the
+        planner's chunk cost ``chunk_overhead + alpha*l_q + beta*l_kv`` and
+        ``chunk_limit`` its limit rule (:func:`nbattn.sched.plan`; ``None`` is
+        SPEC section 5's ``ceil(W/C)``).  ``num_ctas`` (at most the
+        constructor's) is the planner's C; by default the resident CTAs of the
+        decode kernel per head block (:func:`decode_plan_ctas`).  Raises
+        before touching the workspace when the plan would not fit it.
         """
         t0 = time.perf_counter()
         var = variant_from_kwargs(dict(variant, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
@@ -409,19 +470,26 @@ class BatchDecodeWithPagedKVCacheWrapper(_PlanRunWrapper):
         pkv = _page_table(indptr, indices, last_page_len, page_size)
         batch = pkv.batch_size
         kv_lens = pkv.kv_lens
+        if num_ctas is None:
+            cfg = DEC.make_config(code, int(head_dim), group, self._kv_layout, var)
+            num_ctas = decode_plan_ctas(cfg, int(num_qo_heads), self.num_ctas)
+        elif not 1 <= int(num_ctas) <= self.num_ctas:
+            raise ValueError(f"num_ctas: must be in 1..{self.num_ctas} (the constructor's grid), "
+                             f"got {num_ctas}")
         # One query tile per request: its `group` fused rows are one decode CTA's heads.
-        p = lpt_plan(np.ones(batch, np.int64), kv_lens, self.num_ctas, tile_q=group, group=group,
-                     alpha=alpha, beta=beta)
+        p = lpt_plan(np.ones(batch, np.int64), kv_lens, int(num_ctas), tile_q=group, group=group,
+                     alpha=alpha, beta=beta, chunk_overhead=chunk_overhead, chunk_limit=chunk_limit)
         self._check_bound(p)
         self._check_fits(batch, int(pkv.paged_kv_indices.size), p.num_items, int(num_qo_heads),
                          int(head_dim), 1, group)
         stream = self._stream()
         self._write_common(p, pkv.paged_kv_indptr, pkv.paged_kv_indices,
                            pkv.paged_kv_last_page_len, stream)
-        self._copy("request", p.request, stream)
-        self._copy("kv_start", p.kv_start, stream)
-        self._copy("kv_end", p.kv_end, stream)
-        self._copy("out_slot", p.out_slot, stream)
+        self._copy("request", p.request)
+        self._copy("kv_start", p.kv_start)
+        self._copy("kv_end", p.kv_end)
+        self._copy("out_slot", p.out_slot)
+        self._flush(stream)
         self._slopes_for(int(num_qo_heads), stream)
         self._plan, self._variant, self._code = p, var, code
         self._num_qo_heads, self._num_kv_heads, self._group = int(num_qo_heads), int(num_kv_heads), group
@@ -534,12 +602,13 @@ class BatchPrefillWithPagedKVCacheWrapper(_PlanRunWrapper):
         self._write_common(p, pkv.paged_kv_indptr, pkv.paged_kv_indices,
                            pkv.paged_kv_last_page_len, stream)
         graph = self._use_cuda_graph
-        self._copy("direct_rows", direct, stream, clear_stale=graph)
-        self._copy("split_rows", split, stream, clear_stale=graph)
-        self._copy("qo_indptr", qo.qo_indptr, stream)
-        self._copy("row_pos", row_pos, stream)
-        self._copy("row_kvoff", row_kvoff, stream)
-        self._copy("row_req", row_req, stream)
+        self._copy("direct_rows", direct, clear_stale=graph)
+        self._copy("split_rows", split, clear_stale=graph)
+        self._copy("qo_indptr", qo.qo_indptr)
+        self._copy("row_pos", row_pos)
+        self._copy("row_kvoff", row_kvoff)
+        self._copy("row_req", row_req)
+        self._flush(stream)
         self._slopes_for(hq, stream)
         self._plan, self._variant, self._code = p, var, code
         self._spec, self._spec_part, self._slot_rows = spec, spec_part, slot_rows

@@ -26,11 +26,13 @@ Algorithm
 ---------
 * Total work ``W = sum_r ceil(l_qo[r]*group / tile_q) * l_kv[r]`` (KV tokens
   summed over query tiles).
-* Chunk limit ``L = max(1, ceil(W / num_ctas))``.
+* Chunk limit ``L = max(1, ceil(W / num_ctas))`` (SPEC section 5; see
+  "Choosing the chunk limit" below for ``chunk_limit="auto"``).
 * Every query tile's KV range ``[0, l_kv)`` is cut into chunks
   ``[k*L, min((k+1)*L, l_kv))``; all chunks but the last have length ``L``.
-* Chunk cost ``alpha*l_q + beta*l_kv`` with ``l_q`` the tile's fused row count
-  and ``l_kv`` the chunk length.
+* Chunk cost ``chunk_overhead + alpha*l_q + beta*l_kv`` with ``l_q`` the tile's
+  fused row count and ``l_kv`` the chunk length (``chunk_overhead`` defaults to
+  0, which is SPEC section 5's formula).
 * Chunks are sorted by cost, largest first; ties keep the order
   (request, query tile, chunk index).  The sort is stable, so this is exact.
 * A min-heap keyed by (accumulated cost, CTA id) hands each chunk to the least
@@ -42,6 +44,30 @@ of its KV tokens once (K and V, ``2*head_dim`` elements) and each fused query
 row about twice (read Q, write O: ``2*head_dim`` elements), so one fused row and
 one KV token cost about the same.  The ``alpha*l_q`` term is also what makes an
 extra chunk of a tile cost something: splitting is not free.
+
+Per-item overhead
+-----------------
+On the GPU every work item also pays a fixed price that does not grow with
+its length: reading the queue entry and the first page ids, the first loads
+of the pipeline, the combine and the write of its state.  On the H200 the
+decode kernel's item costs as much as streaming ~50 KV tokens (fitted from
+``benchmarks/results/sched.json``).  ``chunk_overhead`` puts that price into
+the cost, in the same units as ``beta*l_kv``; without it LPT sees a 100-token
+tail chunk as nearly free and stacks dozens of them onto one CTA.
+:class:`nbattn.sched.simulate.CostModel` uses the same name for the same term.
+
+Choosing the chunk limit
+------------------------
+SPEC section 5 fixes ``L = ceil(W / C)``, which balances perfectly when chunks
+cost nothing beyond their keys.  With a per-item overhead it can lose to not
+splitting at all: 64 requests of 4096 keys on C = 66 CTAs give ``L = 3972``,
+so each request becomes a 3972-key chunk plus a 124-key tail, and the two CTAs
+left over run 32 tails each.  ``chunk_limit="auto"`` therefore evaluates a few
+candidate limits -- the SPEC one, no split (the longest tile), and the longest
+tile cut in 2, 3 or 4 -- by the LPT makespan they produce under the full cost,
+and keeps the best (on ties, the largest limit, i.e. the fewest partial
+states).  ``chunk_limit=<int>`` forces a limit; ``None`` (default) is the SPEC
+rule.
 
 Edge cases
 ----------
@@ -120,6 +146,7 @@ class Plan:
     chunk_limit: int
     alpha: float
     beta: float
+    chunk_overhead: float
     causal: bool
     qo_lens: np.ndarray
     kv_lens: np.ndarray
@@ -160,9 +187,9 @@ class Plan:
         return np.minimum(rows - start, self.tile_q)
 
     def item_cost(self) -> np.ndarray:
-        """Cost ``alpha*l_q + beta*l_kv`` of every work item (float64)."""
+        """Cost ``chunk_overhead + alpha*l_q + beta*l_kv`` of every work item (float64)."""
         kv = (self.kv_end - self.kv_start).astype(np.float64)
-        return self.alpha * self.item_rows() + self.beta * kv
+        return self.chunk_overhead + self.alpha * self.item_rows() + self.beta * kv
 
     def item_cta(self) -> np.ndarray:
         """CTA id of every work item."""
@@ -241,7 +268,70 @@ def query_tiles(qo_lens, kv_lens, group, tile_q, causal):
 
 
 @njit(cache=True)
-def _plan_core(qo_lens, kv_lens, group, tile_q, num_ctas, alpha, beta, causal):
+def _lpt_makespan(cost, num_ctas):
+    """Makespan of LPT over ``cost`` (largest first onto the least-loaded CTA)."""
+    order = np.argsort(-cost, kind="mergesort")
+    load = np.zeros(num_ctas, np.float64)      # a binary min-heap of CTA loads
+    for j in range(cost.shape[0]):
+        load[0] += cost[order[j]]
+        pos = 0
+        while True:
+            best = 2 * pos + 1
+            if best >= num_ctas:
+                break
+            if best + 1 < num_ctas and load[best + 1] < load[best]:
+                best += 1
+            if load[best] < load[pos]:
+                tmp = load[pos]
+                load[pos] = load[best]
+                load[best] = tmp
+                pos = best
+            else:
+                break
+    return load.max() if num_ctas > 0 else 0.0
+
+
+@njit(cache=True)
+def _chunk_costs(tile_rows, tile_kv, limit, alpha, beta, overhead):
+    n = 0
+    for t in range(tile_kv.shape[0]):
+        n += max(1, (tile_kv[t] + limit - 1) // limit)
+    cost = np.empty(n, np.float64)
+    i = 0
+    for t in range(tile_kv.shape[0]):
+        k = max(1, (tile_kv[t] + limit - 1) // limit)
+        for c in range(k):
+            length = min(limit, tile_kv[t] - c * limit)
+            cost[i] = overhead + alpha * tile_rows[t] + beta * max(length, 0)
+            i += 1
+    return cost
+
+
+@njit(cache=True)
+def _auto_limit(tile_rows, tile_kv, num_ctas, alpha, beta, overhead, spec_limit):
+    """The candidate chunk limit with the smallest LPT makespan (module doc)."""
+    longest = 0
+    for t in range(tile_kv.shape[0]):
+        longest = max(longest, tile_kv[t])
+    best_limit = spec_limit
+    best = np.inf
+    # Largest limit first, replaced only by a strictly better one: ties keep fewer partials.
+    for k in range(1, 5):
+        cand = (longest + k - 1) // k
+        if cand <= spec_limit:
+            break
+        span = _lpt_makespan(_chunk_costs(tile_rows, tile_kv, cand, alpha, beta, overhead), num_ctas)
+        if span < best:
+            best, best_limit = span, cand
+    span = _lpt_makespan(_chunk_costs(tile_rows, tile_kv, spec_limit, alpha, beta, overhead), num_ctas)
+    if span < best:
+        best_limit = spec_limit
+    return best_limit
+
+
+@njit(cache=True)
+def _plan_core(qo_lens, kv_lens, group, tile_q, num_ctas, alpha, beta, overhead, causal, limit):
+    """``limit``: 0 = SPEC rule, -1 = auto, > 0 = forced chunk limit."""
     tile_request, tile_index, tile_rows, tile_kv = query_tiles(qo_lens, kv_lens, group, tile_q, causal)
     num_tiles = tile_request.shape[0]
     total_work = 0
@@ -249,6 +339,10 @@ def _plan_core(qo_lens, kv_lens, group, tile_q, num_ctas, alpha, beta, causal):
         total_work += tile_kv[t]
 
     chunk_limit = max(1, (total_work + num_ctas - 1) // num_ctas)
+    if limit > 0:
+        chunk_limit = limit
+    elif limit < 0:
+        chunk_limit = _auto_limit(tile_rows, tile_kv, num_ctas, alpha, beta, overhead, chunk_limit)
 
     # Chunk count per tile; a tile with no keys still gets one (empty) item.
     num_items = 0
@@ -286,7 +380,7 @@ def _plan_core(qo_lens, kv_lens, group, tile_q, num_ctas, alpha, beta, causal):
             qo_tile[i] = tile_index[t]
             kv_start[i] = start
             kv_end[i] = end
-            cost[i] = alpha * tile_rows[t] + beta * (end - start)
+            cost[i] = overhead + alpha * tile_rows[t] + beta * (end - start)
             if n > 1:
                 out_slot[i] = slot
                 merge_slots[slot] = slot
@@ -407,6 +501,8 @@ def plan(
     group: int = 1,
     alpha: float = DEFAULT_ALPHA,
     beta: float = DEFAULT_BETA,
+    chunk_overhead: float = 0.0,
+    chunk_limit: int | str | None = None,
     causal: bool = False,
     num_qo_heads: int | None = None,
     head_dim: int | None = None,
@@ -427,8 +523,12 @@ def plan(
     group:
         ``num_qo_heads // num_kv_heads``; each position contributes ``group``
         fused rows.
-    alpha, beta:
-        Chunk cost ``alpha*l_q + beta*l_kv``.
+    alpha, beta, chunk_overhead:
+        Chunk cost ``chunk_overhead + alpha*l_q + beta*l_kv``.
+    chunk_limit:
+        ``None``: SPEC section 5's ``ceil(W / num_ctas)``; ``"auto"``: the
+        candidate with the smallest makespan (module doc, "Choosing the chunk
+        limit"); a positive int: that limit.
     causal:
         Trim each query tile's KV range to what its last row can see
         (requires ``l_qo <= l_kv`` for non-empty requests).
@@ -453,8 +553,19 @@ def plan(
         raise ValueError(f"tile_q must be >= 1, got {tile_q}")
     alpha = float(alpha)
     beta = float(beta)
-    if not (alpha >= 0.0 and beta >= 0.0):
-        raise ValueError("alpha and beta must be non-negative")
+    overhead = float(chunk_overhead)
+    if not (alpha >= 0.0 and beta >= 0.0 and overhead >= 0.0):
+        raise ValueError("alpha, beta and chunk_overhead must be non-negative")
+    if chunk_limit is None:
+        limit = 0
+    elif isinstance(chunk_limit, str):
+        if chunk_limit != "auto":
+            raise ValueError(f'chunk_limit must be None, "auto" or a positive int, got {chunk_limit!r}')
+        limit = -1
+    else:
+        limit = int(chunk_limit)
+        if limit < 1 or limit != chunk_limit:
+            raise ValueError(f'chunk_limit must be None, "auto" or a positive int, got {chunk_limit!r}')
     if causal and np.any((kv > 0) & (qo > kv)):
         raise ValueError("causal plan needs qo_len <= kv_len for every request with keys")
     if qo.size and int(qo.max()) * group > np.iinfo(np.int32).max:
@@ -462,7 +573,8 @@ def plan(
 
     (chunk_limit, cta_indptr, request, qo_tile, kv_start, kv_end, out_slot, merge_indptr,
      merge_request, merge_qo_tile, merge_slots, num_partials, cta_cost,
-     lower_bound) = _plan_core(qo, kv, group, tile_q, num_ctas, alpha, beta, bool(causal))
+     lower_bound) = _plan_core(qo, kv, group, tile_q, num_ctas, alpha, beta, overhead, bool(causal),
+                               limit)
 
     result = Plan(
         num_ctas=num_ctas,
@@ -471,6 +583,7 @@ def plan(
         chunk_limit=int(chunk_limit),
         alpha=alpha,
         beta=beta,
+        chunk_overhead=overhead,
         causal=bool(causal),
         qo_lens=_readonly(qo.astype(np.int32)),
         kv_lens=_readonly(kv.astype(np.int32)),

@@ -41,10 +41,9 @@ Policies:
   number of equal chunks, ``num_splits`` (default: just enough that
   ``num_tiles * num_splits >= num_ctas``; never more chunks than keys), and the
   chunks are dispatched in (request, tile, chunk) order like ``one_per_cta``.
-* ``lpt``: the planner of :mod:`nbattn.sched.plan`, CTA queues run in plan order.
-  The planner's cost has no fixed per-chunk term, so it is called with
-  ``alpha = cost.alpha + cost.chunk_overhead / tile_q``: a full tile's chunk
-  then costs the planner exactly what it costs the simulator.  Without this,
+* ``lpt``: the planner of :mod:`nbattn.sched.plan` as the plan/run wrappers
+  call it: the simulator's cost (``chunk_overhead`` included) and
+  ``chunk_limit="auto"``; CTA queues run in plan order.  Without the overhead
   LPT would treat a 30-key tail chunk as nearly free and pile dozens of them
   onto one CTA.
 
@@ -377,11 +376,10 @@ def simulate(
     if tile_q is None:
         tile_q = choose_tile_q(qo, group)
     if policy == "lpt":
-        # The planner prices a chunk alpha*l_q + beta*l_kv and has no fixed term;
-        # spreading the fixed overhead over a full tile's rows lets it see the
-        # same chunk price as the simulator (exactly so for full tiles).
-        alpha = cost.alpha + cost.chunk_overhead / tile_q
-        p = plan(qo, kv, num_ctas, tile_q, group=group, alpha=alpha, beta=cost.beta)
+        # The planner prices a chunk exactly as the simulator does and picks its
+        # chunk limit under that price, as the plan/run wrappers ask it to.
+        p = plan(qo, kv, num_ctas, tile_q, group=group, alpha=cost.alpha, beta=cost.beta,
+                 chunk_overhead=cost.chunk_overhead, chunk_limit="auto")
         return simulate_plan(p, cost, workload)
     tiles = query_tiles(qo, kv, group, tile_q, False)
     if policy == "one_per_cta":
