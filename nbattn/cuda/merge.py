@@ -12,9 +12,11 @@ NaN.  A fold is always left to right in the order given -- no atomics -- so the
 same inputs give bitwise the same output.  Sigmoid attention has no LSE: its
 partial outputs simply add.
 
-Launch shape: one CTA per (row, head), threads over head_dim (looping when
-head_dim exceeds the block); every thread computes the row's weights itself
-(a few flops) so no shared memory is needed.
+Launch shape: one CTA per (row, head).  The pair/fold kernels put threads over
+head_dim and every thread computes the row's weights itself (a few flops).
+The split-KV contraction (:func:`run_merge_partials`) folds many partials per
+row, so it works in two passes with independent loads (see
+:func:`_partials_kernel`): the order is still fixed by the thread layout.
 
 Public (same signatures as :mod:`nbattn.reference`):
     merge_state(v_a, s_a, v_b, s_b) -> AttentionState(o, lse)
@@ -55,7 +57,7 @@ from ..layout import LayoutError, dtype_of, to_numpy
 from ..reference.state import AttentionState
 from . import _arrays as A
 from ._driver import jit_kernel
-from .primitives import SIMULATOR, device_fn, element_io
+from .primitives import SIMULATOR, device_fn, element_io, ld_v4
 
 __all__ = ["merge_state", "merge_states", "merge_state_in_place", "MergeMap", "run_merge_partials",
            "merge_partials_launch", "run_merge_tiles", "tile_merge_kernel", "merge_weights"]
@@ -88,6 +90,9 @@ def _threads(head_dim: int) -> int:
     return min(128, -(-head_dim // 32) * 32)
 
 
+# run_merge_partials: threads per CTA (a power of two: the LSE pass reduces in a tree)
+PARTIALS_THREADS = 8 if SIMULATOR else 256
+
 _kernels: dict = {}
 
 
@@ -95,33 +100,134 @@ def _jit(fn):
     return jit_kernel(fn)
 
 
-def _partials_kernel(code: str, head_dim: int, use_sigmoid: bool):
-    key = ("partials", code, head_dim, use_sigmoid)
+def _partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int):
+    """One CTA per (merge, head), in two passes so that no load waits on the
+    previous partial (a left fold is a chain of dependent loads, ~0.5 us per
+    partial on an H200: 66 partials of a 32k batch-1 split cost more than the
+    decode itself).
+
+    1. Every thread folds the LSEs of partials ``tid, tid + NB, ...`` into a
+       running (max, sum of 2^(lse - max)); a fixed-shape tree in shared memory
+       combines the NB pairs into the row's max M and total T.
+    2. Thread ``(ks, x)`` sums ``w_k * o_k`` over partials ``ks, ks + KS, ...``
+       for ``vec`` dims at ``x`` (16-byte loads when vec = 4), with
+       ``w_k = 2^(lse_k - M) / T`` (weights normalized before they touch a
+       vector: no overflow), four partials in flight per step; the KS sums
+       are added in ks order.
+
+    Every order is fixed by the thread layout: the same inputs give bitwise
+    the same output.  All-empty rows (M = -inf) give o = 0, lse = -inf."""
+    key = ("partials", code, head_dim, use_sigmoid, vec)
     if key in _kernels:
         return _kernels[key]
-    D, NB, SIGMOID = head_dim, _threads(head_dim), use_sigmoid
+    D, NB, SIGMOID, VW = head_dim, PARTIALS_THREADS, use_sigmoid, vec
+    DL = D // VW                 # vectors per row
+    DT = min(DL, NB)             # threads along the row
+    KS = NB // DT                # partial streams
+    RED = max(KS * D, 1)
+    ACC = 4 * VW                 # four partials in flight
     _, store_elem, _ = element_io(code)
 
+    @device_fn
+    def pair_fold(m1, l1, m2, l2):
+        mm = max(m1, m2)
+        if mm == NEG_INF:
+            return NEG_INF, float32(0.0)
+        return mm, l1 * math.exp2(m1 - mm) + l2 * math.exp2(m2 - mm)
+
+    @device_fn
+    def weight(lk, mx, inv):
+        if SIGMOID:
+            return float32(1.0)
+        if lk == NEG_INF:
+            return float32(0.0)
+        return float32(math.exp2(lk - mx)) * inv
+
+    @device_fn
+    def load_vec(part, i, dst, off):
+        if VW == 4:
+            a, b, c, d = ld_v4(part, i)
+            dst[off] = a
+            dst[off + 1] = b
+            dst[off + 2] = c
+            dst[off + 3] = d
+        else:
+            dst[off] = part[i]
+
     def kernel(part_o, part_lse, merge_indptr, merge_row, merge_slots, out, lse, num_heads):
+        red = cuda.shared.array(RED, np.float32)
+        sm_m = cuda.shared.array(NB, np.float32)
+        sm_l = cuda.shared.array(NB, np.float32)
+        acc = cuda.local.array(ACC, np.float32)
+        ov = cuda.local.array(ACC, np.float32)
         m = cuda.blockIdx.x
         h = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
         row = merge_row[m]
         first = merge_indptr[m]
         last = merge_indptr[m + 1]
-        for d in range(cuda.threadIdx.x, D, NB):
+
+        # pass 1: the row's max LSE and total mass (independent loads, tree combine)
+        mx = NEG_INF
+        inv = float32(0.0)
+        if not SIGMOID:
+            mt = NEG_INF
+            lt = float32(0.0)
+            for k in range(first + tid, last, NB):
+                mt, lt = pair_fold(mt, lt, part_lse[int64(merge_slots[k]) * num_heads + h], float32(1.0))
+            sm_m[tid] = mt
+            sm_l[tid] = lt
+            cuda.syncthreads()
+            s = NB // 2
+            while s > 0:
+                if tid < s:
+                    m2, l2 = pair_fold(sm_m[tid], sm_l[tid], sm_m[tid + s], sm_l[tid + s])
+                    sm_m[tid] = m2
+                    sm_l[tid] = l2
+                cuda.syncthreads()
+                s //= 2
+            mx = sm_m[0]
+            if mx != NEG_INF:
+                inv = float32(1.0) / sm_l[0]
+
+        # pass 2: weighted sums, four partials per step, KS streams added in order
+        ks = tid // DT
+        x0 = tid - ks * DT
+        if ks < KS:
+            for x in range(x0, DL, DT):
+                for e in range(ACC):
+                    acc[e] = 0.0
+                k = first + ks
+                while k + 3 * KS < last:
+                    for u in range(4):
+                        slot = int64(merge_slots[k + u * KS])
+                        load_vec(part_o, (slot * num_heads + h) * D + x * VW, ov, u * VW)
+                    for u in range(4):
+                        slot = int64(merge_slots[k + u * KS])
+                        w = weight(part_lse[slot * num_heads + h], mx, inv)
+                        for e in range(VW):
+                            acc[u * VW + e] += w * ov[u * VW + e]
+                    k += 4 * KS
+                while k < last:
+                    slot = int64(merge_slots[k])
+                    load_vec(part_o, (slot * num_heads + h) * D + x * VW, ov, 0)
+                    w = weight(part_lse[slot * num_heads + h], mx, inv)
+                    for e in range(VW):
+                        acc[e] += w * ov[e]
+                    k += KS
+                for e in range(VW):
+                    red[ks * D + x * VW + e] = (acc[e] + acc[VW + e]) + (acc[2 * VW + e] + acc[3 * VW + e])
+        cuda.syncthreads()
+        for d in range(tid, D, NB):
             o = float32(0.0)
-            l = NEG_INF
-            for k in range(first, last):
-                slot = int64(merge_slots[k])
-                o_k = part_o[(slot * num_heads + h) * D + d]
-                if SIGMOID:
-                    o += o_k
-                else:
-                    wa, wb, l = merge_weights(l, part_lse[slot * num_heads + h])
-                    o = wa * o + wb * o_k
+            for j in range(KS):
+                o += red[j * D + d]
             store_elem(out, (int64(row) * num_heads + h) * D + d, o)
-            if d == 0:
-                lse[int64(row) * num_heads + h] = float32(math.nan) if SIGMOID else l
+        if tid == 0:
+            if SIGMOID:
+                lse[int64(row) * num_heads + h] = float32(math.nan)
+            else:
+                lse[int64(row) * num_heads + h] = NEG_INF if mx == NEG_INF else mx + math.log2(sm_l[0])
 
     _kernels[key] = _jit(kernel)
     return _kernels[key]
@@ -135,9 +241,11 @@ def merge_partials_launch(partial_o, partial_lse, merge_map: MergeMap, out, lse,
     if m == 0:
         return None
     num_heads, head_dim = int(partial_o.shape[1]), int(partial_o.shape[2])
-    k = _partials_kernel(code, head_dim, bool(use_sigmoid))
-    return k, (m, num_heads), _threads(head_dim), (
-        A.flat(partial_o), A.flat(partial_lse), merge_map.merge_indptr, merge_map.merge_row,
+    po = A.flat(partial_o)
+    vec = 4 if head_dim % 4 == 0 and (SIMULATOR or po.__cuda_array_interface__["data"][0] % 16 == 0) else 1
+    k = _partials_kernel(code, head_dim, bool(use_sigmoid), vec)
+    return k, (m, num_heads), PARTIALS_THREADS, (
+        po, A.flat(partial_lse), merge_map.merge_indptr, merge_map.merge_row,
         merge_map.merge_slots, A.flat(out), A.flat(lse), num_heads)
 
 
