@@ -13,8 +13,12 @@
      * ``split_<n>``    -- FlashDecoding fixed KV chunks of n tokens, one CTA per
        chunk, merged in KV order (``split_work``; ``split_auto`` is the decode
        module's own heuristic ``choose_chunk``);
-     * ``lpt_C<c>``     -- the LPT plan on a fixed grid of c CTAs per KV head
-       (the wrapper's run(): persistent decode + fixed-grid merge).
+     * ``lpt``          -- the wrapper's default plan (persistent decode + fixed-grid
+       merge): C = one resident wave of CTAs per KV head, a per-item price,
+       ``chunk_limit="auto"``; ``lpt_spec_*`` -- SPEC section 5's rule exactly
+       (no price, L = ceil(W/C)) on that C and on one CTA per SM per KV head.
+   The decode kernel's per-item price is fitted in the same run
+   (``item_overhead_tokens``).
    Workloads: skewed (1 x 32k + 63 x 512), long-variable (64 x uniform
    8k-32k), constant (64 x 4k).
 3. Plan time (CPU, this run) vs run time; SPEC 6 break-even ``L*(u-v) > p+h``
@@ -162,16 +166,32 @@ def bench(fn, iters=15, rep=10):
 
 
 def copy_bandwidth() -> float | None:
+    """Device-to-device copy of 1 GiB (bytes read + written), as gpu_decode.py
+    measures it: the best of a plain memcpy and an SM copy kernel (a graph's
+    memcpy node alone read ~35% low here in session 1)."""
     if SIMULATOR:
         return None
     n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
-    a.random_(0, 255)
+    a = torch.empty(n // 4, dtype=torch.float32, device="cuda")
+    a.uniform_()
     b = torch.empty_like(a)
-    us, _ = bench(lambda: b.copy_(a), iters=10, rep=5)
-    a = b = None          # free the 2 GiB (rebinding, not del: pyflakes reads the lambda above as undefined)
+    best = 0.0
+    for fn in (lambda: b.copy_(a), lambda: torch.mul(a, 1.0, out=b)):
+        fn()
+        sync()
+        times = []
+        for _ in range(10):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(5):
+                fn()
+            e1.record()
+            e1.synchronize()
+            times.append(e0.elapsed_time(e1) * 1e-3 / 5)
+        best = max(best, 2 * n / statistics.median(times) / 1e9)
+    a = b = None          # free the 2 GiB (rebinding, not del: pyflakes reads the lambdas above as undefined)
     torch.cuda.empty_cache()
-    return 2 * n / (us * 1e-6) / 1e9
+    return best
 
 
 # ---------------------------------------------------------------------------
@@ -209,18 +229,66 @@ def lpt_wrapper(num_ctas):
     return BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", num_ctas=num_ctas)
 
 
-def plan_time_us(w, indptr, indices, last, lens, num_ctas, runs=30):
+def lpt_policies(sms):
+    """name -> keyword arguments of wrapper.plan().  ``lpt`` is the wrapper's
+    default (C = one resident wave, per-item price, chunk_limit="auto"); the
+    ``lpt_spec_*`` rows are SPEC section 5's rule exactly (no item price,
+    L = ceil(W/C)) on that C and on one CTA per SM per KV head, as in session 1."""
+    if SIMULATOR:
+        return {"lpt": {}, "lpt_spec_C4": dict(num_ctas=4, chunk_overhead=0.0, chunk_limit=None)}
+    return {"lpt": {},
+            "lpt_spec_resident": dict(chunk_overhead=0.0, chunk_limit=None),
+            f"lpt_spec_C{sms}": dict(num_ctas=sms, chunk_overhead=0.0, chunk_limit=None)}
+
+
+def plan_time_us(w, indptr, indices, last, lens, kw, runs=30):
     """Median wall time of wrapper.plan() (planner + copies into the workspace)
-    and of the planner alone."""
+    and of the planner alone, with the plan's own settings."""
     full, core = [], []
     for _ in range(runs):
         t = time.perf_counter()
-        w.plan(indptr, indices, last, HQ, HK, D, PAGE)
+        w.plan(indptr, indices, last, HQ, HK, D, PAGE, **kw)
         full.append(time.perf_counter() - t)
+        p = w.last_plan
         t = time.perf_counter()
-        lpt_plan(np.ones(len(lens), np.int64), lens, num_ctas, tile_q=HQ // HK, group=HQ // HK)
+        lpt_plan(np.ones(len(lens), np.int64), lens, p.num_ctas, tile_q=HQ // HK, group=HQ // HK,
+                 chunk_overhead=p.chunk_overhead, chunk_limit=kw.get("chunk_limit", "auto"))
         core.append(time.perf_counter() - t)
     return statistics.median(full) * 1e6, statistics.median(core) * 1e6
+
+
+def item_overhead_fit(q, cache, indptr, indices, last, out, lse, plan_ctas):
+    """The decode kernel's fixed price per work item, in KV tokens: the same
+    64 x 4096 keys on ``plan_ctas`` (= 64) planner CTAs, cut into n = 1, 4, 16, 64
+    items per CTA (forced chunk limits); kernel time T(n) = a + b*n, and the
+    price is b / (a / 4096) tokens (b: us per item, a / 4096: us per token of
+    one CTA's stream).  Decode kernel only: the merge pass is not timed."""
+    meta = [torch.from_numpy(x).to(DEV) for x in (indptr, indices, last)]
+    p = DEC.prepare_decode(q, cache, *meta, return_lse=True, out=out, lse=lse)
+    lens = p.kv_lens
+    per_cta = int(lens.sum()) // plan_ctas
+    up = lambda a: cuda.to_device(np.ascontiguousarray(a, np.int32))  # noqa: E731
+    ns, ts = [], []
+    for n in (1, 4, 16, 64):
+        limit = max(1, per_cta // n)
+        pl = lpt_plan(np.ones(len(lens), np.int64), lens, plan_ctas, tile_q=HQ // HK, group=HQ // HK,
+                      chunk_limit=limit)
+        work = DEC.WorkList(up(pl.cta_indptr), up(pl.request), up(pl.kv_start), up(pl.kv_end),
+                            up(pl.out_slot))
+        slots = max(pl.num_partials, 1)
+        po = cuda.device_array((slots, HQ, D), np.float32)
+        pls = cuda.device_array((slots, HQ), np.float32)
+
+        def run(work=work, po=po, pls=pls):
+            if not SIMULATOR:
+                p.stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+            DEC.run_decode_work(p, work, po, pls)
+        us, _ = bench(run)
+        ns.append(float(np.diff(pl.cta_indptr).max()))
+        ts.append(us)
+    b, a = np.polyfit(ns, ts, 1)
+    return dict(items_per_cta=ns, kernel_us=ts, us_per_item=float(b), us_fixed=float(a),
+                tokens_per_cta=per_cta, overhead_tokens=float(b / (a / per_cta)) if a > 0 else None)
 
 
 # ---------------------------------------------------------------------------
@@ -233,8 +301,8 @@ def main():
         torch.zeros(1, device="cuda")
     dev = "simulator" if SIMULATOR else torch.cuda.get_device_name()
     sms = default_num_ctas()
-    ctas = [4] if SIMULATOR else [sms // 2, sms, 2 * sms]
-    primary = sms
+    policies = lpt_policies(sms)
+    primary = "lpt"
     versions = {"torch": torch.__version__, "numpy": np.__version__, "python": sys.version.split()[0]}
     try:
         versions["numba_cuda"] = __import__("numba_cuda").__version__
@@ -251,7 +319,7 @@ def main():
         with open(os.path.join(OUT, "sched.json"), "w") as f:
             json.dump(obj, f, indent=1, default=str)
 
-    wrappers = {c: lpt_wrapper(c) for c in ctas}
+    wrappers = {name: lpt_wrapper(sms) for name in policies}
 
     # -- 1. correctness vs golden, poisoned outputs ------------------------------------
     wl = workloads(rng)
@@ -264,17 +332,17 @@ def main():
             out = torch.full_like(q, float("nan"))
             lse = torch.full(q.shape[:2], float("nan"), device=DEV)
             t = time.time()
-            w.plan(indptr, indices, last, HQ, HK, D, PAGE)
+            w.plan(indptr, indices, last, HQ, HK, D, PAGE, **policies[c])
             res = w.run(q, cache, out=out, lse=lse, return_lse=True)
             sync()
             first = time.time() - t
             if SIMULATOR:
                 out, lse = res
             rec = compare(out, lse, ref)
-            rec.update(first_call_s=first, num_ctas=c, merges=w.last_plan.num_merges,
+            rec.update(first_call_s=first, num_ctas=w.last_plan.num_ctas, merges=w.last_plan.num_merges,
                        items=w.last_plan.num_items)
-            checks[f"correct_{name}_C{c}"] = rec
-            log("correctness", name, "C", c, rec)
+            checks[f"correct_{name}_{c}"] = rec
+            log("correctness", name, c, rec)
         del q, cache
     save()
 
@@ -296,13 +364,13 @@ def main():
         o = w.run(q, cache)
         o = o if not SIMULATOR else torch.as_tensor(np.asarray(o))
         checks["bitwise_repeats"] = dict(runs=reps, equal=same, replan_equal=bool(torch.equal(o, first)))
-        records.append(dict(case=dict(workload="skewed", policy=f"lpt_C{primary}", runs=reps),
+        records.append(dict(case=dict(workload="skewed", policy=primary, runs=reps),
                             metric="bitwise_equal_runs", value=float(same), unit="runs"))
         log("bitwise", checks["bitwise_repeats"])
         if not SIMULATOR:
             checks["cuda_graph_replan"] = graph_check(w, q, cache, indptr, indices, last, lens)
             log("graph", checks["cuda_graph_replan"])
-            records.append(dict(case=dict(workload="skewed->replanned", policy=f"lpt_C{primary}"),
+            records.append(dict(case=dict(workload="skewed->replanned", policy=primary),
                                 metric="graph_replay_after_replan_ok",
                                 value=float(checks["cuda_graph_replan"].get("ok", False)), unit="bool"))
         del q, cache
@@ -331,15 +399,26 @@ def main():
                 info[key] = meta
             except Exception as exc:  # noqa: BLE001
                 log(key, "failed", repr(exc)[:200])
-        for c, w in wrappers.items():
-            key = f"lpt_C{c}"
-            w.plan(indptr, indices, last, HQ, HK, D, PAGE)
+        for key, w in wrappers.items():
+            w.plan(indptr, indices, last, HQ, HK, D, PAGE, **policies[key])
             times[key], graphed = bench(lambda w=w: w.run(q, cache, out=out, lse=lse))
             pl = w.last_plan
-            info[key] = dict(num_ctas=c, items=pl.num_items, partials=pl.num_partials,
-                             merges=pl.num_merges, chunk_limit=pl.chunk_limit, graphed=graphed)
-            p_full, p_core = plan_time_us(w, indptr, indices, last, lens, c, runs=30 if not SIMULATOR else 2)
+            info[key] = dict(num_ctas=pl.num_ctas, items=pl.num_items, partials=pl.num_partials,
+                             merges=pl.num_merges, chunk_limit=pl.chunk_limit,
+                             chunk_overhead=pl.chunk_overhead, graphed=graphed)
+            p_full, p_core = plan_time_us(w, indptr, indices, last, lens, policies[key],
+                                          runs=30 if not SIMULATOR else 2)
             info[key].update(plan_us=p_full, planner_only_us=p_core)
+        if name == "constant" and left() > 40:
+            # one planner CTA per request (64 <= one resident wave): n items of 4096/n keys each
+            fit = item_overhead_fit(q, cache, indptr, indices, last, out, lse, len(lens))
+            checks["item_overhead_fit"] = fit
+            log("item overhead fit", fit)
+            if fit["overhead_tokens"] is not None:
+                records.append(dict(case=dict(case, policy="forced_chunks", items_per_cta=fit["items_per_cta"],
+                                              kernel_us=fit["kernel_us"],
+                                              planner_chunk_overhead=wrappers[primary].last_plan.chunk_overhead),
+                                    metric="item_overhead_tokens", value=fit["overhead_tokens"], unit="KV tokens"))
         for key, us in times.items():
             peers = {k: v for k, v in times.items() if k != key}
             records.append(dict(case=dict(case, policy=key, **{k: v for k, v in info.get(key, {}).items()
@@ -348,7 +427,7 @@ def main():
             if bw:
                 records.append(dict(case=dict(case, policy=key), metric="bw_fraction",
                                     value=nbytes / (us * 1e-6) / 1e9 / bw, unit="fraction of copy bw"))
-        lpt = f"lpt_C{primary}"
+        lpt = primary
         base = times.get("one_per_cta")
         best_other = min(v for k, v in times.items() if not k.startswith("lpt"))
         best_all = min(times.values())
@@ -385,12 +464,13 @@ def main():
     # -- table ------------------------------------------------------------------------------
     print("\ncopy bandwidth GB/s:", None if bw is None else round(bw, 1))
     for name, times, info in table:
-        lpt = times.get(f"lpt_C{primary}")
+        lpt = times.get(primary)
         base = times.get("one_per_cta")
         print(f"{name:14s} " + "  ".join(f"{k}={v:8.1f}us" for k, v in times.items()))
         if lpt and base:
-            print(f"{'':14s} LPT(C={primary}) speedup vs one_per_cta {base / lpt:.2f}x, vs best "
-                  f"{min(times.values()) / lpt:.3f}x, plan {info[f'lpt_C{primary}']['plan_us']:.0f}us")
+            i = info[primary]
+            print(f"{'':14s} LPT(C={i['num_ctas']}, L={i['chunk_limit']}) speedup vs one_per_cta "
+                  f"{base / lpt:.2f}x, vs best {min(times.values()) / lpt:.3f}x, plan {i['plan_us']:.0f}us")
     print("checks:", json.dumps({k: (v.get("ok", v) if isinstance(v, dict) else v)
                                  for k, v in checks.items()}, default=str))
     print(f"total {time.time() - T0:.0f}s")

@@ -95,6 +95,23 @@ def test_decode_variant_passes_through():
           ref_decode(b, pos_encoding_mode="ALIBI", logits_soft_cap=5.0))
 
 
+def test_decode_merge_with_empty_partials_and_sigmoid():
+    # A short window leaves the early chunks of a split request fully masked:
+    # their partial LSE is -inf and the merge must weigh them 0.  Sigmoid
+    # partials simply add (no LSE).
+    rng = np.random.default_rng(11)
+    b = decode_batch(rng, [41, 2, 0, 26])
+    w = decode_wrapper(b, window_left=4)
+    assert w.last_plan.num_merges >= 1
+    close(w.run(b["q"], b["cache"], return_lse=True), ref_decode(b, window_left=4))
+    w = decode_wrapper(b, use_sigmoid=True)
+    assert w.last_plan.num_merges >= 1
+    ref = R.batch_decode_paged(b["q"], b["cache"], b["indptr"], b["indices"], b["last"],
+                               use_sigmoid=True)
+    np.testing.assert_allclose(np.asarray(w.run(b["q"], b["cache"]), np.float32), ref,
+                               rtol=4e-3, atol=4e-3)
+
+
 def test_decode_plan_serves_layers_and_replan_keeps_addresses():
     rng = np.random.default_rng(2)
     b = decode_batch(rng, [33, 4, 18, 1])

@@ -90,8 +90,13 @@ def _threads(head_dim: int) -> int:
     return min(128, -(-head_dim // 32) * 32)
 
 
-# run_merge_partials: threads per CTA (a power of two: the LSE pass reduces in a tree)
-PARTIALS_THREADS = 8 if SIMULATOR else 256
+def _partials_threads(per_merge: float) -> int:
+    """Threads per CTA of run_merge_partials (a power of two: the LSE pass is a
+    tree): one warp for a few partials a row (batch decode splits in two:
+    thousands of small CTAs), eight for many (batch 1: one row, ~64 partials)."""
+    if SIMULATOR:
+        return 8
+    return 32 if per_merge <= 8 else 256
 
 _kernels: dict = {}
 
@@ -100,7 +105,7 @@ def _jit(fn):
     return jit_kernel(fn)
 
 
-def _partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int):
+def _partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, threads: int):
     """One CTA per (merge, head), in two passes so that no load waits on the
     previous partial (a left fold is a chain of dependent loads, ~0.5 us per
     partial on an H200: 66 partials of a 32k batch-1 split cost more than the
@@ -117,10 +122,10 @@ def _partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int):
 
     Every order is fixed by the thread layout: the same inputs give bitwise
     the same output.  All-empty rows (M = -inf) give o = 0, lse = -inf."""
-    key = ("partials", code, head_dim, use_sigmoid, vec)
+    key = ("partials", code, head_dim, use_sigmoid, vec, threads)
     if key in _kernels:
         return _kernels[key]
-    D, NB, SIGMOID, VW = head_dim, PARTIALS_THREADS, use_sigmoid, vec
+    D, NB, SIGMOID, VW = head_dim, threads, use_sigmoid, vec
     DL = D // VW                 # vectors per row
     DT = min(DL, NB)             # threads along the row
     KS = NB // DT                # partial streams
@@ -243,8 +248,9 @@ def merge_partials_launch(partial_o, partial_lse, merge_map: MergeMap, out, lse,
     num_heads, head_dim = int(partial_o.shape[1]), int(partial_o.shape[2])
     po = A.flat(partial_o)
     vec = 4 if head_dim % 4 == 0 and (SIMULATOR or po.__cuda_array_interface__["data"][0] % 16 == 0) else 1
-    k = _partials_kernel(code, head_dim, bool(use_sigmoid), vec)
-    return k, (m, num_heads), PARTIALS_THREADS, (
+    nb = _partials_threads(int(partial_o.shape[0]) / m)
+    k = _partials_kernel(code, head_dim, bool(use_sigmoid), vec, nb)
+    return k, (m, num_heads), nb, (
         po, A.flat(partial_lse), merge_map.merge_indptr, merge_map.merge_row,
         merge_map.merge_slots, A.flat(out), A.flat(lse), num_heads)
 
@@ -267,6 +273,9 @@ def _tile_threads() -> int:
     return 16 if SIMULATOR else 128
 
 
+TILE_ROWS_MAX = 128   # the largest query tile (SPEC section 5: T_q <= 128)
+
+
 def tile_merge_kernel(code: str, head_dim: int, per_request_row: bool, use_sigmoid: bool):
     """Kernel folding each split query tile's partial slots into its final rows.
 
@@ -277,15 +286,37 @@ def tile_merge_kernel(code: str, head_dim: int, per_request_row: bool, use_sigmo
     in slot ``s`` its partial row is ``s*slot_rows + f//group - first_position``.
     With ``per_request_row`` (decode) request r has one row, row r
     (``qo_indptr`` is not read), and a slot holds one row.
+
+    Two passes per merge, like :func:`_partials_kernel` and for the same reason
+    (a left fold over partials is a chain of dependent loads, ~0.5 us each):
+    (1) ``J = NT // rows`` threads per row fold the LSEs of partials ``j, j+J,
+    ...`` into (max, mass), and one thread per row folds the J pairs from shared
+    memory in j order; (2) each output element sums ``2^(lse_k - M) / T * o_k``
+    over its partials in KV order, four loads issued before they are used.
+    Every order is fixed, so equal inputs give bitwise equal outputs; a row
+    whose partials are all empty gets o = 0, LSE = -inf.
     """
     key = ("tile", code, head_dim, per_request_row, use_sigmoid)
     if key in _kernels:
         return _kernels[key]
     D, NT, DECODE, SIGMOID = head_dim, _tile_threads(), per_request_row, use_sigmoid
+    RMAX = TILE_ROWS_MAX
     _, store_elem, _ = element_io(code)
+
+    @device_fn
+    def fold(m1, l1, m2, l2):
+        mm = max(m1, m2)
+        if mm == NEG_INF:
+            return NEG_INF, float32(0.0)
+        return mm, l1 * math.exp2(m1 - mm) + l2 * math.exp2(m2 - mm)
 
     def kernel(num_merges, merge_indptr, merge_request, merge_qo_tile, merge_slots, qo_indptr,
                part_o, part_lse, out, lse, num_qo_heads, group, tile_q, slot_rows):
+        sm_m = cuda.shared.array(NT, np.float32)
+        sm_l = cuda.shared.array(NT, np.float32)
+        row_m = cuda.shared.array(RMAX, np.float32)
+        row_l = cuda.shared.array(RMAX, np.float32)
+        tid = cuda.threadIdx.x
         kvh = cuda.blockIdx.y
         for m in range(cuda.blockIdx.x, num_merges[0], cuda.gridDim.x):
             r = merge_request[m]
@@ -300,25 +331,89 @@ def tile_merge_kernel(code: str, head_dim: int, per_request_row: bool, use_sigmo
             p0 = f0 // group
             first = merge_indptr[m]
             last = merge_indptr[m + 1]
-            for e in range(cuda.threadIdx.x, n_rows * D, NT):
-                f = f0 + e // D
-                d = e % D
-                p = f // group
+
+            # pass 1: each row's max LSE and total mass
+            if not SIGMOID:
+                J = max(1, NT // n_rows)
+                rows_per_pass = NT // J
+                for e0 in range(0, n_rows, rows_per_pass):
+                    e = e0 + tid // J
+                    j = tid % J
+                    mt = NEG_INF
+                    lt = float32(0.0)
+                    if tid // J < rows_per_pass and e < n_rows:
+                        f = f0 + e
+                        h = kvh * group + f % group
+                        off = f // group - p0
+                        for k in range(first + j, last, J):
+                            prow = int64(merge_slots[k]) * slot_rows + off
+                            mt, lt = fold(mt, lt, part_lse[prow * num_qo_heads + h], float32(1.0))
+                    sm_m[tid] = mt
+                    sm_l[tid] = lt
+                    cuda.syncthreads()
+                    if tid < rows_per_pass and e0 + tid < n_rows:
+                        mt = NEG_INF
+                        lt = float32(0.0)
+                        for i in range(J):
+                            mt, lt = fold(mt, lt, sm_m[tid * J + i], sm_l[tid * J + i])
+                        row_m[e0 + tid] = mt
+                        row_l[e0 + tid] = lt
+                    cuda.syncthreads()
+
+            # pass 2: weighted sums in KV order
+            for idx in range(tid, n_rows * D, NT):
+                e = idx // D
+                d = idx - e * D
+                f = f0 + e
                 h = kvh * group + f % group
+                off = f // group - p0
                 o = float32(0.0)
-                l = NEG_INF
-                for k in range(first, last):
-                    row = int64(merge_slots[k]) * slot_rows + p - p0
-                    o_k = part_o[(row * num_qo_heads + h) * D + d]
-                    if SIGMOID:
-                        o += o_k
-                    else:
-                        wa, wb, l = merge_weights(l, part_lse[row * num_qo_heads + h])
-                        o = wa * o + wb * o_k
-                dst = int64(qo_start + p) * num_qo_heads + h
+                mx = NEG_INF
+                inv = float32(0.0)
+                if not SIGMOID:
+                    mx = row_m[e]
+                    if mx != NEG_INF:
+                        inv = float32(1.0) / row_l[e]
+                if SIGMOID or mx != NEG_INF:
+                    k = first
+                    while k + 3 < last:
+                        r0 = int64(merge_slots[k]) * slot_rows + off
+                        r1 = int64(merge_slots[k + 1]) * slot_rows + off
+                        r2 = int64(merge_slots[k + 2]) * slot_rows + off
+                        r3 = int64(merge_slots[k + 3]) * slot_rows + off
+                        o0 = part_o[(r0 * num_qo_heads + h) * D + d]
+                        o1 = part_o[(r1 * num_qo_heads + h) * D + d]
+                        o2 = part_o[(r2 * num_qo_heads + h) * D + d]
+                        o3 = part_o[(r3 * num_qo_heads + h) * D + d]
+                        if SIGMOID:
+                            o += o0
+                            o += o1
+                            o += o2
+                            o += o3
+                        else:
+                            o += float32(math.exp2(part_lse[r0 * num_qo_heads + h] - mx)) * inv * o0
+                            o += float32(math.exp2(part_lse[r1 * num_qo_heads + h] - mx)) * inv * o1
+                            o += float32(math.exp2(part_lse[r2 * num_qo_heads + h] - mx)) * inv * o2
+                            o += float32(math.exp2(part_lse[r3 * num_qo_heads + h] - mx)) * inv * o3
+                        k += 4
+                    while k < last:
+                        r0 = int64(merge_slots[k]) * slot_rows + off
+                        o0 = part_o[(r0 * num_qo_heads + h) * D + d]
+                        if SIGMOID:
+                            o += o0
+                        else:
+                            o += float32(math.exp2(part_lse[r0 * num_qo_heads + h] - mx)) * inv * o0
+                        k += 1
+                dst = int64(qo_start + f // group) * num_qo_heads + h
                 store_elem(out, dst * D + d, o)
                 if d == 0:
-                    lse[dst] = float32(math.nan) if SIGMOID else l
+                    if SIGMOID:
+                        lse[dst] = float32(math.nan)
+                    elif mx == NEG_INF:
+                        lse[dst] = NEG_INF
+                    else:
+                        lse[dst] = mx + math.log2(row_l[e])
+            cuda.syncthreads()   # the next merge reuses row_m / row_l
 
     _kernels[key] = _jit(kernel)
     return _kernels[key]
@@ -330,6 +425,8 @@ def run_merge_tiles(num_merges, merge_indptr, merge_request, merge_qo_tile, merg
                     per_request_row: bool = False, use_sigmoid: bool = False, stream=0) -> None:
     """Launch :func:`tile_merge_kernel` on its fixed grid (see module doc); every
     array is a flat device array (``out`` raw-typed), asynchronous on ``stream``."""
+    if tile_q > TILE_ROWS_MAX:
+        raise ValueError(f"tile_q: at most {TILE_ROWS_MAX} rows per merged tile, got {tile_q}")
     k = tile_merge_kernel(code, head_dim, bool(per_request_row), bool(use_sigmoid))
     k[(num_ctas, num_kv_heads), _tile_threads(), stream](
         num_merges, merge_indptr, merge_request, merge_qo_tile, merge_slots, qo_indptr, partial_o,
