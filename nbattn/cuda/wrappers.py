@@ -551,8 +551,13 @@ class BatchPrefillWithPagedKVCacheWrapper(_PlanRunWrapper):
              causal: bool = False, pos_encoding_mode: str = "NONE", sm_scale: float | None = None,
              window_left: int = -1, logits_soft_cap: float | None = None,
              q_data_type: Any = "float16", kv_data_type: Any = None, *, alpha: float = 1.0,
-             beta: float = 1.0, tensor_cores: bool | None = None, **variant) -> None:
-        """LPT-plan a prefill step (FlashInfer's arguments) and copy it into the workspace."""
+             beta: float = 1.0, chunk_overhead: float = 0.0, chunk_limit: int | str | None = None,
+             tensor_cores: bool | None = None, **variant) -> None:
+        """LPT-plan a prefill step (FlashInfer's arguments) and copy it into the workspace.
+
+        The planner's cost and limit rule (``alpha``, ``beta``, ``chunk_overhead``,
+        ``chunk_limit``) default to SPEC section 5 exactly: the prefill kernel is
+        not persistent yet and its per-item price was not measured."""
         from . import prefill as P
 
         t0 = time.perf_counter()
@@ -577,7 +582,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PlanRunWrapper):
         # Positions one tile spans: tq/group when tiles start on a position boundary.
         slot_rows = tq // group if tq % group == 0 else tq // group + 2
         p = lpt_plan(qo.lengths, kv_lens, self.num_ctas, tile_q=tq, group=group, alpha=alpha,
-                     beta=beta, causal=var.causal)
+                     beta=beta, chunk_overhead=chunk_overhead, chunk_limit=chunk_limit,
+                     causal=var.causal)
         self._check_bound(p)
         n_direct = int(np.count_nonzero(p.out_slot == DIRECT))
         self._check_fits(qo.batch_size, int(pkv.paged_kv_indices.size), n_direct, hq, D, slot_rows,
