@@ -311,21 +311,23 @@ def _chunk_costs(tile_rows, tile_kv, limit, alpha, beta, overhead):
 def _auto_limit(tile_rows, tile_kv, num_ctas, alpha, beta, overhead, spec_limit):
     """The candidate chunk limit with the smallest LPT makespan (module doc)."""
     longest = 0
+    max_rows = 0
     for t in range(tile_kv.shape[0]):
         longest = max(longest, tile_kv[t])
+        max_rows = max(max_rows, tile_rows[t])
     best_limit = spec_limit
-    best = np.inf
-    # Largest limit first, replaced only by a strictly better one: ties keep fewer partials.
+    best = _lpt_makespan(_chunk_costs(tile_rows, tile_kv, spec_limit, alpha, beta, overhead), num_ctas)
     for k in range(1, 5):
         cand = (longest + k - 1) // k
         if cand <= spec_limit:
             break
+        # No plan beats its largest chunk: skip the LPT pass when that alone loses.
+        if overhead + alpha * max_rows + beta * cand > best:
+            continue
         span = _lpt_makespan(_chunk_costs(tile_rows, tile_kv, cand, alpha, beta, overhead), num_ctas)
-        if span < best:
+        # Candidates come largest first, so on a tie the larger limit (fewer partials) stays.
+        if span < best or (span == best and cand > best_limit):
             best, best_limit = span, cand
-    span = _lpt_makespan(_chunk_costs(tile_rows, tile_kv, spec_limit, alpha, beta, overhead), num_ctas)
-    if span < best:
-        best_limit = spec_limit
     return best_limit
 
 
