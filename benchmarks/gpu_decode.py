@@ -152,6 +152,8 @@ CORRECTNESS = [
     ("b16_f16_sigmoid", "f16", ("uniform", 16, 1, 4096), 16, 2, 4, 128, "NHD",
      dict(use_sigmoid=True, sigmoid_bias=-2.0), True),
     ("b64_f16_p16_g8_d128", "f16", ("uniform", 64, 1, 4096), 16, 4, 8, 128, "NHD", {}, True),
+    ("b16_f16_g8_variants", "f16", ("uniform", 16, 1, 8192), 16, 2, 8, 128, "NHD",
+     dict(causal=True, window_left=1000, sink_size=4, logits_soft_cap=30.0, pos_encoding_mode="ALIBI"), True),
 ]
 
 
@@ -357,6 +359,8 @@ def bench_case(batch, kv_len, hkv, copy_bw, gen, split_modes=("auto",), unrolls=
     runs = [(m, DEFAULT_PATH, 0, 4) for m in split_modes]
     if DEFAULT_PATH != "smem":
         runs += [(m, "smem", 0, 4) for m in split_modes] + [(split_modes[0], "warp", u, 4) for u in unrolls]
+        if with_path(p, DEFAULT_PATH, 0, lambda p: p.config().path) == "tc":   # the CUDA-core peer
+            runs += [(m, "warp", 0, 4) for m in split_modes]
         runs += [(split_modes[0], "warp", 0, h) for h in heads]
     for mode, path, unroll, hmax in runs:
         chunk = (with_path(p, path, unroll, DEC.choose_chunk, hmax) if mode == "auto"
@@ -365,6 +369,7 @@ def bench_case(batch, kv_len, hkv, copy_bw, gen, split_modes=("auto",), unrolls=
         fn, items = our_runner(p, chunk, path, unroll, hmax)
         ms, graphed = bench(fn)
         recs.append(dict(mode=mode, path=cfg.path, unroll=cfg.unroll, heads_per_cta=cfg.heads_per_cta,
+                         asked=(path, unroll, hmax),
                          chunk=chunk, items=items, ms=ms, graphed=graphed,
                          bw=nbytes / (ms * 1e-3) / 1e9 / copy_bw))
     # same-run sanity check of the default path's output against torch's math (dense copy)
@@ -510,6 +515,9 @@ def main(mode="all"):
     todo = [(c, "auto") for c in CORRECTNESS]
     todo += [(c, "smem") for c in CORRECTNESS if c[0] in ("b64_f16_p16_g8_d128", "b16_f16_variants")]
     todo += [(c, "warp8") for c in CORRECTNESS if c[0] in ("b64_f16_p16_g8_d128", "b8_bf16_p1_g8_d128_32k")]
+    # the CUDA-core warp path where the default is the tensor-core one
+    todo += [(c, "warp") for c in CORRECTNESS if c[0] in ("b64_f16_p16_g8_d128", "b256_f16_p16_g4_d128",
+                                                          "b16_f16_g8_variants")]
     for case, path in todo:
         if left() < 200:
             corr["records"].append({"case": case[0], "skipped": "time"})
@@ -596,6 +604,7 @@ def bench_main(rng, gen, dev, versions, corr=None):
             log("bench error", batch, L, hkv, traceback.format_exc()[-600:])
             continue
         smem = {r["mode"]: r["bw"] for r in recs if r["path"] == "smem"}
+        warp = {r["mode"]: r["bw"] for r in recs if r["asked"] == ("warp", 0, 4)}
         for r in recs:
             case = {"batch": batch, "kv_len": L, "num_qo_heads": 32, "num_kv_heads": hkv, "group": 32 // hkv,
                     "head_dim": 128, "page_size": 16, "dtype": "f16", "split": r["mode"],
@@ -606,6 +615,8 @@ def bench_main(rng, gen, dev, versions, corr=None):
             pe = dict(peers)
             if r["path"] != "smem":
                 pe["nbattn_smem"] = smem.get(r["mode"])
+            if r["path"] == "tc":
+                pe["nbattn_warp"] = warp.get(r["mode"])
             # the library's default path keeps the plain metric names (plots and notebooks
             # select them by case); the comparison runs get their own
             default = (r["path"], r["unroll"], r["heads_per_cta"]) == (recs[0]["path"], recs[0]["unroll"],

@@ -429,3 +429,26 @@ def test_warp_path_eight_heads_real_sizes_gpu(monkeypatch, code, layout, page_si
     assert (cfg.path, cfg.heads_per_cta) == ("warp", 8)
     assert not np.isnan(as_f32(o)).any() and not np.isnan(lse).any()
     check(o, lse, *golden(b, layout, return_lse=True), code, lse_tol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="needs a real GPU")
+@pytest.mark.parametrize("code,layout,page_size,hkv,group,head_dim,chunk,variant", [
+    ("f16", "NHD", 16, 4, 8, 128, "auto", {}),
+    ("bf16", "HND", 1, 2, 4, 128, 700, {}),
+    ("f16", "NHD", 5, 2, 6, 64, None, dict(window_left=900, sink_size=3, logits_soft_cap=20.0)),
+    ("bf16", "NHD", 16, 1, 8, 96, "auto", dict(pos_encoding_mode="ALIBI",
+                                               mask_mod=lambda b, h, q, k: (k + h) % 7 != 0)),
+])
+def test_tensor_core_path_real_sizes_gpu(monkeypatch, code, layout, page_size, hkv, group, head_dim, chunk, variant):
+    """The mma.sync decode path (GPU only, forced here) against the golden model."""
+    monkeypatch.setattr(DEC, "DECODE_PATH", "tc")
+    rng = np.random.default_rng([34, page_size, hkv, group, head_dim])
+    kv_lens = [0] + [int(x) for x in rng.integers(1, 6000, size=9)] + [17]
+    b = batch(rng, code, kv_lens=kv_lens, page_size=page_size, num_kv_heads=hkv, group=group,
+              head_dim=head_dim, layout=layout, share=True)
+    cfg, o, lse = _poisoned_run(b, layout, chunk, **variant)
+    assert cfg.path == "tc"
+    assert not np.isnan(as_f32(o)).any() and not np.isnan(lse).any()
+    check(o, lse, *golden(b, layout, return_lse=True, **variant), code, lse_tol=2e-3)
+    assert np.all(as_f32(o)[0] == 0) and np.all(np.isneginf(lse[0]))

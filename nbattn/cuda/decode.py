@@ -32,15 +32,20 @@ applies scale, variant transform and mask; (4) online softmax in base 2
 ``p * V`` for its tokens and chunk in registers.  At the end the NY partial
 accumulators are added through shared memory and the state is written.
 
-Two paths
----------
+Three paths
+-----------
 The kernel above (``path="smem"``) is the simulator's path and the fallback.
 On a GPU, :mod:`nbattn.cuda.decode_warp` (``path="warp"``) runs the same work
 list with no block barrier in its main loop; it is picked whenever the head
 dimension maps onto a warp (16-byte chunks, power-of-two lanes per token) and
-the arrays are 16-byte aligned.  ``DECODE_PATH`` (or the environment variable
-``NBATTN_DECODE_PATH``: ``auto`` | ``warp`` | ``smem``) overrides the choice;
-forcing ``warp`` under the simulator runs it with emulated shuffles (tests).
+the arrays are 16-byte aligned.  For GQA groups of at least ``TC_MIN_GROUP``
+heads, fp16/bf16 and head_dim 32..128 (softmax variants), the same module's
+tensor-core kernel (``path="tc"``, ``mma.sync`` with the group's heads as one
+operand) replaces the per-head CUDA-core math, which nears the FMA/issue
+limits there.  ``DECODE_PATH`` (or the environment variable
+``NBATTN_DECODE_PATH``: ``auto`` | ``warp`` | ``smem`` | ``tc``) overrides the
+choice; forcing ``warp`` under the simulator runs it with emulated shuffles
+(tests); ``tc`` exists on a GPU only.
 """
 from __future__ import annotations
 
@@ -67,13 +72,20 @@ __all__ = ["batch_decode_paged", "single_decode", "DecodeProblem", "WorkList", "
 MAX_HEAD_DIM = 256
 NEG_INF = float32(-math.inf)
 SMEM_BUDGET = 46 * 1024   # static shared memory stays under the 48 KB default
-DECODE_PATH = os.environ.get("NBATTN_DECODE_PATH", "auto")   # auto | warp | smem
+DECODE_PATH = os.environ.get("NBATTN_DECODE_PATH", "auto")   # auto | warp | smem | tc
 # heads per CTA on the warp path (q + acc registers).  4 is measured (H200: group 4 at
 # 0.88 of copy bandwidth; group 8 as two CTAs per KV head at 0.50).  8 (one CTA per
 # KV head for group 8: 168 registers, 3 CTAs/SM, unroll 2) is not measured yet.
 WARP_MAX_HEADS = 4
 WARP_WARPS = 1 if SIMULATOR else 4   # warps per CTA on the warp path
 WARP_UNROLL = 0           # tokens per row per step on the warp path (0: by heads per CTA)
+# tensor-core path (decode_warp.build_tc_kernel): groups >= TC_MIN_GROUP take it on a GPU
+# (0: never, unless DECODE_PATH = "tc")
+TC_MIN_GROUP = 0
+# 168 registers a thread (ptxas, sm_90): 12 warps an SM whatever the CTA shape; 6-warp CTAs,
+# 2 an SM, make 264 slots, so batch 64 x 8 KV heads (512 CTAs) fills ~2 waves rather than 1.3
+TC_WARPS = 6
+TC_MIN_BLOCKS = 2         # CTAs per SM the launch bounds ask for (caps registers)
 
 
 class WorkList(NamedTuple):
@@ -95,7 +107,7 @@ class DecodeConfig:
     nthreads: int
     tile_tokens: int
     aligned: bool       # 16-byte aligned q / cache: vector global loads
-    path: str = "smem"  # "smem" | "warp" (see module doc)
+    path: str = "smem"  # "smem" | "warp" | "tc" (see module doc)
     unroll: int = 1     # warp path: tokens per row per step
     min_blocks: int = 4  # warp path: CTAs per SM the launch bounds ask for (caps registers)
 
@@ -124,8 +136,18 @@ def _use_warp(code: str, head_dim: int, aligned: bool) -> bool:
     return DECODE_PATH == "warp" or not SIMULATOR
 
 
+def _use_tc(code: str, head_dim: int, group: int, aligned: bool, variant: Variant) -> bool:
+    if DECODE_PATH not in ("auto", "tc") or not WARP.tc_eligible(code, head_dim, aligned, variant):
+        return False
+    return DECODE_PATH == "tc" or (TC_MIN_GROUP > 0 and group >= TC_MIN_GROUP)
+
+
 def make_config(code: str, head_dim: int, group: int, kv_layout: str, variant: Variant,
                 aligned: bool = True) -> DecodeConfig:
+    if _use_tc(code, head_dim, group, aligned, variant):
+        hg = heads_per_cta(group)
+        return DecodeConfig(code, head_dim, hg, kv_layout, kernel_variant_key(variant), 32 * TC_WARPS,
+                            16 * TC_WARPS, aligned, "tc", 1, TC_MIN_BLOCKS)
     if _use_warp(code, head_dim, aligned):
         hg = WARP.warp_heads_per_cta(group, WARP_MAX_HEADS, WARP.warp_geometry(code, head_dim, 1, 1, 1)[0])
         nw = WARP_WARPS
@@ -171,6 +193,8 @@ def decode_kernel(cfg: DecodeConfig):
     if k is None:
         if cfg.path == "warp":
             k = WARP.build_warp_kernel(cfg, cfg.nthreads // 32, cfg.unroll, cfg.min_blocks)
+        elif cfg.path == "tc":
+            k = WARP.build_tc_kernel(cfg, cfg.nthreads // 32, cfg.min_blocks)
         else:
             k = _build(cfg)
         _kernels[cfg] = k
@@ -520,19 +544,23 @@ def split_work(kv_lens: np.ndarray, kv_chunk_size: int | None):
 
 
 def choose_chunk(p: DecodeProblem) -> int | None:
-    """Built-in split heuristic: split only when the unsplit grid leaves the
-    GPU underfilled (fewer than ~4 CTAs per SM), into chunks no shorter than
-    a few tiles; None means no split."""
+    """Built-in split heuristic: split only when the unsplit grid leaves CTA slots
+    of the GPU empty (slots = SMs x the CTAs per SM the kernel's registers
+    allow), into at most one wave of CTAs -- a second, partial wave costs as
+    much as a full one -- and into chunks of at least a few tiles; None means
+    no split."""
     cfg = p.config()
     ctas = p.batch * (p.num_qo_heads // cfg.heads_per_cta)
-    target = 4 * sm_count()
+    slots = (cfg.min_blocks if cfg.path in ("warp", "tc") else 4) * sm_count()
     longest = int(p.kv_lens.max()) if p.batch else 0
-    if ctas >= target or longest == 0:
+    if ctas >= slots or longest == 0:
         return None
-    splits = -(-target // max(ctas, 1))
-    floor = 8 * cfg.tile_tokens
+    splits = max(1, slots // max(ctas, 1))
+    # tensor-core CTAs take their warps' 16-token tiles in turn: any multiple of 16 works
+    grain = 16 if cfg.path == "tc" else cfg.tile_tokens
+    floor = (4 if cfg.path == "tc" else 8) * cfg.tile_tokens
     chunk = max(floor, -(-longest // splits))
-    chunk = -(-chunk // cfg.tile_tokens) * cfg.tile_tokens
+    chunk = -(-chunk // grain) * grain
     return None if chunk >= longest else chunk
 
 
@@ -555,7 +583,7 @@ def run_decode_work(p: DecodeProblem, work: WorkList, partial_o=None, partial_ls
     n_hb = p.num_qo_heads // cfg.heads_per_cta
     tail = (A.flat(p.out_dev), A.flat(p.lse_dev), A.flat(partial_o), A.flat(partial_lse),
             p.slopes, np.float32(p.sm_scale), np.float32(p.variant.sigmoid_bias))
-    if cfg.path == "warp":
+    if cfg.path in ("warp", "tc"):
         ps = p.page_size
         shift = ps.bit_length() - 1 if ps & (ps - 1) == 0 else -1
         decode_kernel(cfg)[num_ctas * n_hb, cfg.nthreads, p.stream](

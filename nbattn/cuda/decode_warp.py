@@ -53,7 +53,8 @@ from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, ele
 from ._driver import _closure_hashable
 from .variants import LOG2E, variant_device_fns
 
-__all__ = ["warp_eligible", "warp_heads_per_cta", "build_warp_kernel", "warp_geometry"]
+__all__ = ["warp_eligible", "warp_heads_per_cta", "build_warp_kernel", "warp_geometry", "tc_eligible",
+           "build_tc_kernel"]
 
 NEG_INF = float32(-math.inf)
 
@@ -321,4 +322,265 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
 
     if SIMULATOR:                 # the simulator refuses launch bounds
         return cuda.jit(kernel)
+    return cuda.jit(kernel, cache=_closure_hashable(kernel), launch_bounds=(NT, min_blocks))
+
+
+# ---------------------------------------------------------------------------
+# Tensor-core variant (GPU only, fp16/bf16): the group's heads as one mma operand
+# ---------------------------------------------------------------------------
+
+def tc_eligible(code: str, head_dim: int, aligned: bool, variant) -> bool:
+    """fp16/bf16, head_dim 32..128 in steps of 32 (256 spills: ptxas, sm_90), softmax
+    (not sigmoid) variants."""
+    return (not SIMULATOR and aligned and code in ("f16", "bf16") and head_dim % 32 == 0
+            and head_dim <= 128 and not variant.use_sigmoid)
+
+
+def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
+    """Decode with ``mma.sync.m16n8k16`` for a block of up to 8 query heads of one
+    KV head; same work list, arguments and launch as :func:`build_warp_kernel`.
+
+    Per warp and step a tile of 16 tokens (two halves of 8; lane ``4g + t``
+    loads tokens ``g`` and ``8 + g`` of the tile, 16 bytes at a time):
+
+    * ``S = Q K^T`` as heads x tokens (8 heads padded to the 16 rows of A, one
+      n-tile of 8 tokens per half).  A lane's 16 bytes ``32j + 8t ..+8`` of a
+      K row are the B fragments of two k-steps (words 0,1 and 2,3); Q's A
+      fragments are loaded with the same permutation of head_dim, so the dot
+      products are unchanged.
+    * ``O^T += V^T P^T`` (head_dim x heads, k = the 16 tokens): the C fragment
+      of S (head ``g``, tokens ``2t, 2t+1``) *is* the B fragment of P^T, and
+      ``movmatrix.trans`` turns each 16-byte word of a lane's V row into an A
+      fragment of V^T (row ``g`` of word ``i`` of chunk ``j`` is dim
+      ``32j + 8(g >> 1) + 2i + (g & 1)``).  No shared memory in the loop.
+    * Online softmax per head row on the C fragments (quad shuffles); the
+      accumulator's columns are heads ``2t, 2t+1``, whose rescale factors
+      are fetched with two indexed shuffles.
+
+    Each warp keeps its own state over tiles ``warp, warp + NW, ...``; the
+    warps' states meet once at the end (SPEC 3 merge rule), as in the
+    CUDA-core kernel."""
+    from . import mma as MMA
+
+    D = cfg.head_dim
+    HG = cfg.heads_per_cta
+    assert HG <= 8 and D % 32 == 0
+    EPW = ELEMS_PER_WORD[cfg.code]
+    W = D // EPW
+    NJ = D // 32                 # 32-dim chunks: one 16-byte load per lane per token
+    QL, HL, AL = 4 * NJ, 4 * NJ, 8 * NJ   # q words, words per token half, accumulator floats
+    KL = 2 * HL
+    NW = nwarps
+    NT = 32 * NW
+    STEP = 16 * NW
+    ACC_LEN, ML_LEN = NW * 8 * D, NW * 8
+    NHD = cfg.kv_layout == "NHD"
+    var = cfg.variant
+    ALIBI = var.has_alibi
+    PLAIN = not ALIBI and not var.has_soft_cap and var.score_mod is None
+    MASKED = var.window_left >= 0 or var.mask_mod is not None
+    _, store_elem, _ = element_io(cfg.code)
+    transform, keep = variant_device_fns(var)
+    mma = MMA.mma_f16 if cfg.code == "f16" else MMA.mma_bf16
+    pack = MMA.pack_f16x2 if cfg.code == "f16" else MMA.pack_bf16x2
+    movt = MMA.movmatrix_t
+
+    @device_fn
+    def page_slot(pos, page_size, ps_shift):
+        if ps_shift >= 0:
+            pi = uint32(pos) >> uint32(ps_shift)
+            return pi, uint32(pos) & uint32(page_size - 1)
+        pi = uint32(pos) // uint32(page_size)
+        return pi, uint32(pos) - pi * uint32(page_size)
+
+    def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, ps_shift, num_kv_heads,
+               num_qo_heads, n_head_blocks, cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
+               out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias):
+        st_acc = cuda.shared.array(ACC_LEN, np.float32)
+        st_m = cuda.shared.array(ML_LEN, np.float32)
+        st_l = cuda.shared.array(ML_LEN, np.float32)
+        qa = cuda.local.array(QL, np.uint32)
+        kw = cuda.local.array(KL, np.uint32)
+        vw = cuda.local.array(KL, np.uint32)
+        acc = cuda.local.array(AL, np.float32)
+        sc = cuda.local.array(4, np.float32)
+        pg = cuda.local.array(2, np.int64)
+
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g = lane >> 2
+        t = lane & 3
+        cta = cuda.blockIdx.x // n_head_blocks
+        h0 = (cuda.blockIdx.x - cta * n_head_blocks) * HG
+        h_row = h0 + min(g, HG - 1)      # my score row's head (padding rows borrow the last)
+        kvh = h0 // (num_qo_heads // num_kv_heads)
+        ps = int64(page_size)
+        hkv = int64(num_kv_heads)
+        v_off = ps * hkv * W
+        page_words = 2 * v_off
+        if NHD:
+            slot_words = uint32(num_kv_heads * W)
+            my_off = int64(kvh) * W + t * 4
+        else:
+            slot_words = uint32(W)
+            my_off = int64(kvh) * ps * W + t * 4
+        qscale = float32(sm_scale * float32(LOG2E))
+        slope = slopes[h_row] if ALIBI else float32(0.0)
+        zero = float32(0.0)
+
+        for item in range(cta_indptr[cta], cta_indptr[cta + 1]):
+            r = w_request[item]
+            kv_start = w_kv_start[item]
+            kv_end = w_kv_end[item]
+            slot = w_out_slot[item]
+            page_base = int64(kv_indptr[r])
+            n_pages = kv_indptr[r + 1] - kv_indptr[r]
+            kv_len = (n_pages - 1) * page_size + kv_last[r] if n_pages > 0 else 0
+            q_idx = kv_len - 1
+
+            for j in range(NJ):
+                w0 = w1 = w2 = w3 = uint32(0)
+                if g < HG:
+                    w0, w1, w2, w3 = load_v4(q_w, (int64(r) * num_qo_heads + h0 + g) * W + j * 16 + t * 4)
+                qa[4 * j] = w0
+                qa[4 * j + 1] = w1
+                qa[4 * j + 2] = w2
+                qa[4 * j + 3] = w3
+            for e in range(AL):
+                acc[e] = 0.0
+            m_row = NEG_INF
+            l_part = float32(0.0)
+            first = kv_start + warp * 16
+            for hf in range(2):
+                pos = first + 8 * hf + g
+                pg[hf] = 0
+                if pos < kv_end:
+                    pi, _ = page_slot(pos, page_size, ps_shift)
+                    pg[hf] = kv_indices[page_base + int64(pi)]
+
+            for base in range(first, kv_end, STEP):      # the same trip count in all lanes of a warp
+                for hf in range(2):
+                    pos = base + 8 * hf + g
+                    ok = pos < kv_end
+                    row_k = int64(0)
+                    if ok:
+                        _, within = page_slot(pos, page_size, ps_shift)
+                        row_k = pg[hf] * page_words + int64(within * slot_words) + my_off
+                    for j in range(NJ):
+                        k0 = k1 = k2 = k3 = v0 = v1 = v2 = v3 = uint32(0)
+                        if ok:
+                            k0, k1, k2, k3 = load_v4(kv_w, row_k + j * 16)
+                            v0, v1, v2, v3 = load_v4(kv_w, row_k + v_off + j * 16)
+                        o = hf * HL + 4 * j
+                        kw[o] = k0
+                        kw[o + 1] = k1
+                        kw[o + 2] = k2
+                        kw[o + 3] = k3
+                        vw[o] = v0
+                        vw[o + 1] = v1
+                        vw[o + 2] = v2
+                        vw[o + 3] = v3
+                for hf in range(2):
+                    pos = base + STEP + 8 * hf + g
+                    if pos < kv_end:
+                        pi, _ = page_slot(pos, page_size, ps_shift)
+                        pg[hf] = kv_indices[page_base + int64(pi)]
+
+                # S: heads x 8 tokens per half; two independent chains per half
+                for hf in range(2):
+                    xa0 = xa1 = xb0 = xb1 = zero
+                    for j in range(NJ):
+                        o = hf * HL + 4 * j
+                        xa0, xa1, _, _ = mma(qa[4 * j], uint32(0), qa[4 * j + 1], uint32(0),
+                                             kw[o], kw[o + 1], xa0, xa1, zero, zero)
+                        xb0, xb1, _, _ = mma(qa[4 * j + 2], uint32(0), qa[4 * j + 3], uint32(0),
+                                             kw[o + 2], kw[o + 3], xb0, xb1, zero, zero)
+                    sc[2 * hf] = xa0 + xb0
+                    sc[2 * hf + 1] = xa1 + xb1
+
+                mx = NEG_INF
+                for e in range(4):
+                    pos = base + 8 * (e >> 1) + 2 * t + (e & 1)
+                    s = sc[e]
+                    if PLAIN:
+                        s = s * qscale
+                    else:
+                        s = transform(s * sm_scale, r, h_row, q_idx, pos, slope) * float32(LOG2E)
+                    ok = pos < kv_end
+                    if MASKED:
+                        ok = ok and keep(r, h_row, q_idx, pos)
+                    s = s if ok else NEG_INF
+                    sc[e] = s
+                    mx = max(mx, s)
+                mx = max(mx, shfl_xor_f32(mx, 1))
+                mx = max(mx, shfl_xor_f32(mx, 2))
+                m_new = max(m_row, mx)
+                f = float32(1.0) if m_new == NEG_INF else exp2f(m_row - m_new)
+                m_row = m_new
+                l_part *= f
+                for e in range(4):
+                    p = float32(0.0) if sc[e] == NEG_INF else exp2f(sc[e] - m_new)
+                    sc[e] = p
+                    l_part += p
+                b0 = pack(sc[0], sc[1])
+                b1 = pack(sc[2], sc[3])
+                f0 = shfl_idx_f32(f, 8 * t)          # columns 2t, 2t+1 of O^T are heads 2t, 2t+1
+                f1 = shfl_idx_f32(f, 8 * t + 4)
+                # O^T += V^T P^T: 16 dims x 8 heads per mma, k = the tile's 16 tokens
+                for j in range(NJ):
+                    for pp in range(2):
+                        o = 4 * j + 2 * pp
+                        a0 = movt(vw[o])
+                        a1 = movt(vw[o + 1])
+                        a2 = movt(vw[HL + o])
+                        a3 = movt(vw[HL + o + 1])
+                        c = 4 * (2 * j + pp)
+                        d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, acc[c] * f0, acc[c + 1] * f1,
+                                             acc[c + 2] * f0, acc[c + 3] * f1)
+                        acc[c] = d0
+                        acc[c + 1] = d1
+                        acc[c + 2] = d2
+                        acc[c + 3] = d3
+
+            # my row's mass, then the warps' states through shared memory
+            l_row = l_part + shfl_xor_f32(l_part, 1)
+            l_row += shfl_xor_f32(l_row, 2)
+            for j in range(NJ):
+                for pp in range(2):
+                    for c in range(4):
+                        head = 2 * t + (c & 1)
+                        dim = 32 * j + 8 * (g >> 1) + 2 * (2 * pp + (c >> 1)) + (g & 1)
+                        st_acc[(warp * 8 + head) * D + dim] = acc[4 * (2 * j + pp) + c]
+            if t == 0:
+                st_m[warp * 8 + g] = m_row
+                st_l[warp * 8 + g] = l_row
+            cuda.syncthreads()
+            for i in range(tid, HG * D, NT):
+                hh = i // D
+                dd = i - hh * D
+                h = h0 + hh
+                o = float32(0.0)
+                mm = NEG_INF
+                for y in range(NW):
+                    mm = max(mm, st_m[y * 8 + hh])
+                row_lse = NEG_INF
+                if mm != NEG_INF:
+                    tot = float32(0.0)
+                    for y in range(NW):
+                        wy = exp2f(st_m[y * 8 + hh] - mm)
+                        tot += wy * st_l[y * 8 + hh]
+                        o += wy * st_acc[(y * 8 + hh) * D + dd]
+                    o = o / tot
+                    row_lse = mm + math.log2(tot)
+                if slot < 0:
+                    store_elem(out, (int64(r) * num_qo_heads + h) * D + dd, o)
+                    if dd == 0:
+                        lse[int64(r) * num_qo_heads + h] = row_lse
+                else:
+                    part_o[(int64(slot) * num_qo_heads + h) * D + dd] = o
+                    if dd == 0:
+                        part_lse[int64(slot) * num_qo_heads + h] = row_lse
+            cuda.syncthreads()
+
     return cuda.jit(kernel, cache=_closure_hashable(kernel), launch_bounds=(NT, min_blocks))

@@ -123,3 +123,22 @@ else:  # simulator: names exist, calling them is an error the factory never make
 
     mma_f16 = mma_bf16 = pack_f16x2 = pack_bf16x2 = load_u32x4 = _gpu_only
 
+
+# movmatrix (the decode tensor-core path, nbattn.cuda.decode_warp): the transpose of
+# an 8x8 b16 matrix held in the mma fragment layout (lane 4g + t has row g, columns
+# 2t, 2t+1 in one uint32), returned in the same layout.  Warp-collective.
+__all__ += ["movmatrix_t"]
+
+if AVAILABLE:
+    @intrinsic
+    def movmatrix_t(typingctx, a):
+        sig = types.uint32(types.uint32)
+
+        def codegen(context, builder, sig_, args):
+            fnty = ir.FunctionType(_u32, [_u32])
+            call = ir.InlineAsm(fnty, "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r")
+            return builder.call(call, [context.cast(builder, args[0], sig_.args[0], types.uint32)])
+
+        return sig, codegen
+else:
+    movmatrix_t = _gpu_only
