@@ -241,3 +241,31 @@ def test_gpu_real_sizes(tc, page_size, group, d, dtype):
         ref = R.batch_prefill_paged(tq.float().cpu().numpy(), tc_.float().cpu().numpy(), qo, ip, ix, lp,
                                     causal=causal, return_lse=True)
         check((o.float().cpu().numpy(), lse.cpu().numpy()), ref, tol=2e-2)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, dtype, layout, kw", [
+    (128, "bf16", "HND", dict(causal=True, window_left=70, sink_size=3, pos_encoding_mode="ALIBI",
+                              logits_soft_cap=20.0)),
+    (64, "f16", "NHD", dict(use_sigmoid=True, sigmoid_bias=-1.0, causal=True)),
+    (128, "f16", "NHD", dict(mask_mod=lambda b, h, qi, kj: (qi + kj) % 3 != 0)),
+    (64, "bf16", "NHD", dict(score_mod=lambda s, b, h, qi, kj: s - 0.01 * (qi - kj), causal=True)),
+])
+def test_gpu_pipelined_variants(d, dtype, layout, kw):
+    """The pipelined tensor-core kernel (head_dim 64/128) on its masked tiles:
+    window + sinks + ALiBi + soft-cap, sigmoid, user mask and score functions,
+    with key ranges that end inside a 64-key tile and a page size that does
+    not divide it."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(d + len(kw))
+    q, cache, qo, ip, ix, lp = paged_case(rng, [70, 1, 130, 0], [300, 1, 200, 50], 5, hq=8, hk=2, d=d,
+                                          dtype=np.float32, layout=layout)
+    tdt = torch.float16 if dtype == "f16" else torch.bfloat16
+    tq, tc_ = torch.from_numpy(q).to("cuda", tdt), torch.from_numpy(cache).to("cuda", tdt)
+    lse = not kw.get("use_sigmoid")
+    got = P.batch_prefill_paged(tq, tc_, qo, ip, ix, lp, kv_layout=layout, return_lse=lse, tensor_cores=True, **kw)
+    ref = R.batch_prefill_paged(tq.float().cpu().numpy(), tc_.float().cpu().numpy(), qo, ip, ix, lp,
+                                kv_layout=layout, return_lse=lse, **kw)
+    got = (got[0].float().cpu().numpy(), got[1].cpu().numpy()) if lse else got.float().cpu().numpy()
+    check(got, ref, tol=2e-2)

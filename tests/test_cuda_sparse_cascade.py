@@ -131,3 +131,23 @@ def test_cascade_rejects_bad_levels():
                          levels[0].paged_kv_indices, levels[0].paged_kv_last_page_len)
     with pytest.raises(ValueError, match="levels"):
         cuda_cascade(q, [bad, levels[1]], cache)
+
+
+@pytest.mark.skipif(SIM, reason="needs a real GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_pipelined_sparse_and_cascade(d):
+    """Block-sparse (missing keys past N, causal) and a split cascade (float32
+    partial states) on the pipelined tensor-core kernel's head dims."""
+    rng = np.random.default_rng(d)
+    m, n = 150, 700
+    q, k, v = qkv(rng, m, n, hq=8, hk=2, d=d)
+    mask = rng.random((-(-m // 7), -(-n // 9))) < 0.5
+    mask[1] = False
+    bsr = L.BSR.from_block_mask(mask, (7, 9), (m, n))
+    got = block_sparse(q, k, v, bsr, return_lse=True, tensor_cores=True, causal=True)
+    check(got, R.block_sparse(q, k, v, bsr, return_lse=True, causal=True), tol=2e-2)
+    q, cache, qo, pkv = shared_prefix_batch(rng, 40, [30, 70, 5], [3, 1, 20], page_size=4, hq=8, hk=2, d=d)
+    levels = L.cascade_decompose(qo, pkv)
+    got = cuda_cascade(q, levels, cache, causal=True, return_lse=True, tensor_cores=True, kv_chunk=64)
+    check(got, R.cascade(q, levels, cache, causal=True, return_lse=True), tol=2e-2)

@@ -1,7 +1,7 @@
 """Tensor-core and wide-load intrinsics written as inline PTX (GPU only).
 
-The prefill tensor-core path (:mod:`nbattn.cuda.prefill_tc`) is built on three
-pieces, each one PTX instruction wrapped with ``numba.cuda.extending.intrinsic``
+The prefill tensor-core path (:mod:`nbattn.cuda.prefill_tc`) is built on these
+pieces, each one PTX instruction (or two) wrapped with ``numba.cuda.extending.intrinsic``
 and an ``llvmlite.ir.InlineAsm`` call:
 
 - ``mma_f16`` / ``mma_bf16``: ``mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}``,
@@ -26,6 +26,23 @@ and an ``llvmlite.ir.InlineAsm`` call:
   is the same load over a flat uint32 word view; this form lets the kernel
   index q and the paged cache with their own strides.
 
+- ``global_addr``: the 64-bit address of ``array[index]`` (any rank), what the
+  asynchronous copy reads from.
+- ``shared_addr``: the shared-space (32-bit) address of a shared array's
+  first element, the base of ``ldmatrix`` and ``cp.async`` destinations.
+- ``cp_async16(dst, src, nbytes)``: ``cp.async.cg.shared.global`` of 16 bytes
+  (``nbytes`` 16, or 0 to zero-fill the destination without reading);
+  ``cp_async_commit()`` closes a group, ``cp_async_wait_all()`` waits for
+  this thread's groups (``cp.async.wait_group 0``).  Other threads' copies are
+  visible after the barrier that follows their waits.
+- ``ldsm_x4(addr)`` / ``ldsm_x4_t(addr)``: ``ldmatrix.sync.aligned.m8n8.x4``
+  (``.trans``) from shared memory: lanes 8i..8i+7 give the 16-byte row
+  addresses of matrix i, register i of every lane receives its part of
+  matrix i in the mma fragment layout (transposed: the k-pairs of a column).
+
+The copy and ldmatrix instructions are volatile asm with a memory clobber:
+LLVM keeps them in program order with the barriers around them.
+
 Per-thread conversions (fp16/bf16 <-> float32, bit casts) live in
 :mod:`nbattn.cuda.primitives`.
 
@@ -37,7 +54,8 @@ from __future__ import annotations
 
 from .. import _compat  # noqa: F401  (numpy shim, simulator choice)
 
-__all__ = ["AVAILABLE", "mma_f16", "mma_bf16", "pack_f16x2", "pack_bf16x2", "load_u32x4"]
+__all__ = ["AVAILABLE", "mma_f16", "mma_bf16", "pack_f16x2", "pack_bf16x2", "load_u32x4", "global_addr",
+           "shared_addr", "cp_async16", "cp_async_commit", "cp_async_wait_all", "ldsm_x4", "ldsm_x4_t"]
 
 AVAILABLE = not _compat.simulator_enabled()
 
@@ -117,11 +135,98 @@ if AVAILABLE:
 
         return sig, codegen
 
+    _u64 = ir.IntType(64)
+
+    @intrinsic
+    def global_addr(typingctx, array, index):
+        """Address of ``array[index]`` as uint64."""
+        sig = types.uint64(array, index)
+
+        def codegen(context, builder, sig_, args):
+            ptr = _element_pointer(context, builder, sig_.args[0], args[0], sig_.args[1], args[1])
+            return builder.ptrtoint(ptr, _u64)
+
+        return sig, codegen
+
+    @intrinsic
+    def shared_addr(typingctx, array):
+        """Shared-space address of a shared array's data (uint32)."""
+        sig = types.uint32(array)
+
+        def codegen(context, builder, sig_, args):
+            arr = context.make_array(sig_.args[0])(context, builder, value=args[0])
+            generic = builder.ptrtoint(arr.data, _u64)
+            fnty = ir.FunctionType(_u32, [_u64])
+            call = ir.InlineAsm(fnty, "{ .reg .u64 t; cvta.to.shared.u64 t, $1; cvt.u32.u64 $0, t; }",
+                                "=r,l")
+            return builder.call(call, [generic])
+
+        return sig, codegen
+
+    @intrinsic
+    def cp_async16(typingctx, dst, src, nbytes):
+        sig = types.none(types.uint32, types.uint64, types.int32)
+
+        def codegen(context, builder, sig_, args):
+            ins = [context.cast(builder, v, t, s) for v, t, s in zip(args, (dst, src, nbytes), sig_.args)]
+            fnty = ir.FunctionType(ir.VoidType(), [_u32, _u64, _u32])
+            call = ir.InlineAsm(fnty, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}",
+                                side_effect=True)
+            builder.call(call, ins)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    def _bare(ptx: str):
+        fnty = ir.FunctionType(ir.VoidType(), [])
+        call = ir.InlineAsm(fnty, ptx, "~{memory}", side_effect=True)
+
+        @intrinsic
+        def bare(typingctx):
+            sig = types.none()
+
+            def codegen(context, builder, sig_, args):
+                builder.call(call, [])
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return bare
+
+    cp_async_commit = _bare("cp.async.commit_group;")
+    cp_async_wait_all = _bare("cp.async.wait_group 0;")
+
+    def _ldsm(trans: bool):
+        t = ".trans" if trans else ""
+        fnty = ir.FunctionType(ir.LiteralStructType([_u32] * 4), [_u32])
+        call = ir.InlineAsm(fnty, f"ldmatrix.sync.aligned.m8n8.x4{t}.shared.b16 {{$0,$1,$2,$3}}, [$4];",
+                            "=r,=r,=r,=r,r,~{memory}", side_effect=True)
+
+        @intrinsic
+        def ldsm(typingctx, addr):
+            ret = types.UniTuple(types.uint32, 4)
+            sig = ret(types.uint32)
+
+            def codegen(context, builder, sig_, args):
+                a = context.cast(builder, args[0], addr, types.uint32)
+                out = builder.call(call, [a])
+                return context.make_tuple(builder, ret, [builder.extract_value(out, i) for i in range(4)])
+
+            return sig, codegen
+
+        return ldsm
+
+    ldsm_x4 = _ldsm(False)
+    ldsm_x4_t = _ldsm(True)
+
 else:  # simulator: names exist, calling them is an error the factory never makes
     def _gpu_only(*args, **kwargs):
         raise RuntimeError("tensor-core intrinsics need a real GPU (the CUDA simulator is active)")
 
     mma_f16 = mma_bf16 = pack_f16x2 = pack_bf16x2 = load_u32x4 = _gpu_only
+    global_addr = shared_addr = cp_async16 = cp_async_commit = cp_async_wait_all = _gpu_only
+    ldsm_x4 = ldsm_x4_t = _gpu_only
+
 
 
 # movmatrix (the decode tensor-core path, nbattn.cuda.decode_warp): the transpose of

@@ -41,9 +41,11 @@ Two paths build the same tile:
 - CUDA cores (:func:`core_kernel`, here): plain per-thread loops over shared
   memory; it is the path numba's simulator runs (CI) and the fallback.
 - Tensor cores (:func:`nbattn.cuda.prefill_tc.tensor_core_kernel`, GPU only,
-  fp16/bf16): 4 warps x 16 fused rows; ``S = Q K^T`` and ``O += P V`` on
+  fp16/bf16): 16 fused rows per warp; ``S = Q K^T`` and ``O += P V`` on
   ``mma.sync.m16n8k16`` (:mod:`nbattn.cuda.mma`), softmax on the accumulator
-  fragments with quad shuffles, P fed to the second product straight from registers.
+  fragments with quad shuffles, P fed to the second product straight from
+  registers.  head_dim 64/128 take the pipelined kernel (cp.async loads that
+  overlap the math, ldmatrix, 64 x 64 tiles); other head dims the plain mma kernel.
 
 Shared building blocks: inputs, outputs and streams (:mod:`nbattn.cuda._arrays`;
 with torch tensors the kernels launch on torch's current stream unless a

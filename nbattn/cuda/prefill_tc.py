@@ -1,17 +1,32 @@
-"""The tensor-core path of the prefill kernel (GPU only, fp16/bf16):
+"""The tensor-core paths of the prefill kernel (GPU only, fp16/bf16):
 :func:`tensor_core_kernel` builds the same tile as the CUDA-core kernel of
 :mod:`nbattn.cuda.prefill` -- same work list, launch and arguments -- on
-``mma.sync.m16n8k16`` (:mod:`nbattn.cuda.mma`).
+``mma.sync.m16n8k16`` (:mod:`nbattn.cuda.mma`).  Two kernels, routed by head_dim:
 
-4 warps x 16 fused rows per block; ``S = Q K^T`` and ``O += P V`` on the
-tensor cores, softmax on the accumulator fragments with quad shuffles, P fed
-to the second product straight from registers (the C layout of two n-tiles is
-the A layout).  The straight-line fragment code is generated per head_dim
-(:func:`_fragment_functions`) so that O and Q stay in registers.
+- head_dim 64 and 128 (:func:`pipelined_kernel`, T_q = 64, T_k = 64, 4 warps):
+  K/V tiles fetched with 16-byte ``cp.async`` so the next tile's loads overlap
+  this tile's math (FlashAttention-2's order), Q/K fragments by ``ldmatrix.x4``
+  and V's by ``ldmatrix.x4.trans`` from rows padded against bank conflicts,
+  Q fragments loaded once into registers, one multiply by scale*log2(e) before
+  exp2, and
+  the per-element variant/mask only on tiles that need it (a 64-key tile
+  every row of a warp sees whole, with no variant, is just scaled).
+- other multiples of 16 up to 256 (:func:`mma_kernel`): K and V^T staged by
+  plain loads and read as 32-bit fragments; no overlap.  head_dim 256 keeps
+  it because O, Q and S of the pipelined tile would not fit in registers.
+
+Both: 16 fused rows per warp; ``S = Q K^T`` and ``O += P V`` on the tensor
+cores, softmax on the accumulator fragments with quad shuffles, P fed to the
+second product straight from registers (the C layout of two n-tiles is the A
+layout).  The straight-line fragment code is generated per head_dim so that
+O and Q stay in registers.  Device functions are force-inlined at the LLVM
+level (``primitives.device_fn``) rather than by numba's IR inliner: the same
+code, a quarter of the compile time.
 
 Shared with the CUDA-core kernel: the key walk (:func:`nbattn.cuda.prefill.key_locator`,
-``NO_KEY``), element stores (:func:`nbattn.cuda.primitives.element_io`) and
-the variant (:func:`nbattn.cuda.variants.variant_device_fns`).
+``kv_reader``, ``tile_key_range``, ``NO_KEY``), element stores
+(:func:`nbattn.cuda.primitives.element_io`) and the variant
+(:func:`nbattn.cuda.variants.variant_device_fns`).
 """
 from __future__ import annotations
 
@@ -21,16 +36,20 @@ from numba import cuda, float32, int32, uint32
 
 from . import mma as _mma
 from . import prefill as P
-from .primitives import element_io
+from .primitives import device_fn, element_io
 from .variants import LOG2E, sigmoid_weight, variant_device_fns
 
-__all__ = ["tensor_core_kernel", "tensor_core_tiles"]
+__all__ = ["tensor_core_kernel", "tensor_core_tiles", "fast_path", "pipelined_kernel", "mma_kernel"]
 
 
 def tensor_core_tiles(head_dim: int) -> tuple[int, int, int]:
-    """(T_q, T_k, threads): 16 fused rows per warp; the static shared memory
+    """(T_q, T_k, threads): 16 fused rows per warp, static shared memory under
+    48 KB.  head_dim 64/128: the pipelined kernel (one K and one V tile of 64
+    keys, rows padded by 16 bytes: 34.8 KB at d128).  Others: the first kernel
     (Q, K and V^T tiles as packed uint32 pairs, rows padded by 4 words so the
-    fragment reads hit 32 distinct banks) stays under 48 KB."""
+    fragment reads hit 32 distinct banks)."""
+    if fast_path(head_dim):
+        return 64, 64, 128
     if head_dim <= 64:
         return 64, 64, 128
     if head_dim <= 128:
@@ -94,11 +113,17 @@ def _fragment_functions(head_dim: int, mma, q_in_registers: bool) -> dict:
     lines.append(f"    return ({names},)")
     env = {"float32": float32, "uint32": uint32, "mma": mma}
     exec(compile("\n".join(lines), f"<nbattn fragments D={head_dim}>", "exec"), env)
-    return {name: cuda.jit(device=True, inline=True)(env[name]) for name in ("o_zero", "q_frags", "qk", "pv")}
+    return {name: device_fn(env[name]) for name in ("o_zero", "q_frags", "qk", "pv")}
 
 
 def tensor_core_kernel(spec: P.KernelSpec):
-    """mma.sync path.  Launch: grid (n_work, num_kv_heads), T_q/16 warps.
+    """The tensor-core kernel of a spec: :func:`pipelined_kernel` for head_dim
+    64 and 128, :func:`mma_kernel` for the other multiples of 16."""
+    return pipelined_kernel(spec) if fast_path(spec.head_dim) else mma_kernel(spec)
+
+
+def mma_kernel(spec: P.KernelSpec):
+    """mma.sync path without cp.async/ldmatrix (head_dim other than 64/128).  Launch: grid (n_work, num_kv_heads), T_q/16 warps.
 
     Warp w owns fused rows ``16w .. 16w+15`` of the tile.  Per KV tile (T_k
     keys in shared memory) it walks 16 keys at a time: S (16x16) = two
@@ -141,7 +166,7 @@ def tensor_core_kernel(spec: P.KernelSpec):
     hi16 = uint32(0xFFFF0000)
     sh16 = uint32(16)
 
-    @cuda.jit(device=True, inline=True)
+    @device_fn
     def score(x, r, s_qpos, s_diag, s_req, s_kpos, row_ok, b_head0, t_local, slopes):
         """Scaled score of fused row r and tile key t_local -> log2-domain logit or -inf."""
         pos = s_kpos[t_local]
@@ -386,3 +411,370 @@ def tensor_core_kernel(spec: P.KernelSpec):
 
     return kernel
 
+
+
+# ---------------------------------------------------------------------------
+# The pipelined kernel (head_dim 64 and 128)
+# ---------------------------------------------------------------------------
+
+def fast_path(head_dim: int) -> bool:
+    """Head dims the pipelined kernel builds (K fragments come two k-steps per
+    ldmatrix.x4; O, Q and a 64-key S must fit in registers)."""
+    return head_dim in (64, 128)
+
+
+def _fast_fragments(D: int, T_k: int, ROW: int, mma, pack, score, sigmoid: bool, bias) -> dict:
+    """Straight-line fragment code of the pipelined kernel, generated per
+    (head_dim, T_k) as :func:`_fragment_functions` is, for the same reason.
+
+    ``s`` is a warp's 16 x T_k score block: n-tile j (keys 8j..8j+7) holds
+    ``s[4j:4j+4]`` in the C layout.  Addresses are the lane's ldmatrix row
+    address; the offsets below are compile-time constants.
+
+    - ``q_frags(addr)``: all A fragments of the warp's 16 Q rows (ldmatrix.x4 per k-step);
+    - ``qk(qf, addr)``: S = Q K^T (one ldmatrix.x4 = B of two k-steps of one n-tile);
+    - ``scaled(s, f)``: every score times f (unmasked tiles);
+    - ``masked(s, ...)``: :func:`score` per element (variant and mask);
+    - ``softmax(s, m_lo, m_hi, l_lo, l_hi)`` -> (P packed as A fragments,
+      m_lo, m_hi, l_lo, l_hi, alpha_lo, alpha_hi); base-2 online softmax, or
+      sigmoid weights with alpha 1;
+    - ``pv(o, p, addr, alpha_lo, alpha_hi)``: O = alpha O + P V (ldmatrix.x4.trans
+      = B of two n-tiles of one k-step).
+    """
+    KS, NTK, NDT = D // 16, T_k // 8, D // 8
+    n_s, n_o, n_p = 4 * NTK, 4 * NDT, 2 * NTK
+    S = [f"s{i}" for i in range(n_s)]
+    O = [f"o{i}" for i in range(n_o)]
+    Pn = [f"p{i}" for i in range(n_p)]
+    tup = lambda xs: "(" + ", ".join(xs) + ",)"
+    L = []
+    L.append("def o_zero():")
+    L.append("    z = float32(0.0)")
+    L.append("    return " + tup(["z"] * n_o))
+
+    L.append("def q_frags(addr):")
+    qf = []
+    for k in range(KS):
+        L.append(f"    a{4 * k}, a{4 * k + 1}, a{4 * k + 2}, a{4 * k + 3} = ldsm(addr + {32 * k})")
+        qf += [f"a{4 * k + i}" for i in range(4)]
+    L.append("    return " + tup(qf))
+
+    L.append("def qk(qf, addr):")
+    L.append("    z = float32(0.0)")
+    for j in range(NTK):
+        acc = ", ".join(S[4 * j:4 * j + 4])
+        L.append(f"    {acc} = z, z, z, z")
+        for k2 in range(D // 32):
+            L.append(f"    b0, b1, b2, b3 = ldsm(addr + {j * 8 * ROW + 64 * k2})")
+            a = ", ".join(f"qf[{8 * k2 + i}]" for i in range(4))
+            L.append(f"    {acc} = mma({a}, b0, b1, {acc})")
+            a = ", ".join(f"qf[{8 * k2 + 4 + i}]" for i in range(4))
+            L.append(f"    {acc} = mma({a}, b2, b3, {acc})")
+    L.append("    return " + tup(S))
+
+    L.append("def scaled(s, f):")
+    L.append("    " + ", ".join(S) + ", = s")
+    L.append("    return " + tup([f"{x} * f" for x in S]))
+
+    L.append("def masked(s, r_lo, r_hi, ok_lo, ok_hi, tq, s_qpos, s_diag, s_req, s_kpos, head0, slopes):")
+    L.append("    " + ", ".join(S) + ", = s")
+    L.append("    kt = 2 * tq")
+    out = []
+    for j in range(NTK):
+        for c in range(4):
+            r, ok = ("r_lo", "ok_lo") if c < 2 else ("r_hi", "ok_hi")
+            out.append(f"score(s{4 * j + c}, {r}, s_qpos, s_diag, s_req, s_kpos, {ok}, head0, "
+                       f"kt + {8 * j + (c & 1)}, slopes)")
+    L.append("    return (" + ",\n            ".join(out) + ",)")
+
+    L.append("def softmax(s, m_lo, m_hi, l_lo, l_hi):")
+    L.append("    " + ", ".join(S) + ", = s")
+    if sigmoid:
+        for x in S:
+            L.append(f"    {x} = sigmoid_weight({x}, bias) if {x} != neg_inf else float32(0.0)")
+        L.append("    alpha_lo = float32(1.0)")
+        L.append("    alpha_hi = float32(1.0)")
+    else:
+        lo = [S[4 * j + c] for j in range(NTK) for c in (0, 1)]
+        hi = [S[4 * j + c] for j in range(NTK) for c in (2, 3)]
+        for name, xs in (("lo", lo), ("hi", hi)):
+            L.append(f"    mx = {xs[0]}")
+            for x in xs[1:]:
+                L.append(f"    mx = max(mx, {x})")
+            L.append("    mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 1))")
+            L.append("    mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 2))")
+            L.append(f"    new = max(m_{name}, mx)")
+            L.append("    base = new if new != neg_inf else float32(0.0)")
+            L.append(f"    alpha_{name} = math.exp2(m_{name} - base)")
+            for x in xs:
+                L.append(f"    {x} = math.exp2({x} - base)")
+            L.append(f"    l_{name} = l_{name} * alpha_{name} + (" + " + ".join(xs) + ")")
+            L.append(f"    m_{name} = new")
+    for ks in range(T_k // 16):
+        b = 8 * ks
+        L.append(f"    p{4 * ks} = pack(s{b}, s{b + 1})")
+        L.append(f"    p{4 * ks + 1} = pack(s{b + 2}, s{b + 3})")
+        L.append(f"    p{4 * ks + 2} = pack(s{b + 4}, s{b + 5})")
+        L.append(f"    p{4 * ks + 3} = pack(s{b + 6}, s{b + 7})")
+    L.append("    return " + tup(Pn) + ", m_lo, m_hi, l_lo, l_hi, alpha_lo, alpha_hi")
+
+    L.append("def pv(o, p, addr, alpha_lo, alpha_hi):")
+    L.append("    " + ", ".join(O) + ", = o")
+    for nt in range(NDT):
+        i = 4 * nt
+        L.append(f"    o{i} *= alpha_lo; o{i + 1} *= alpha_lo; o{i + 2} *= alpha_hi; o{i + 3} *= alpha_hi")
+    for ks in range(T_k // 16):
+        a = ", ".join(f"p[{4 * ks + i}]" for i in range(4))
+        for n2 in range(D // 16):
+            L.append(f"    b0, b1, b2, b3 = ldsm_t(addr + {ks * 16 * ROW + 32 * n2})")
+            for half, (x, y) in enumerate((("b0", "b1"), ("b2", "b3"))):
+                nt = 2 * n2 + half
+                acc = ", ".join(O[4 * nt:4 * nt + 4])
+                L.append(f"    {acc} = mma({a}, {x}, {y}, {acc})")
+    L.append("    return " + tup(O))
+
+    env = {"float32": float32, "uint32": uint32, "mma": mma, "pack": pack, "ldsm": _mma.ldsm_x4,
+           "ldsm_t": _mma.ldsm_x4_t, "score": score, "cuda": cuda, "math": math,
+           "sigmoid_weight": sigmoid_weight, "bias": bias, "neg_inf": float32(-math.inf)}
+    exec(compile("\n".join(L), f"<nbattn pipelined fragments D={D} T_k={T_k}>", "exec"), env)
+    names = ("o_zero", "q_frags", "qk", "scaled", "masked", "softmax", "pv")
+    return {name: device_fn(env[name]) for name in names}
+
+
+def pipelined_kernel(spec: P.KernelSpec):
+    """cp.async + ldmatrix path for head_dim 64/128.  Launch as the others:
+    grid (n_work, num_kv_heads), T_q/16 warps; static shared memory only (the
+    wrappers launch every prefill kernel without a dynamic size).
+
+    Shared memory holds one K tile and one V tile of T_k keys, rows padded by
+    16 bytes so the 8 row addresses of an ldmatrix phase fall in distinct
+    banks.  The Q tile is staged in that buffer first (T_q <= 2 T_k) and read
+    once into registers.  Per KV tile, the two loads overlap
+    math the way FlashAttention-2 orders them:
+
+        issue V(t);   S = Q K(t)^T, mask, softmax, P
+        wait, barrier (V(t) in, everyone done with K)
+        issue K(next); O = alpha O + P V(t)
+        wait, barrier (K(next) in, everyone done with V)
+
+    Copies past the key range (or of missing bsr keys) zero-fill instead of
+    reading, so the P V product never meets uninitialized memory.
+    """
+    D, group = spec.head_dim, spec.group
+    T_q, T_k, NT = spec.tile_q, spec.tile_k, spec.threads
+    assert fast_path(D) and T_q <= 2 * T_k and NT == 2 * T_q
+    var = spec.variant
+    sigmoid = var.use_sigmoid
+    causal = var.causal
+    positional = spec.mode != "bsr"
+    key_range = P.tile_key_range(var, positional)
+    plain = not (int(var.window_left) >= 0 or var.sink_size or var.has_alibi or var.has_soft_cap
+                 or var.score_mod is not None or var.mask_mod is not None or sigmoid)
+    scale = float32(var.scale(D))
+    scale_log2 = float32(var.scale(D) * LOG2E)
+    log2e = float32(LOG2E)
+    _, store, _ = element_io(spec.out_kind)
+    addr_of = P.kv_reader(spec.mode, spec.kv_layout, _mma.global_addr)
+    gaddr = _mma.global_addr
+    locate = P.key_locator(spec.mode)
+    transform, keep = variant_device_fns(var)
+    NO_KEY = P.NO_KEY
+    mma = _mma.mma_bf16 if spec.kind == "bf16" else _mma.mma_f16
+    pack = _mma.pack_bf16x2 if spec.kind == "bf16" else _mma.pack_f16x2
+    cp_async16, commit, wait_all = _mma.cp_async16, _mma.cp_async_commit, _mma.cp_async_wait_all
+    shared_addr = _mma.shared_addr
+    neg_inf = float32(-math.inf)
+    ROW = 2 * D + 16                 # bytes per smem row (16 B pad)
+    CH = D // 8                      # 16-byte chunks per row
+    TILE = T_k * ROW
+    BUF_WORDS = (2 * TILE + 16) // 4  # K tile, V tile, slack for 16-byte alignment
+    K_ITERS = T_k * CH // NT
+    Q_ITERS = T_q * CH // NT
+    NDT = D // 8
+    align_mask = uint32(0xFFFFFFF0)
+
+    @device_fn
+    def score(x, r, s_qpos, s_diag, s_req, s_kpos, row_ok, b_head0, t_local, slopes):
+        pos = s_kpos[t_local]
+        if not row_ok or pos == NO_KEY:
+            return neg_inf
+        q_idx = s_qpos[r]
+        kv_idx = pos + (q_idx - s_diag[r] if positional else 0)
+        h = b_head0 + r % group
+        b = s_req[r]
+        if not keep(b, h, q_idx, kv_idx):
+            return neg_inf
+        s = transform(x * scale, b, h, q_idx, kv_idx, slopes[h])
+        if sigmoid:
+            return s
+        return s * log2e
+
+    fr = _fast_fragments(D, T_k, ROW, mma, pack, score, sigmoid, float32(var.sigmoid_bias))
+    o_zero, q_frags, qk, scaled = fr["o_zero"], fr["q_frags"], fr["qk"], fr["scaled"]
+    masked, softmax, pv = fr["masked"], fr["softmax"], fr["pv"]
+
+    @device_fn
+    def issue(src, which, s_dst, t0, hi, kv_indices, kv_ptr, kv_base, block, n_keys, kv_head, tid,
+              s_kpos, with_pos):
+        """cp.async of the K (which=0) or V (which=1) rows t0..t0+T_k-1."""
+        for i in range(K_ITERS):
+            e = tid + i * NT
+            j = e // CH
+            c = e % CH
+            t = t0 + j
+            page, slot, pos = locate(kv_indices, kv_ptr, kv_base, min(t, hi - 1), block, n_keys)
+            ok = t < hi and pos != NO_KEY
+            cp_async16(s_dst + uint32(j * ROW + c * 16), addr_of(src, which, page, slot, kv_head, c * 8),
+                       int32(16) if ok else int32(0))
+            if with_pos and c == 0:
+                s_kpos[j] = pos if t < hi else NO_KEY
+
+    @device_fn
+    def next_tile(t, lo, sink_end):
+        if t >= sink_end and t + T_k <= lo:
+            t += ((lo - t) // T_k) * T_k
+        return t
+
+    @cuda.jit
+    def kernel(q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
+               block, n_keys, out, lse):
+        wi = cuda.blockIdx.x
+        kv_head = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        tq = lane % 4
+        qo_start, qo_len, row0 = work[wi, 0], work[wi, 1], work[wi, 2]
+        kv_ptr, kv_base, kv_begin, kv_end = work[wi, 3], work[wi, 4], work[wi, 5], work[wi, 6]
+        out_shift = work[wi, 7] - qo_start
+        n_rows = min(T_q, qo_len * group - row0)
+        head0 = kv_head * group
+
+        buf = cuda.shared.array(BUF_WORDS, uint32)
+        s_kpos = cuda.shared.array(T_k, int32)
+        s_qpos = cuda.shared.array(T_q, int32)
+        s_diag = cuda.shared.array(T_q, int32)
+        s_req = cuda.shared.array(T_q, int32)
+        s_range = cuda.shared.array(3, int32)
+        s_k = (shared_addr(buf) + uint32(15)) & align_mask
+        s_v = s_k + uint32(TILE)
+
+        # Q tile staged at the start of the buffer (rows past the tile zero-filled).
+        for i in range(Q_ITERS):
+            e = tid + i * NT
+            r = e // CH
+            c = e % CH
+            rr = r if r < n_rows else 0
+            qi = qo_start + (row0 + rr) // group
+            cp_async16(s_k + uint32(r * ROW + c * 16), gaddr(q, (qi, head0 + (row0 + rr) % group, c * 8)),
+                       int32(16) if r < n_rows else int32(0))
+        commit()
+        for r in range(tid, T_q, NT):
+            if r < n_rows:
+                qi = qo_start + (row0 + r) // group
+                s_qpos[r] = row_pos[qi]
+                s_diag[r] = row_pos[qi] - row_kvoff[qi]
+                s_req[r] = row_req[qi]
+            else:
+                s_qpos[r] = 0
+                s_diag[r] = 2 ** 30
+                s_req[r] = 0
+        cuda.syncthreads()
+        if tid == 0:
+            lo, hi, sink_end = key_range(s_diag, s_qpos, n_rows, kv_begin, kv_end)
+            s_range[0] = lo
+            s_range[1] = hi
+            s_range[2] = sink_end
+        wait_all()
+        cuda.syncthreads()
+        lo = s_range[0]
+        hi = s_range[1]
+        sink_end = s_range[2]
+
+        row_base = warp * 16
+        r_lo = row_base + g
+        r_hi = r_lo + 8
+        ok_lo = r_lo < n_rows
+        ok_hi = r_hi < n_rows
+        warp_full = row_base + 16 <= n_rows
+        warp_diag = s_diag[row_base]
+        for r in range(row_base + 1, row_base + 16):
+            warp_diag = min(warp_diag, s_diag[r])
+        lr = lane % 8
+        lm = lane // 8
+        a_off = uint32((lr + 8 * (lm % 2)) * ROW + (lm // 2) * 16)   # Q (A) and V (B, trans) rows
+        qf = q_frags(s_k + uint32(row_base * ROW) + a_off)
+        k_lane = s_k + uint32(lr * ROW + lm * 16)
+        v_lane = s_v + a_off
+        cuda.syncthreads()              # Q read: the buffer is K's and V's now
+
+        t0 = next_tile(kv_begin, lo, sink_end)
+        if t0 < hi:
+            issue(k_src, 0, s_k, t0, hi, kv_indices, kv_ptr, kv_base, block, n_keys, kv_head, tid, s_kpos, True)
+        commit()
+        wait_all()
+        cuda.syncthreads()
+
+        o = o_zero()
+        m_lo = neg_inf
+        m_hi = neg_inf
+        l_lo = float32(0.0)
+        l_hi = float32(0.0)
+        while t0 < hi:
+            issue(v_src, 1, s_v, t0, hi, kv_indices, kv_ptr, kv_base, block, n_keys, kv_head, tid, s_kpos,
+                  False)
+            commit()
+            s = qk(qf, k_lane)
+            last = t0 + T_k - 1
+            if plain and positional and warp_full and last < hi and (not causal or last <= warp_diag):
+                s = scaled(s, scale_log2)
+            else:
+                s = masked(s, r_lo, r_hi, ok_lo, ok_hi, tq, s_qpos, s_diag, s_req, s_kpos, head0, slopes)
+            p, m_lo, m_hi, l_lo, l_hi, alpha_lo, alpha_hi = softmax(s, m_lo, m_hi, l_lo, l_hi)
+            wait_all()
+            cuda.syncthreads()
+            t1 = next_tile(t0 + T_k, lo, sink_end)
+            if t1 < hi:
+                issue(k_src, 0, s_k, t1, hi, kv_indices, kv_ptr, kv_base, block, n_keys, kv_head, tid, s_kpos,
+                      True)
+            commit()
+            o = pv(o, p, v_lane, alpha_lo, alpha_hi)
+            wait_all()
+            cuda.syncthreads()
+            t0 = t1
+
+        if not sigmoid:
+            l_lo += cuda.shfl_xor_sync(0xFFFFFFFF, l_lo, 1)
+            l_lo += cuda.shfl_xor_sync(0xFFFFFFFF, l_lo, 2)
+            l_hi += cuda.shfl_xor_sync(0xFFFFFFFF, l_hi, 1)
+            l_hi += cuda.shfl_xor_sync(0xFFFFFFFF, l_hi, 2)
+            inv_lo = float32(1.0) / l_lo if l_lo > 0 else float32(0.0)
+            inv_hi = float32(1.0) / l_hi if l_hi > 0 else float32(0.0)
+        else:
+            inv_lo = float32(1.0)
+            inv_hi = float32(1.0)
+        if ok_lo:
+            qi = qo_start + (row0 + r_lo) // group
+            h = head0 + (row0 + r_lo) % group
+            for nt in range(NDT):
+                store(out, (qi + out_shift, h, nt * 8 + 2 * tq), o[nt * 4] * inv_lo)
+                store(out, (qi + out_shift, h, nt * 8 + 2 * tq + 1), o[nt * 4 + 1] * inv_lo)
+            if tq == 0:
+                if sigmoid:
+                    lse[qi + out_shift, h] = math.nan
+                else:
+                    lse[qi + out_shift, h] = m_lo + math.log2(l_lo) if l_lo > 0 else neg_inf
+        if ok_hi:
+            qi = qo_start + (row0 + r_hi) // group
+            h = head0 + (row0 + r_hi) % group
+            for nt in range(NDT):
+                store(out, (qi + out_shift, h, nt * 8 + 2 * tq), o[nt * 4 + 2] * inv_hi)
+                store(out, (qi + out_shift, h, nt * 8 + 2 * tq + 1), o[nt * 4 + 3] * inv_hi)
+            if tq == 0:
+                if sigmoid:
+                    lse[qi + out_shift, h] = math.nan
+                else:
+                    lse[qi + out_shift, h] = m_hi + math.log2(l_hi) if l_hi > 0 else neg_inf
+
+    return kernel
