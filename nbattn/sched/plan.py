@@ -50,8 +50,8 @@ Per-item overhead
 On the GPU every work item also pays a fixed price that does not grow with
 its length: reading the queue entry and the first page ids, the first loads
 of the pipeline, the combine and the write of its state.  On the H200 the
-decode kernel's item costs as much as streaming ~50 KV tokens (fitted from
-``benchmarks/results/sched.json``).  ``chunk_overhead`` puts that price into
+decode kernel's item costs as much as streaming ~64 KV tokens (fitted in
+``benchmarks/results/sched.json``, record ``item_overhead_tokens``).  ``chunk_overhead`` puts that price into
 the cost, in the same units as ``beta*l_kv``; without it LPT sees a 100-token
 tail chunk as nearly free and stacks dozens of them onto one CTA.
 :class:`nbattn.sched.simulate.CostModel` uses the same name for the same term.
