@@ -1625,6 +1625,25 @@ def nb05():
     show(sched_plots.policy_utilization, sched.compare_policies(workloads, 32), name="policies.png")
     """),
         md("""
+        ### The price of a work item
+
+        SPEC section 5 cuts chunks at `L = ceil(W / C)`. That is perfect when a chunk costs only
+        its keys, but on a GPU every work item also pays a fixed price (reading its queue entry,
+        filling the load pipeline, writing its state): about 64 KV tokens' worth for nbattn's
+        decode kernel on an H200 (`item_overhead_tokens` in `sched.json`). Equal lengths show
+        the trap: with one CTA more than requests, `L` falls just short of a request, so every
+        request leaves a short tail, and the spare CTA runs all the tails. `chunk_overhead` puts
+        the price into the cost; `chunk_limit="auto"` also tries "no split" and the longest
+        request cut in 2-4, and keeps the plan with the smallest makespan. The decode wrapper
+        plans this way.
+        """),
+        code("""
+    for rule in (None, "auto"):
+        pp = sched.plan([1] * 16, [4096] * 16, 17, 1, chunk_overhead=64, chunk_limit=rule)
+        print(f"chunk_limit={str(rule):5s} L={pp.chunk_limit:5d}  items {pp.num_items:3d}  "
+              f"partials {pp.num_partials:3d}  makespan {pp.makespan:6.0f}  (bound {pp.lower_bound:.0f})")
+    """),
+        md("""
         The simulator is a model. `benchmarks/gpu_sched.py` times the real kernels on a GPU for the
         same kinds of steps and writes `benchmarks/results/sched.json`; when that file is present,
         here is what it measured (latency per step, relative to one request per CTA). Compare the
