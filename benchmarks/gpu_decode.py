@@ -5,6 +5,7 @@ compute-sanitizer, bandwidth benchmark with peers, compile time and disk cache.
                                                              # $OUT/decode_correctness.json
     ... gpu_decode.py correct    # only (a), then exit
     ... gpu_decode.py bench      # only (c); reads (a)'s file for the compile time if present
+    ... gpu_decode.py extras     # only (b) and the on-disk cache check, $OUT/decode_extras.json
     NBATTN_QUICK=1               # skip FlexAttention, the sanitizer and the second process
 
 Paths: the default decode path on a GPU is the warp kernel (nbattn.cuda.decode_warp);
@@ -468,7 +469,9 @@ def second_process():
     print(json.dumps({"second_process_first_call_s": time.time() - t}))
 
 
-def sanitize() -> dict:
+def sanitize(paths=("auto", "warp")) -> dict:
+    """compute-sanitizer memcheck and racecheck on the small split-KV case, once per
+    decode path (auto = the tensor-core kernel for this group-4 fp16 case)."""
     res = {}
     exe = None
     for cand in ("compute-sanitizer", "/usr/local/cuda/bin/compute-sanitizer"):
@@ -477,18 +480,41 @@ def sanitize() -> dict:
             break
     if exe is None:
         return {"note": "compute-sanitizer not found on this machine; skipped"}
-    for tool in ("memcheck", "racecheck"):
-        if left() < 60:
-            res[tool] = "skipped: out of time"
-            continue
-        try:
-            r = subprocess.run([exe, "--tool", tool, "--print-limit", "20", sys.executable, __file__, "small"],
-                               capture_output=True, text=True, timeout=min(150, left() - 20))
-            tail = (r.stdout + r.stderr).strip().splitlines()[-6:]
-            res[tool] = {"rc": r.returncode, "tail": tail}
-        except subprocess.TimeoutExpired:
-            res[tool] = "timeout"
+    for path in paths:
+        for tool in ("memcheck", "racecheck"):
+            key = f"{tool}_{path}"
+            if left() < 40:
+                res[key] = "skipped: out of time"
+                continue
+            try:
+                env = dict(os.environ, NBATTN_DECODE_PATH=path)
+                r = subprocess.run([exe, "--tool", tool, "--print-limit", "20", sys.executable, __file__, "small"],
+                                   capture_output=True, text=True, timeout=min(150, left() - 20), env=env)
+                lines = (r.stdout + r.stderr).strip().splitlines()
+                keep = [x for x in lines if "SUMMARY" in x or "small case" in x or "Error" in x][-8:]
+                res[key] = {"rc": r.returncode, "summary": keep}
+            except subprocess.TimeoutExpired:
+                res[key] = "timeout"
     return res
+
+
+def extras():
+    """On-disk kernel cache (a fresh cache directory: the first process compiles, a
+    second process loads) and the sanitizer runs; one JSON under $OUT."""
+    os.makedirs(OUT, exist_ok=True)
+    import tempfile
+    cache_dir = tempfile.mkdtemp(prefix="nbattn_numba_cache_")
+    res = {"cache_dir": "fresh temporary NUMBA_CACHE_DIR"}
+    for name in ("first_process", "second_process"):
+        r = subprocess.run([sys.executable, __file__, "second"], capture_output=True, text=True, timeout=150,
+                           env=dict(os.environ, NUMBA_CACHE_DIR=cache_dir))
+        line = [x for x in r.stdout.splitlines() if x.startswith("{")]
+        res[name + "_first_call_s"] = json.loads(line[-1])["second_process_first_call_s"] if line else r.stderr[-300:]
+        log(name, res[name + "_first_call_s"])
+    res["sanitizer"] = sanitize()
+    log("sanitizer", json.dumps(res["sanitizer"])[:2000])
+    with open(os.path.join(OUT, "decode_extras.json"), "w") as f:
+        json.dump(res, f, indent=1)
 
 
 # ---------------------------------------------------------------------------
@@ -590,9 +616,12 @@ def bench_main(rng, gen, dev, versions, corr=None):
     table = []
     # most telling first, in case the time budget runs out
     # (batch, kv_len, kv heads, split modes, warp unroll sweep, warp heads-per-CTA sweep)
-    cases = [(64, 4096, hkv, ("auto",), (), (8,) if hkv == 4 else ()) for hkv in (8, 4)]
-    cases += [(1, 32768, 8, ("auto", "unsplit"), (), ()), (1, 32768, 4, ("auto", "unsplit"), (), (8,))]
-    cases += [(64, L, hkv, ("auto",), (2, 4) if L == 16384 else (), (8,) if hkv == 4 and L == 16384 else ())
+    # (the warp path's unroll and heads-per-CTA sweeps: NBATTN_SWEEP=1; measured in earlier runs)
+    sweep = os.environ.get("NBATTN_SWEEP") == "1"
+    cases = [(64, 4096, hkv, ("auto",), (), (8,) if hkv == 4 and sweep else ()) for hkv in (8, 4)]
+    cases += [(1, 32768, 8, ("auto", "unsplit"), (), ()), (1, 32768, 4, ("auto", "unsplit"), (), ())]
+    cases += [(64, L, hkv, ("auto",), (2, 4) if L == 16384 and sweep else (),
+               (8,) if hkv == 4 and L == 16384 and sweep else ())
               for L in (16384, 32768, 1024) for hkv in (8, 4)]
     for batch, L, hkv, modes, unrolls, heads in cases:
         if left() < 30:
@@ -662,6 +691,8 @@ if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "main"
     if mode == "small":
         small_case_run()
+    elif mode == "extras":
+        extras()
     elif mode == "second":
         second_process()
     else:

@@ -387,7 +387,7 @@ def _poisoned_run(b, layout, chunk="auto", **kw):
     ("f16", "HND", 16, 8, 1, 128, 2, 33000, 1000),
     ("f16", "NHD", 5, 2, 6, 128, 8, 1500, None),
 ])
-def test_warp_path_real_sizes_gpu(code, layout, page_size, hkv, group, head_dim, nreq, max_len, chunk):
+def test_warp_path_real_sizes_gpu(warp_path, code, layout, page_size, hkv, group, head_dim, nreq, max_len, chunk):
     rng = np.random.default_rng([31, page_size, hkv, group, head_dim, nreq])
     kv_lens = [int(x) for x in rng.integers(1, max_len, size=nreq)]
     kv_lens[0], kv_lens[-1] = 0, max_len           # an empty request and a full-length one
@@ -402,7 +402,7 @@ def test_warp_path_real_sizes_gpu(code, layout, page_size, hkv, group, head_dim,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(SIMULATOR, reason="needs a real GPU")
-def test_warp_path_variants_real_sizes_gpu():
+def test_warp_path_variants_real_sizes_gpu(warp_path):
     rng = np.random.default_rng(32)
     b = batch(rng, "f16", kv_lens=[int(x) for x in rng.integers(1, 5000, size=12)], page_size=16,
               num_kv_heads=2, group=4, head_dim=128)
@@ -419,7 +419,7 @@ def test_warp_path_variants_real_sizes_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(SIMULATOR, reason="needs a real GPU")
 @pytest.mark.parametrize("code,layout,page_size", [("f16", "NHD", 16), ("bf16", "HND", 1)])
-def test_warp_path_eight_heads_real_sizes_gpu(monkeypatch, code, layout, page_size):
+def test_warp_path_eight_heads_real_sizes_gpu(warp_path, monkeypatch, code, layout, page_size):
     monkeypatch.setattr(DEC, "WARP_MAX_HEADS", 8)
     rng = np.random.default_rng([33, page_size])
     kv_lens = [0] + [int(x) for x in rng.integers(1, 6000, size=10)]

@@ -80,12 +80,16 @@ WARP_MAX_HEADS = 4
 WARP_WARPS = 1 if SIMULATOR else 4   # warps per CTA on the warp path
 WARP_UNROLL = 0           # tokens per row per step on the warp path (0: by heads per CTA)
 # tensor-core path (decode_warp.build_tc_kernel): groups >= TC_MIN_GROUP take it on a GPU
-# (0: never, unless DECODE_PATH = "tc")
-TC_MIN_GROUP = 0
-# 168 registers a thread (ptxas, sm_90): 12 warps an SM whatever the CTA shape; 6-warp CTAs,
-# 2 an SM, make 264 slots, so batch 64 x 8 KV heads (512 CTAs) fills ~2 waves rather than 1.3
-TC_WARPS = 6
-TC_MIN_BLOCKS = 2         # CTAs per SM the launch bounds ask for (caps registers)
+# (0: never, unless DECODE_PATH = "tc").  H200, fp16, d128, batch 64, KV 4k/16k/32k: group 8
+# 0.97-1.02 of copy bandwidth (warp path 0.49-0.50), group 4 0.91-0.95 (warp path 0.92-0.93).
+TC_MIN_GROUP = 4
+# CTA shape (warps, CTAs per SM for the launch bounds).  168 registers a thread (ptxas,
+# sm_90) allow 12 warps an SM.  Blocks of up to 4 heads (batch 64 x 8 KV heads = 512 CTAs)
+# take 6 warps x 2 CTAs: 264 slots, ~2 full waves rather than 1.3 of 396 slots; blocks of 8
+# heads (256 CTAs: one wave either way) measured faster as 4 warps x 3 (0.97 vs 0.83 at 4k).
+# 0: by heads per CTA as said.
+TC_WARPS = 0
+TC_MIN_BLOCKS = 0
 
 
 class WorkList(NamedTuple):
@@ -146,8 +150,10 @@ def make_config(code: str, head_dim: int, group: int, kv_layout: str, variant: V
                 aligned: bool = True) -> DecodeConfig:
     if _use_tc(code, head_dim, group, aligned, variant):
         hg = heads_per_cta(group)
-        return DecodeConfig(code, head_dim, hg, kv_layout, kernel_variant_key(variant), 32 * TC_WARPS,
-                            16 * TC_WARPS, aligned, "tc", 1, TC_MIN_BLOCKS)
+        nw, mb = (4, 3) if hg > 4 else (6, 2)
+        nw, mb = TC_WARPS or nw, TC_MIN_BLOCKS or mb
+        return DecodeConfig(code, head_dim, hg, kv_layout, kernel_variant_key(variant), 32 * nw, 16 * nw,
+                            aligned, "tc", 1, mb)
     if _use_warp(code, head_dim, aligned):
         hg = WARP.warp_heads_per_cta(group, WARP_MAX_HEADS, WARP.warp_geometry(code, head_dim, 1, 1, 1)[0])
         nw = WARP_WARPS
