@@ -6,7 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from nbattn.sched import (
@@ -198,8 +198,11 @@ def test_plan_is_deterministic(lens, num_ctas, tile_q, group, alpha, beta):
                                                            b.num_partials)
 
 
-@SETTINGS
+@settings(max_examples=400, deadline=None)
 @given(lens=batches(max_kv=3000), overhead=st.sampled_from([0.0, 4.0, 50.0]), **plan_args)
+# a candidate's largest chunk must pair each tile's rows with that tile's keys
+@example(lens=([1, 0, 2], [625, 0, 125]), overhead=50.0, num_ctas=7, tile_q=None, group=4, alpha=1.0,
+         beta=1.0)
 def test_auto_chunk_limit_matches_plain_python(lens, overhead, num_ctas, tile_q, group, alpha, beta):
     # The candidate search, re-done by hand, picks the same limit and the same
     # queues; the plan keeps every invariant (2*C partial bound included, since

@@ -311,10 +311,8 @@ def _chunk_costs(tile_rows, tile_kv, limit, alpha, beta, overhead):
 def _auto_limit(tile_rows, tile_kv, num_ctas, alpha, beta, overhead, spec_limit):
     """The candidate chunk limit with the smallest LPT makespan (module doc)."""
     longest = 0
-    max_rows = 0
     for t in range(tile_kv.shape[0]):
         longest = max(longest, tile_kv[t])
-        max_rows = max(max_rows, tile_rows[t])
     best_limit = spec_limit
     best = _lpt_makespan(_chunk_costs(tile_rows, tile_kv, spec_limit, alpha, beta, overhead), num_ctas)
     for k in range(1, 5):
@@ -322,7 +320,10 @@ def _auto_limit(tile_rows, tile_kv, num_ctas, alpha, beta, overhead, spec_limit)
         if cand <= spec_limit:
             break
         # No plan beats its largest chunk: skip the LPT pass when that alone loses.
-        if overhead + alpha * max_rows + beta * cand > best:
+        largest = 0.0
+        for t in range(tile_kv.shape[0]):
+            largest = max(largest, overhead + alpha * tile_rows[t] + beta * min(cand, tile_kv[t]))
+        if largest > best:
             continue
         span = _lpt_makespan(_chunk_costs(tile_rows, tile_kv, cand, alpha, beta, overhead), num_ctas)
         # Candidates come largest first, so on a tie the larger limit (fewer partials) stays.
