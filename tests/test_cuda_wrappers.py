@@ -159,6 +159,8 @@ def test_decode_plan_ctas_is_one_resident_wave():
     assert decode_plan_ctas(warp, 32, 10 ** 6) == 4 * sm_count() // 8
     assert decode_plan_ctas(warp, 32, 1) == 1
     assert decode_plan_ctas(warp, 8, 10 ** 6) == 4 * sm_count() // 2
+    tc = SimpleNamespace(path="tc", heads_per_cta=8, min_blocks=3)
+    assert decode_plan_ctas(tc, 32, 10 ** 6) == 3 * sm_count() // 4
     assert decode_plan_ctas(SimpleNamespace(path="smem"), 32, 7) == 7
 
 

@@ -103,12 +103,12 @@ def decode_plan_ctas(cfg, num_qo_heads: int, capacity: int) -> int:
     """CTAs per KV head a decode plan balances over: the CTAs of the persistent
     grid that are resident at once, at most ``capacity``.
 
-    The warp path's launch bounds promise ``cfg.min_blocks`` CTAs per SM, and
-    each planner CTA is ``num_qo_heads // heads_per_cta`` kernel CTAs.  Planning
-    for more queues than can run at once only cuts requests into chunks that
-    then wait for a second wave; the shared-memory path (simulator, fallback)
-    keeps the capacity."""
-    if cfg.path != "warp":
+    The warp and tensor-core paths' launch bounds promise ``cfg.min_blocks``
+    CTAs per SM, and each planner CTA is ``num_qo_heads // heads_per_cta``
+    kernel CTAs.  Planning for more queues than can run at once only cuts
+    requests into chunks that then wait for a second wave; the shared-memory
+    path (simulator, fallback) keeps the capacity."""
+    if cfg.path not in ("warp", "tc"):
         return capacity
     head_blocks = num_qo_heads // cfg.heads_per_cta
     return max(1, min(capacity, cfg.min_blocks * sm_count() // head_blocks))
