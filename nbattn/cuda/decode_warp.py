@@ -50,7 +50,7 @@ from numba import cuda, float32, int64, uint32
 
 from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f, load_v4,
                          shfl_idx_f32, shfl_xor_f32, st_v4)
-from ._driver import _closure_hashable
+from ._driver import jit_kernel
 from .variants import LOG2E, variant_device_fns
 
 __all__ = ["warp_eligible", "warp_heads_per_cta", "build_warp_kernel", "warp_geometry", "tc_eligible",
@@ -322,7 +322,7 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
 
     if SIMULATOR:                 # the simulator refuses launch bounds
         return cuda.jit(kernel)
-    return cuda.jit(kernel, cache=_closure_hashable(kernel), launch_bounds=(NT, min_blocks))
+    return jit_kernel(kernel, launch_bounds=(NT, min_blocks))
 
 
 # ---------------------------------------------------------------------------
@@ -583,4 +583,4 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                         part_lse[int64(slot) * num_qo_heads + h] = row_lse
             cuda.syncthreads()
 
-    return cuda.jit(kernel, cache=_closure_hashable(kernel), launch_bounds=(NT, min_blocks))
+    return jit_kernel(kernel, launch_bounds=(NT, min_blocks))

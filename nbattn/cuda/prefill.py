@@ -69,6 +69,7 @@ from numba import cuda, float32, int32  # noqa: E402  (after the shim)
 from . import _arrays as A  # noqa: E402
 from . import mma as _mma  # noqa: E402
 from . import prefill_tc as TC  # noqa: E402
+from ._driver import jit_kernel  # noqa: E402
 from .primitives import SIMULATOR, element_io  # noqa: E402
 from .variants import LOG2E, sigmoid_weight, variant_device_fns  # noqa: E402
 
@@ -252,7 +253,6 @@ def core_kernel(spec: KernelSpec):
     inv_ln2 = float32(LOG2E)
     store_dtype = float32
 
-    @cuda.jit
     def kernel(q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
                block, n_keys, out, lse):
         w = cuda.blockIdx.x
@@ -412,7 +412,7 @@ def core_kernel(spec: KernelSpec):
             else:
                 lse[qi + out_shift, h] = neg_inf
 
-    return kernel
+    return jit_kernel(kernel)
 
 
 _KERNELS: dict = {}

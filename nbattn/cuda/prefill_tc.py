@@ -36,6 +36,7 @@ from numba import cuda, float32, int32, uint32
 
 from . import mma as _mma
 from . import prefill as P
+from ._driver import jit_kernel
 from .primitives import device_fn, element_io
 from .variants import LOG2E, sigmoid_weight, variant_device_fns
 
@@ -183,7 +184,6 @@ def mma_kernel(spec: P.KernelSpec):
             return s
         return s * log2e
 
-    @cuda.jit
     def kernel(q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
                block, n_keys, out, lse):
         wi = cuda.blockIdx.x
@@ -409,7 +409,7 @@ def mma_kernel(spec: P.KernelSpec):
                 else:
                     lse[qi + out_shift, h] = m_hi + math.log2(l_hi) if l_hi > 0 else neg_inf
 
-    return kernel
+    return jit_kernel(kernel)
 
 
 
@@ -635,7 +635,6 @@ def pipelined_kernel(spec: P.KernelSpec):
             t += ((lo - t) // T_k) * T_k
         return t
 
-    @cuda.jit
     def kernel(q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
                block, n_keys, out, lse):
         wi = cuda.blockIdx.x
@@ -777,4 +776,4 @@ def pipelined_kernel(spec: P.KernelSpec):
                 else:
                     lse[qi + out_shift, h] = m_hi + math.log2(l_hi) if l_hi > 0 else neg_inf
 
-    return kernel
+    return jit_kernel(kernel)

@@ -1,0 +1,75 @@
+"""nbattn.cuda._driver: the on-disk kernel cache key (stable_key).
+
+numba's own cache key pickles a kernel's closure, and nbattn's factory-made
+kernels close over device functions whose pickles differ per process, so the
+cache never hit in a new process.  These tests pin what the replacement key
+must do; that a second process then loads instead of compiling is measured on
+the GPU (benchmarks/results/decode_extras.json).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+
+import nbattn  # noqa: F401  (compat first)
+from nbattn.cuda import _driver as D
+from nbattn.cuda import decode as DEC
+from nbattn.cuda import merge as M
+from nbattn.variants import Variant
+
+KEYS = textwrap.dedent("""
+    import nbattn
+    from nbattn.cuda import _driver as D, decode as DEC
+    from nbattn.variants import Variant
+    for code, d, g, var in (("f16", 128, 4, Variant()), ("bf16", 64, 8, Variant(logits_soft_cap=30.0)),
+                            ("f32", 32, 1, Variant(score_mod=lambda s, b, h, q, k: s + 0.5 * (q - k)))):
+        print(D.stable_key(DEC.decode_kernel(DEC.make_config(code, d, g, "NHD", var)).py_func))
+""")
+
+
+def _keys_in_new_process():
+    out = subprocess.run([sys.executable, "-c", KEYS], capture_output=True, text=True, check=True)
+    return out.stdout.split()
+
+
+def test_key_is_the_same_in_every_process_and_differs_per_build():
+    first, second = _keys_in_new_process(), _keys_in_new_process()
+    assert first == second and len(first) == 3
+    assert len(set(first)) == 3 and all(len(k) == 64 for k in first)
+
+
+def test_key_follows_closure_values_and_code():
+    def factory(scale, fn):
+        def kernel(x):
+            return fn(x) * scale
+        return kernel
+
+    def twice(x):
+        return 2 * x
+
+    def thrice(x):
+        return 3 * x
+
+    a = D.stable_key(factory(1.5, twice))
+    assert a == D.stable_key(factory(1.5, twice))
+    assert a != D.stable_key(factory(2.5, twice))          # a constant in the closure
+    assert a != D.stable_key(factory(1.5, thrice))         # a function in the closure
+    assert a != D.stable_key(factory(np.float32(1.5), twice))   # the type of a constant
+
+
+def test_key_refuses_what_it_cannot_describe():
+    class Opaque:
+        pass
+
+    blob = Opaque()
+
+    def kernel(x):
+        return blob
+
+    assert D.stable_key(kernel) is None
+    # real kernels of the package all have a key
+    assert D.stable_key(M.tile_merge_kernel("f16", 64, True, False).py_func) is not None
+    assert D.stable_key(DEC.decode_kernel(DEC.make_config("f16", 64, 2, "HND", Variant())).py_func)
