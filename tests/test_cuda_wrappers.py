@@ -218,14 +218,20 @@ def test_prefill_matches_golden(causal):
     close(w.run(b["q"], b["cache"], return_lse=True), ref_prefill(b, causal))
 
 
-def test_prefill_cuda_graph_mode_pads_and_clears_stale_rows():
-    """use_cuda_graph pads the grid with no-op rows; a smaller re-plan must
-    not leave the previous plan's rows behind in the workspace."""
+def test_prefill_persistent_queues_and_smaller_replan():
+    """run() is one launch of C CTAs per KV head walking their LPT queues: with
+    more query tiles than CTAs some CTA runs several rows (final and partial
+    ones mixed), and a smaller re-plan runs only its own rows."""
     rng = np.random.default_rng(11)
-    w = BatchPrefillWithPagedKVCacheWrapper(workspace(WS), use_cuda_graph=True,
-                                            num_ctas=C, max_work_items=8)
-    b = prefill_batch(rng, [2, 4, 1], [30, 6, 9])
+    w = BatchPrefillWithPagedKVCacheWrapper(workspace(WS), use_cuda_graph=True, num_ctas=C,
+                                            max_work_items=32)
+    b = prefill_batch(rng, [20, 9, 1, 14], [60, 9, 200, 22])
     w.plan(b["qo_indptr"], b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, causal=True)
+    p = w.last_plan
+    queue = np.diff(p.cta_indptr)
+    assert queue.max() >= 2 and p.num_merges >= 1
+    kinds = [set((p.out_slot[p.cta_indptr[c]:p.cta_indptr[c + 1]] >= 0).tolist()) for c in range(C)]
+    assert any(k == {True, False} for k in kinds)          # a CTA mixing final and partial rows
     close(w.run(b["q"], b["cache"], return_lse=True), ref_prefill(b, True))
     b2 = prefill_batch(rng, [3], [21])
     w.plan(b2["qo_indptr"], b2["indptr"], b2["indices"], b2["last"], HQ, HK, D, PAGE, causal=True)
@@ -288,3 +294,42 @@ def test_gpu_cuda_graph_replay_after_replan():
     torch.cuda.synchronize()
     ref = R.batch_decode_paged(q.cpu().numpy(), cache.cpu().numpy(), indptr2, indices2, last2)
     np.testing.assert_allclose(out.float().cpu().numpy(), ref, rtol=4e-3, atol=4e-3)
+
+
+@gpu
+def test_gpu_prefill_cuda_graph_replay_after_replan():
+    import torch
+    hq, hk, d, page = 32, 8, 128, 16
+    rng = np.random.default_rng(31)
+    qo1, kv1 = [300, 1, 77, 134], [2000, 700, 77, 4000]
+    qo2, kv2 = [12, 400, 90, 10], [90, 3000, 1500, 10]          # same total query rows
+    pool = sum(-(-k // page) for k in kv1) + sum(-(-k // page) for k in kv2)
+    cache = torch.randn((pool, 2, page, hk, d), device="cuda", dtype=torch.float16)
+
+    def table(qo, kv, first_page):
+        n = [-(-k // page) for k in kv]
+        indices = (first_page + np.arange(sum(n))).astype(np.int32)
+        indptr = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
+        last = np.array([k - (m - 1) * page for k, m in zip(kv, n)], np.int32)
+        return np.concatenate([[0], np.cumsum(qo)]).astype(np.int32), indptr, indices, last
+
+    t1 = table(qo1, kv1, 0)
+    t2 = table(qo2, kv2, int(t1[2].size))
+    q = torch.randn((sum(qo1), hq, d), device="cuda", dtype=torch.float16)
+    out = torch.empty_like(q)
+    ws = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    w = BatchPrefillWithPagedKVCacheWrapper(ws, use_cuda_graph=True, num_ctas=32)
+    for tc in (False, True):
+        w.plan(*t1, hq, hk, d, page, causal=True, tensor_cores=tc)
+        w.run(q, cache, out=out)                     # compile before capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            w.run(q, cache, out=out)
+        for t in (t2, t1):
+            w.plan(*t, hq, hk, d, page, causal=True, tensor_cores=tc)
+            out.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            ref = R.batch_prefill_paged(q.cpu().numpy(), cache.cpu().numpy(), *t, causal=True)
+            np.testing.assert_allclose(out.float().cpu().numpy(), ref, rtol=5e-3, atol=5e-3)

@@ -38,9 +38,9 @@ adds ``sigmoid(s + bias) v`` and has no LSE (NaN).
 
 Two paths build the same tile:
 
-- CUDA cores (:func:`core_kernel`, here): plain per-thread loops over shared
+- CUDA cores (:func:`core_tile`, here): plain per-thread loops over shared
   memory; it is the path numba's simulator runs (CI) and the fallback.
-- Tensor cores (:func:`nbattn.cuda.prefill_tc.tensor_core_kernel`, GPU only,
+- Tensor cores (:func:`nbattn.cuda.prefill_tc.tensor_core_tile`, GPU only,
   fp16/bf16): 16 fused rows per warp; ``S = Q K^T`` and ``O += P V`` on
   ``mma.sync.m16n8k16`` (:mod:`nbattn.cuda.mma`), softmax on the accumulator
   fragments with quad shuffles, P fed to the second product straight from
@@ -70,7 +70,7 @@ from . import _arrays as A  # noqa: E402
 from . import mma as _mma  # noqa: E402
 from . import prefill_tc as TC  # noqa: E402
 from ._driver import jit_kernel  # noqa: E402
-from .primitives import SIMULATOR, element_io  # noqa: E402
+from .primitives import SIMULATOR, device_fn, element_io  # noqa: E402
 from .variants import LOG2E, sigmoid_weight, variant_device_fns  # noqa: E402
 
 __all__ = ["batch_prefill_paged", "batch_prefill_ragged", "single_prefill"]
@@ -234,7 +234,7 @@ def tile_key_range(var: Variant, positional: bool):
     return key_range
 
 
-def core_kernel(spec: KernelSpec):
+def core_tile(spec: KernelSpec):
     """Scalar path: threads stride over the (row, key) and (row, dim) grids of
     a tile in shared memory.  Launch: grid (n_work, num_kv_heads), ``threads``."""
     D, T_q, T_k, NT, group = spec.head_dim, spec.tile_q, spec.tile_k, spec.threads, spec.group
@@ -253,9 +253,9 @@ def core_kernel(spec: KernelSpec):
     inv_ln2 = float32(LOG2E)
     store_dtype = float32
 
-    def kernel(q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
-               block, n_keys, out, lse):
-        w = cuda.blockIdx.x
+    @device_fn
+    def tile(w, q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
+             block, n_keys, out, lse):
         kv_head = cuda.blockIdx.y
         tid = cuda.threadIdx.x
         qo_start, qo_len, row0 = work[w, 0], work[w, 1], work[w, 2]
@@ -412,18 +412,66 @@ def core_kernel(spec: KernelSpec):
             else:
                 lse[qi + out_shift, h] = neg_inf
 
+    return tile
+
+
+def prefill_entry(tile):
+    """The ``__global__`` function around a kernel build's per-row body
+    ``tile(w, ...)``: one work row per CTA, ``grid = (rows, num_kv_heads)``."""
+    def kernel(q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
+               block, n_keys, out, lse):
+        tile(cuda.blockIdx.x, q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req,
+             slopes, block, n_keys, out, lse)
+    return jit_kernel(kernel)
+
+
+def persistent_entry(tile):
+    """A fixed grid of C CTAs per KV head walking work queues (SPEC section 5).
+
+    ``grid = (C, num_kv_heads)``; CTA ``c`` runs rows ``cta_indptr[c] :
+    cta_indptr[c+1]`` of ``work`` in order, so the launch does not depend on
+    the plan.  (The body's static shared memory is allocated once per kernel;
+    a second body for the other output kind would double it past 48 KB, so the
+    plan/run wrapper launches this once per output kind.)"""
+    def kernel(q, k_src, v_src, kv_indices, work, cta_indptr, row_pos, row_kvoff, row_req,
+               slopes, block, n_keys, out, lse):
+        c = cuda.blockIdx.x
+        for w in range(cta_indptr[c], cta_indptr[c + 1]):
+            tile(w, q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
+                 block, n_keys, out, lse)
+            cuda.syncthreads()          # the next row overwrites the shared tiles
     return jit_kernel(kernel)
 
 
 _KERNELS: dict = {}
 
 
+def get_tile(spec: KernelSpec):
+    """The per-row body of a kernel build (device function), cached by spec."""
+    key = ("tile", spec)
+    tile = _KERNELS.get(key)
+    if tile is None:
+        tile = TC.tensor_core_tile(spec) if spec.tensor_cores else core_tile(spec)
+        _KERNELS[key] = tile
+    return tile
+
+
 def get_kernel(spec: KernelSpec):
     """Compiled-kernel cache keyed by the spec (a Variant with user functions hashes by identity)."""
     kern = _KERNELS.get(spec)
     if kern is None:
-        kern = TC.tensor_core_kernel(spec) if spec.tensor_cores else core_kernel(spec)
+        kern = prefill_entry(get_tile(spec))
         _KERNELS[spec] = kern
+    return kern
+
+
+def get_persistent_kernel(spec: KernelSpec):
+    """:func:`persistent_entry` of a spec, cached."""
+    key = ("persistent", spec)
+    kern = _KERNELS.get(key)
+    if kern is None:
+        kern = persistent_entry(get_tile(spec))
+        _KERNELS[key] = kern
     return kern
 
 

@@ -1,9 +1,9 @@
 """The tensor-core paths of the prefill kernel (GPU only, fp16/bf16):
-:func:`tensor_core_kernel` builds the same tile as the CUDA-core kernel of
+:func:`tensor_core_tile` builds the same tile as the CUDA-core kernel of
 :mod:`nbattn.cuda.prefill` -- same work list, launch and arguments -- on
 ``mma.sync.m16n8k16`` (:mod:`nbattn.cuda.mma`).  Two kernels, routed by head_dim:
 
-- head_dim 64 and 128 (:func:`pipelined_kernel`, T_q = 64, T_k = 64, 4 warps):
+- head_dim 64 and 128 (:func:`pipelined_tile`, T_q = 64, T_k = 64, 4 warps):
   K/V tiles fetched with 16-byte ``cp.async`` so the next tile's loads overlap
   this tile's math (FlashAttention-2's order), Q/K fragments by ``ldmatrix.x4``
   and V's by ``ldmatrix.x4.trans`` from rows padded against bank conflicts,
@@ -11,7 +11,7 @@
   exp2, and
   the per-element variant/mask only on tiles that need it (a 64-key tile
   every row of a warp sees whole, with no variant, is just scaled).
-- other multiples of 16 up to 256 (:func:`mma_kernel`): K and V^T staged by
+- other multiples of 16 up to 256 (:func:`mma_tile`): K and V^T staged by
   plain loads and read as 32-bit fragments; no overlap.  head_dim 256 keeps
   it because O, Q and S of the pipelined tile would not fit in registers.
 
@@ -36,11 +36,10 @@ from numba import cuda, float32, int32, uint32
 
 from . import mma as _mma
 from . import prefill as P
-from ._driver import jit_kernel
 from .primitives import device_fn, element_io
 from .variants import LOG2E, sigmoid_weight, variant_device_fns
 
-__all__ = ["tensor_core_kernel", "tensor_core_tiles", "fast_path", "pipelined_kernel", "mma_kernel"]
+__all__ = ["tensor_core_tile", "tensor_core_tiles", "fast_path", "pipelined_tile", "mma_tile"]
 
 
 def tensor_core_tiles(head_dim: int) -> tuple[int, int, int]:
@@ -117,13 +116,14 @@ def _fragment_functions(head_dim: int, mma, q_in_registers: bool) -> dict:
     return {name: device_fn(env[name]) for name in ("o_zero", "q_frags", "qk", "pv")}
 
 
-def tensor_core_kernel(spec: P.KernelSpec):
-    """The tensor-core kernel of a spec: :func:`pipelined_kernel` for head_dim
-    64 and 128, :func:`mma_kernel` for the other multiples of 16."""
-    return pipelined_kernel(spec) if fast_path(spec.head_dim) else mma_kernel(spec)
+def tensor_core_tile(spec: P.KernelSpec):
+    """The per-row body (a device function, see :func:`nbattn.cuda.prefill.prefill_entry`)
+    of a tensor-core build: :func:`pipelined_tile` for head_dim 64 and 128,
+    :func:`mma_tile` for the other multiples of 16."""
+    return pipelined_tile(spec) if fast_path(spec.head_dim) else mma_tile(spec)
 
 
-def mma_kernel(spec: P.KernelSpec):
+def mma_tile(spec: P.KernelSpec):
     """mma.sync path without cp.async/ldmatrix (head_dim other than 64/128).  Launch: grid (n_work, num_kv_heads), T_q/16 warps.
 
     Warp w owns fused rows ``16w .. 16w+15`` of the tile.  Per KV tile (T_k
@@ -184,9 +184,9 @@ def mma_kernel(spec: P.KernelSpec):
             return s
         return s * log2e
 
-    def kernel(q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
-               block, n_keys, out, lse):
-        wi = cuda.blockIdx.x
+    @device_fn
+    def tile(wi, q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
+             block, n_keys, out, lse):
         kv_head = cuda.blockIdx.y
         tid = cuda.threadIdx.x
         warp = tid // 32
@@ -409,7 +409,7 @@ def mma_kernel(spec: P.KernelSpec):
                 else:
                     lse[qi + out_shift, h] = m_hi + math.log2(l_hi) if l_hi > 0 else neg_inf
 
-    return jit_kernel(kernel)
+    return tile
 
 
 
@@ -541,7 +541,7 @@ def _fast_fragments(D: int, T_k: int, ROW: int, mma, pack, score, sigmoid: bool,
     return {name: device_fn(env[name]) for name in names}
 
 
-def pipelined_kernel(spec: P.KernelSpec):
+def pipelined_tile(spec: P.KernelSpec):
     """cp.async + ldmatrix path for head_dim 64/128.  Launch as the others:
     grid (n_work, num_kv_heads), T_q/16 warps; static shared memory only (the
     wrappers launch every prefill kernel without a dynamic size).
@@ -635,9 +635,9 @@ def pipelined_kernel(spec: P.KernelSpec):
             t += ((lo - t) // T_k) * T_k
         return t
 
-    def kernel(q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
-               block, n_keys, out, lse):
-        wi = cuda.blockIdx.x
+    @device_fn
+    def tile(wi, q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
+             block, n_keys, out, lse):
         kv_head = cuda.blockIdx.y
         tid = cuda.threadIdx.x
         warp = tid // 32
@@ -776,4 +776,4 @@ def pipelined_kernel(spec: P.KernelSpec):
                 else:
                     lse[qi + out_shift, h] = m_hi + math.log2(l_hi) if l_hi > 0 else neg_inf
 
-    return jit_kernel(kernel)
+    return tile

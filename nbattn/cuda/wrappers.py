@@ -43,11 +43,13 @@ Fixed grid, fixed addresses (what makes run() CUDA-graph capturable)
   the number of merges is read from the workspace header, extra CTAs exit.
   Slots are folded in the plan's order (increasing KV), never with atomics,
   so equal lengths give bitwise-equal outputs.
-* Prefill: the prefill kernel (:mod:`nbattn.cuda.prefill`) is not persistent
-  yet -- one CTA per work row.  The wrapper launches the plan's items in LPT
-  order (largest first, which is the order a greedy hardware scheduler then
-  balances); with ``use_cuda_graph=True`` the grid is padded to the
-  capacity with no-op rows so that it does not depend on the plan.
+* Prefill: persistent launches of ``num_ctas`` CTAs per KV head
+  (:func:`nbattn.cuda.prefill.persistent_entry`), CTA ``c`` walking its LPT
+  queue.  The queue is cut by output kind and run as two launches, first the
+  chunks of split tiles (float32 partial states), then the unsplit tiles
+  (final output): one kernel holding both bodies would need twice the static
+  shared memory, past 48 KB.  Each phase keeps the plan's per-CTA order but
+  is balanced only as a part of the whole queue.
 
 Every array handed to a kernel is a view of the workspace with a fixed shape
 (its capacity), so a captured launch replays correctly after a new plan()
@@ -229,11 +231,12 @@ class _PlanRunWrapper:
             # batch + 2*C items (the split tiles add at most 2*C chunks).
             sizes.update(request=I, kv_start=I, kv_end=I, out_slot=I)
         else:
-            # Prefill work rows (8 int32 columns, see nbattn.cuda.prefill.build_work):
-            # unsplit tiles, and the at most 2*C chunks of split tiles.
-            sizes.update(qo_indptr=B + 1, split_rows=8 * 2 * C, direct_rows=8 * I,
-                         row_pos=self.max_qo_rows, row_kvoff=self.max_qo_rows,
-                         row_req=self.max_qo_rows)
+            # Prefill work rows (8 int32 columns, see nbattn.cuda.prefill.build_work) in
+            # CTA-queue order, with per-CTA bounds: up to I unsplit tiles (final
+            # output) and the at most 2*C chunks of split tiles (partial states).
+            sizes.update(qo_indptr=B + 1, final_indptr=C + 1, part_indptr=C + 1,
+                         part_rows=8 * 2 * C, final_rows=8 * I, row_pos=self.max_qo_rows,
+                         row_kvoff=self.max_qo_rows, row_req=self.max_qo_rows)
         sizes.update(kv_indices=self.max_num_pages)
         self.layout = WorkspaceLayout.build(nbytes, sizes)
         if self.layout.plan_bytes >= nbytes:
@@ -541,9 +544,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PlanRunWrapper):
     The planner's query tile is the prefill kernel's ``T_q`` (fused rows, GQA
     heads fused).  Unsplit tiles write the final output directly; chunks of
     split tiles write float32 partial states that the merge kernel folds in
-    KV order.  With ``use_cuda_graph=True`` the prefill grid is padded to
-    ``max_work_items`` (keep that capacity modest: padded rows cost a few us
-    per thousand).
+    KV order.  Every launch of :meth:`run` has a fixed grid, so
+    ``use_cuda_graph`` (FlashInfer's flag) changes nothing here.
     """
 
     _decode = False
@@ -591,27 +593,32 @@ class BatchPrefillWithPagedKVCacheWrapper(_PlanRunWrapper):
         self._check_fits(qo.batch_size, int(pkv.paged_kv_indices.size), n_direct, hq, D, slot_rows,
                          tq, qo.total)
 
-        # Work rows in LPT order: the i-th item of every CTA queue before the
-        # (i+1)-th, i.e. roughly the planner's largest-first assignment order.
-        pos_in_queue = np.arange(p.num_items) - np.repeat(p.cta_indptr[:-1], np.diff(p.cta_indptr))
-        order = np.lexsort((p.item_cta(), pos_in_queue))
-        r = p.request[order].astype(np.int64)
-        row0 = p.qo_tile[order].astype(np.int64) * tq
-        slot = p.out_slot[order].astype(np.int64)
+        # Work rows in the plan's CTA-queue order: the persistent kernel's CTA c
+        # runs rows cta_indptr[c]:cta_indptr[c+1].
+        r = p.request.astype(np.int64)
+        row0 = p.qo_tile.astype(np.int64) * tq
+        slot = p.out_slot.astype(np.int64)
         qo_start = qo.qo_indptr[:-1].astype(np.int64)[r]
         out_row0 = np.where(slot == DIRECT, qo_start, slot * slot_rows - row0 // group)
         rows = np.stack([qo_start, qo.lengths[r], row0, pkv.paged_kv_indptr[:-1][r],
-                         np.zeros_like(r), p.kv_start[order], p.kv_end[order], out_row0], axis=1)
-        direct = rows[slot == DIRECT]
-        split = rows[slot != DIRECT]
+                         np.zeros_like(r), p.kv_start, p.kv_end, out_row0], axis=1)
+        # Each CTA's queue, cut by output kind: two persistent launches (see run()).
+        cta = p.item_cta()
+        split = slot != DIRECT
+        final_indptr = np.zeros(self.num_ctas + 1, np.int32)
+        part_indptr = np.zeros(self.num_ctas + 1, np.int32)
+        final_indptr[1:p.num_ctas + 1] = np.bincount(cta[~split], minlength=p.num_ctas)
+        part_indptr[1:p.num_ctas + 1] = np.bincount(cta[split], minlength=p.num_ctas)
+        final_indptr, part_indptr = np.cumsum(final_indptr), np.cumsum(part_indptr)
         row_pos, row_kvoff, row_req = P.request_rows(qo, kv_lens)
 
         stream = self._stream()
         self._write_common(p, pkv.paged_kv_indptr, pkv.paged_kv_indices,
                            pkv.paged_kv_last_page_len, stream)
-        graph = self._use_cuda_graph
-        self._copy("direct_rows", direct, clear_stale=graph)
-        self._copy("split_rows", split, clear_stale=graph)
+        self._copy("final_rows", rows[~split])
+        self._copy("part_rows", rows[split])
+        self._copy("final_indptr", final_indptr)
+        self._copy("part_indptr", part_indptr)
         self._copy("qo_indptr", qo.qo_indptr)
         self._copy("row_pos", row_pos)
         self._copy("row_kvoff", row_kvoff)
@@ -620,7 +627,6 @@ class BatchPrefillWithPagedKVCacheWrapper(_PlanRunWrapper):
         self._slopes_for(hq, stream)
         self._plan, self._variant, self._code = p, var, code
         self._spec, self._spec_part, self._slot_rows = spec, spec_part, slot_rows
-        self._n_direct, self._n_split = len(direct), len(split)
         self._num_qo_heads, self._num_kv_heads, self._group = hq, hk, group
         self._head_dim, self._page_size, self._total_q = D, int(page_size), qo.total
         self._max_page = int(pkv.paged_kv_indices.max()) if pkv.paged_kv_indices.size else -1
@@ -643,20 +649,17 @@ class BatchPrefillWithPagedKVCacheWrapper(_PlanRunWrapper):
         H, D, rows_cap = self._num_qo_heads, self._head_dim, 2 * self.num_ctas * self._slot_rows
         po, pl = self._partials(self._slot_rows, H, D)
         common = (q_dev, kv_dev, kv_dev, self._view("kv_indices"))
-        tail = (self._view("row_pos"), self._view("row_kvoff"), self._view("row_req"),
-                self._slopes, np.int32(self._page_size), np.int32(0))
-        graph = self._use_cuda_graph
-        for spec, name, n, cap, o, l in (
-                (self._spec, "direct_rows", self._n_direct, self.max_work_items, out_dev, lse_dev),
-                (self._spec_part, "split_rows", self._n_split, 2 * self.num_ctas,
-                 po.reshape(rows_cap, H, D), pl.reshape(rows_cap, H))):
-            blocks = cap if graph else n
-            if blocks == 0:
-                continue
-            work = self._view(name)[:8 * cap].reshape(cap, 8)
-            args = common + (work,) + tail + (o, l)
-            # Both paths (CUDA cores, tensor cores) launch the same way: grid (rows, KV heads).
-            P.get_kernel(spec)[(blocks, self._num_kv_heads), spec.threads, stream](*args)
+        tail = (self._view("row_pos"), self._view("row_kvoff"), self._view("row_req"), self._slopes,
+                np.int32(self._page_size), np.int32(0))
+        # Two persistent launches of C CTAs per KV head, the same for every plan:
+        # chunks of split tiles (float32 partial states), then unsplit tiles.
+        for spec, name, cap, o, l in (
+                (self._spec_part, "part", 2 * self.num_ctas, po.reshape(rows_cap, H, D),
+                 pl.reshape(rows_cap, H)),
+                (self._spec, "final", self.max_work_items, out_dev, lse_dev)):
+            work = self._view(f"{name}_rows")[:8 * cap].reshape(cap, 8)
+            P.get_persistent_kernel(spec)[(self.num_ctas, self._num_kv_heads), spec.threads, stream](
+                *common, work, self._view(f"{name}_indptr"), *tail, o, l)
         self._merge(stream, out_dev, lse_dev, po, pl, self._view("qo_indptr"), self._slot_rows)
         return A.finish_results(kind, code, stream, out, out_user, out_dev, lse, lse_user, lse_dev,
                                 return_lse)
