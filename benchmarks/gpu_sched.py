@@ -257,6 +257,21 @@ def plan_time_us(w, indptr, indices, last, lens, kw, runs=30):
     return statistics.median(full) * 1e6, statistics.median(core) * 1e6
 
 
+def plan_profile(w, indptr, indices, last, runs=20) -> list:
+    """Where wrapper.plan() spends its time (cProfile, cumulative, top entries)."""
+    import cProfile
+    import io
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(runs):
+        w.plan(indptr, indices, last, HQ, HK, D, PAGE)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(14)
+    return [line for line in text.getvalue().splitlines() if line.strip()][-16:]
+
+
 def item_overhead_fit(q, cache, indptr, indices, last, out, lse, plan_ctas):
     """The decode kernel's fixed price per work item, in KV tokens: the same
     64 x 4096 keys on ``plan_ctas`` (= 64) planner CTAs, cut into n = 1, 4, 16, 64
@@ -409,6 +424,8 @@ def main():
             p_full, p_core = plan_time_us(w, indptr, indices, last, lens, policies[key],
                                           runs=30 if not SIMULATOR else 2)
             info[key].update(plan_us=p_full, planner_only_us=p_core)
+            if key == primary and name == "long_variable":
+                checks["plan_profile"] = plan_profile(w, indptr, indices, last)
         if name == "constant" and left() > 40:
             # one planner CTA per request (64 <= one resident wave): n items of 4096/n keys each
             fit = item_overhead_fit(q, cache, indptr, indices, last, out, lse, len(lens))
