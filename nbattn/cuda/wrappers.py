@@ -87,10 +87,11 @@ _Q_TYPES = {"float16": "f16", "half": "f16", "bfloat16": "bf16", "float32": "f32
 # Fixed price of one decode work item in KV tokens (the planner's
 # ``chunk_overhead``): queue entry, first page ids, pipeline fill, the combine
 # and the write of its state.  Fitted on the H200 from the decode kernel's time
-# for the same keys cut into 1, 4, 16 and 64 items per CTA: 4.3 us per item,
-# 63.7 tokens (``benchmarks/gpu_sched.py``, record ``item_overhead_tokens`` in
-# sched.json; that run planned with the earlier estimate 50, which gives the
-# very same queues on its three workloads).
+# for the same keys cut into 1, 4, 16 and 64 items per CTA
+# (``benchmarks/gpu_sched.py``, record ``item_overhead_tokens`` in sched.json):
+# 63.7 tokens (4.3 us) on the warp path, 82.4 (5.2 us) on the tensor-core path
+# that is now the default for groups >= 4.  Any value from 50 to 82 gives the
+# very same queues on the benchmark's three workloads (checked on the CPU).
 DECODE_CHUNK_OVERHEAD = 64.0
 
 
