@@ -31,6 +31,9 @@ NO_DATA_NOTE = "no measured data yet"
 # the same green.  Peers' names come from result files' ``peers`` keys.
 IMPL_COLORS = {
     "nbattn": "#1f4e9c",
+    # nbattn's other decode kernels, recorded as peers of the default one
+    "nbattn_warp": "#5dade2",
+    "nbattn_smem": "#a9cce3",
     "sdpa": "#e07b00",
     "flash": "#e07b00",
     "sdpa_flash": "#e07b00",
