@@ -84,6 +84,16 @@ def merge_weights(la, lb):
     return float32(a / total), float32(b / total), float32(m + math.log2(total))
 
 
+@device_fn
+def lse_fold(m1, l1, m2, l2):
+    """Fold two (max, mass) pairs of base-2 LSE terms, ``mass = sum 2^(lse - max)``;
+    empty + empty stays (-inf, 0)."""
+    mm = max(m1, m2)
+    if mm == NEG_INF:
+        return NEG_INF, float32(0.0)
+    return mm, l1 * math.exp2(m1 - mm) + l2 * math.exp2(m2 - mm)
+
+
 def _threads(head_dim: int) -> int:
     if SIMULATOR:
         return min(head_dim, 8)
@@ -134,13 +144,6 @@ def _partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, thre
     _, store_elem, _ = element_io(code)
 
     @device_fn
-    def pair_fold(m1, l1, m2, l2):
-        mm = max(m1, m2)
-        if mm == NEG_INF:
-            return NEG_INF, float32(0.0)
-        return mm, l1 * math.exp2(m1 - mm) + l2 * math.exp2(m2 - mm)
-
-    @device_fn
     def weight(lk, mx, inv):
         if SIGMOID:
             return float32(1.0)
@@ -179,14 +182,14 @@ def _partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, thre
             mt = NEG_INF
             lt = float32(0.0)
             for k in range(first + tid, last, NB):
-                mt, lt = pair_fold(mt, lt, part_lse[int64(merge_slots[k]) * num_heads + h], float32(1.0))
+                mt, lt = lse_fold(mt, lt, part_lse[int64(merge_slots[k]) * num_heads + h], float32(1.0))
             sm_m[tid] = mt
             sm_l[tid] = lt
             cuda.syncthreads()
             s = NB // 2
             while s > 0:
                 if tid < s:
-                    m2, l2 = pair_fold(sm_m[tid], sm_l[tid], sm_m[tid + s], sm_l[tid + s])
+                    m2, l2 = lse_fold(sm_m[tid], sm_l[tid], sm_m[tid + s], sm_l[tid + s])
                     sm_m[tid] = m2
                     sm_l[tid] = l2
                 cuda.syncthreads()
@@ -303,13 +306,6 @@ def tile_merge_kernel(code: str, head_dim: int, per_request_row: bool, use_sigmo
     RMAX = TILE_ROWS_MAX
     _, store_elem, _ = element_io(code)
 
-    @device_fn
-    def fold(m1, l1, m2, l2):
-        mm = max(m1, m2)
-        if mm == NEG_INF:
-            return NEG_INF, float32(0.0)
-        return mm, l1 * math.exp2(m1 - mm) + l2 * math.exp2(m2 - mm)
-
     def kernel(num_merges, merge_indptr, merge_request, merge_qo_tile, merge_slots, qo_indptr,
                part_o, part_lse, out, lse, num_qo_heads, group, tile_q, slot_rows):
         sm_m = cuda.shared.array(NT, np.float32)
@@ -347,7 +343,7 @@ def tile_merge_kernel(code: str, head_dim: int, per_request_row: bool, use_sigmo
                         off = f // group - p0
                         for k in range(first + j, last, J):
                             prow = int64(merge_slots[k]) * slot_rows + off
-                            mt, lt = fold(mt, lt, part_lse[prow * num_qo_heads + h], float32(1.0))
+                            mt, lt = lse_fold(mt, lt, part_lse[prow * num_qo_heads + h], float32(1.0))
                     sm_m[tid] = mt
                     sm_l[tid] = lt
                     cuda.syncthreads()
@@ -355,7 +351,7 @@ def tile_merge_kernel(code: str, head_dim: int, per_request_row: bool, use_sigmo
                         mt = NEG_INF
                         lt = float32(0.0)
                         for i in range(J):
-                            mt, lt = fold(mt, lt, sm_m[tid * J + i], sm_l[tid * J + i])
+                            mt, lt = lse_fold(mt, lt, sm_m[tid * J + i], sm_l[tid * J + i])
                         row_m[e0 + tid] = mt
                         row_l[e0 + tid] = lt
                     cuda.syncthreads()

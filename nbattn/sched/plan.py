@@ -268,27 +268,55 @@ def query_tiles(qo_lens, kv_lens, group, tile_q, causal):
 
 
 @njit(cache=True)
-def _lpt_makespan(cost, num_ctas):
-    """Makespan of LPT over ``cost`` (largest first onto the least-loaded CTA)."""
-    order = np.argsort(-cost, kind="mergesort")
-    load = np.zeros(num_ctas, np.float64)      # a binary min-heap of CTA loads
-    for j in range(cost.shape[0]):
-        load[0] += cost[order[j]]
+def _lpt_assign(cost, order, num_ctas):
+    """LPT placement: items in ``order`` go one by one to the least-loaded CTA,
+    the lowest id among equals (a binary min-heap keyed by (load, id)).
+    Returns the CTA of each position of ``order`` and every CTA's load."""
+    # All loads start equal and ids ascend, so the initial array is already a heap.
+    heap_load = np.zeros(num_ctas, np.float64)
+    heap_id = np.arange(num_ctas).astype(np.int64)
+    assigned = np.empty(order.shape[0], np.int64)
+    cta_load = np.zeros(num_ctas, np.float64)
+    for j in range(order.shape[0]):
+        cta = heap_id[0]
+        assigned[j] = cta
+        heap_load[0] += cost[order[j]]
+        cta_load[cta] = heap_load[0]
+        # Sift the root down to restore the heap.
         pos = 0
         while True:
-            best = 2 * pos + 1
-            if best >= num_ctas:
+            left = 2 * pos + 1
+            if left >= num_ctas:
                 break
-            if best + 1 < num_ctas and load[best + 1] < load[best]:
-                best += 1
-            if load[best] < load[pos]:
-                tmp = load[pos]
-                load[pos] = load[best]
-                load[best] = tmp
+            best = left
+            right = left + 1
+            if right < num_ctas and (
+                heap_load[right] < heap_load[left]
+                or (heap_load[right] == heap_load[left] and heap_id[right] < heap_id[left])
+            ):
+                best = right
+            if heap_load[best] < heap_load[pos] or (
+                heap_load[best] == heap_load[pos] and heap_id[best] < heap_id[pos]
+            ):
+                tmp_load = heap_load[pos]
+                heap_load[pos] = heap_load[best]
+                heap_load[best] = tmp_load
+                tmp_id = heap_id[pos]
+                heap_id[pos] = heap_id[best]
+                heap_id[best] = tmp_id
                 pos = best
             else:
                 break
-    return load.max() if num_ctas > 0 else 0.0
+    return assigned, cta_load
+
+
+@njit(cache=True)
+def _lpt_makespan(cost, num_ctas):
+    """Makespan of LPT over ``cost`` (largest first, stable on ties)."""
+    if num_ctas < 1 or cost.shape[0] == 0:
+        return 0.0
+    _, cta_load = _lpt_assign(cost, np.argsort(-cost, kind="mergesort"), num_ctas)
+    return cta_load.max()
 
 
 @njit(cache=True)
@@ -400,41 +428,7 @@ def _plan_core(qo_lens, kv_lens, group, tile_q, num_ctas, alpha, beta, overhead,
     # LPT: largest cost first; the stable sort keeps (request, tile, chunk) order on ties.
     order = np.argsort(-cost, kind="mergesort")
 
-    # Binary min-heap of CTAs keyed by (load, id). All loads start equal and ids
-    # ascend, so the initial array is already a valid heap.
-    heap_load = np.zeros(num_ctas, np.float64)
-    heap_id = np.arange(num_ctas).astype(np.int64)
-    assigned = np.empty(num_items, np.int64)
-    for j in range(num_items):
-        item = order[j]
-        cta = heap_id[0]
-        assigned[j] = cta
-        heap_load[0] += cost[item]
-        # Sift the root down to restore the heap.
-        pos = 0
-        while True:
-            left = 2 * pos + 1
-            if left >= num_ctas:
-                break
-            best = left
-            right = left + 1
-            if right < num_ctas and (
-                heap_load[right] < heap_load[left]
-                or (heap_load[right] == heap_load[left] and heap_id[right] < heap_id[left])
-            ):
-                best = right
-            if heap_load[best] < heap_load[pos] or (
-                heap_load[best] == heap_load[pos] and heap_id[best] < heap_id[pos]
-            ):
-                tmp_load = heap_load[pos]
-                heap_load[pos] = heap_load[best]
-                heap_load[best] = tmp_load
-                tmp_id = heap_id[pos]
-                heap_id[pos] = heap_id[best]
-                heap_id[best] = tmp_id
-                pos = best
-            else:
-                break
+    assigned, _ = _lpt_assign(cost, order, num_ctas)
 
     # Per-CTA queues in assignment order (a counting sort by CTA id).
     cta_indptr = np.zeros(num_ctas + 1, np.int32)
