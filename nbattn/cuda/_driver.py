@@ -9,12 +9,6 @@ one file to fix when it moves.
                           depends on, or None when something in it has no
                           process-independent description
     sm_count()            multiprocessors of the current device (4 under the simulator)
-    host_to_device_range(dst, host, start, stop, stream)
-                          copy ``host[start:stop]`` into ``dst[start:stop]`` (1-D,
-                          same dtype) with one driver call: slicing a device
-                          array costs tens of microseconds of Python in numba,
-                          which made plan() ~1.7 ms for ~7 copies (profile in
-                          benchmarks/results/sched.json, "plan_profile")
 
 Why a key of our own
 --------------------
@@ -46,7 +40,7 @@ from .primitives import SIMULATOR
 
 log = logging.getLogger("nbattn")
 
-__all__ = ["jit_kernel", "stable_key", "sm_count", "host_to_device_range"]
+__all__ = ["jit_kernel", "stable_key", "sm_count"]
 
 _PACKAGE = pathlib.Path(__file__).resolve().parents[1]
 _source_digest: str | None = None
@@ -154,28 +148,3 @@ def sm_count() -> int:
     if SIMULATOR:
         return 4
     return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
-
-
-class _DevicePointer:
-    """The least a numba driver call needs to see device memory: an address."""
-    __cuda_memory__ = True
-
-    def __init__(self, address: int):
-        import ctypes
-        self.device_ctypes_pointer = ctypes.c_void_p(address)
-
-
-def host_to_device_range(dst, host: np.ndarray, start: int, stop: int, stream=0) -> None:
-    """``dst[start:stop] = host[start:stop]`` for a 1-D device array and a contiguous
-    1-D host array of the same dtype, asynchronous on ``stream`` (pageable host
-    memory: the copy has consumed ``host`` when this returns)."""
-    if stop <= start:
-        return
-    if SIMULATOR:
-        dst[start:stop].copy_to_device(host[start:stop], stream=stream)
-        return
-    from numba.cuda.cudadrv import driver
-    item = host.dtype.itemsize
-    base = dst.device_ctypes_pointer.value
-    driver.host_to_device(_DevicePointer(base + start * item), host.ctypes.data + start * item,
-                          (stop - start) * item, stream=stream)

@@ -70,7 +70,7 @@ from ..sched.plan import DIRECT, Plan, plan as lpt_plan
 from ..variants import alibi_slopes, check_return_lse, variant_from_kwargs
 from . import _arrays as A
 from . import decode as DEC
-from ._driver import host_to_device_range, sm_count
+from ._driver import sm_count
 from .merge import run_merge_tiles
 from .primitives import SIMULATOR
 
@@ -328,7 +328,7 @@ class _PlanRunWrapper:
             else:
                 merged.append([a, b])
         for a, b in merged:
-            host_to_device_range(self._ints, self._host, a, b, stream)
+            self._ints[a:b].copy_to_device(self._host[a:b], stream=stream)
 
     def _stream(self):
         return A.launch_stream(self._ws_user)
