@@ -298,20 +298,15 @@ class _PlanRunWrapper:
                 f"outputs and LSEs, here 2*{C} slots x {slot_rows} rows x {num_qo_heads} heads x "
                 f"({head_dim}+1) (T_q={tile_q}); pass at least {total} bytes or fewer num_ctas")
 
-    def _copy(self, name: str, host: np.ndarray, *, clear_stale: bool = False) -> None:
-        """Stage ``host`` (int32) at the front of array ``name``; :meth:`_flush`
-        sends it.  With ``clear_stale``, the rest of the array's capacity is
-        zeroed, so a padded fixed grid sees no-op rows there: the workspace may
-        arrive uninitialized (``torch.empty``) and a previous plan may have
-        been longer."""
+    def _copy(self, name: str, host: np.ndarray) -> None:
+        """Stage ``host`` (int32) at the front of array ``name``; :meth:`_flush` sends it.
+        Kernels read each array only up to bounds the plan also writes (queue
+        bounds, merge count), so stale entries past the front are never seen."""
         host = np.ascontiguousarray(host, dtype=np.int32).reshape(-1)
-        off, cap = self.layout.arrays[name]
+        off, _ = self.layout.arrays[name]
         start, n = off // 4, host.size
         self._host[start:start + n] = host
         end = start + n
-        if clear_stale:
-            self._host[end:start + cap] = 0
-            end = start + cap
         if end > start:
             self._dirty.append((start, end))
         self._used[name] = n
@@ -561,8 +556,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PlanRunWrapper):
         """LPT-plan a prefill step (FlashInfer's arguments) and copy it into the workspace.
 
         The planner's cost and limit rule (``alpha``, ``beta``, ``chunk_overhead``,
-        ``chunk_limit``) default to SPEC section 5 exactly: the prefill kernel is
-        not persistent yet and its per-item price was not measured."""
+        ``chunk_limit``) default to SPEC section 5 exactly: the persistent prefill
+        kernel's per-item price has not been measured."""
         from . import prefill as P
 
         t0 = time.perf_counter()
