@@ -253,7 +253,6 @@ class _PlanRunWrapper:
         self._host = np.zeros(self.layout.plan_bytes // 4, np.int32)   # staging image of the plan region
         self._dirty: list = []         # element spans of _host that plan() wrote
         self._plan: Plan | None = None
-        self._used: dict = {}          # elements of each array the last plan wrote
         self._slopes = None
         self.plan_seconds = 0.0
 
@@ -304,12 +303,10 @@ class _PlanRunWrapper:
         bounds, merge count), so stale entries past the front are never seen."""
         host = np.ascontiguousarray(host, dtype=np.int32).reshape(-1)
         off, _ = self.layout.arrays[name]
-        start, n = off // 4, host.size
-        self._host[start:start + n] = host
-        end = start + n
+        start, end = off // 4, off // 4 + host.size
+        self._host[start:end] = host
         if end > start:
             self._dirty.append((start, end))
-        self._used[name] = n
 
     def _flush(self, stream) -> None:
         """Copy the staged spans to the workspace, neighbours merged into one copy
