@@ -8,9 +8,13 @@ Work decomposition (SPEC section 2).  GQA heads are fused into rows: for one
 KV head, fused row ``r`` of a request is query position ``r // group`` and
 query head ``kv_head*group + r % group``.  A *work item* is one tile of
 ``T_q`` consecutive fused rows of one request (or of one cascade group, or one
-BSR block row).  The grid is ``(n_work, num_kv_heads)``; one block per work
-item and KV head, so every KV tile it gathers serves ``T_q`` rows -- all the
-query heads of the group at once.
+BSR block row).  A kernel build is a per-row body ``tile(w, ...)`` (a device
+function) under one of two entries: :func:`prefill_entry`, grid ``(n_work,
+num_kv_heads)`` with one block per work item and KV head (the public
+functions), or :func:`persistent_entry`, a fixed grid of C blocks per KV head
+each walking its queue of work items (the plan/run wrapper).  Either way
+every KV tile a block gathers serves ``T_q`` rows -- all the query heads of
+the group at once.
 
 Keys.  A work item walks its keys ``t = 0 .. kv_len-1`` in tiles of ``T_k``.
 Where key ``t`` lives is the one thing that differs between forms, chosen when
