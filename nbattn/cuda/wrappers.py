@@ -408,6 +408,20 @@ class _PlanRunWrapper:
             A.check_contiguous(paged_kv_cache, "paged_kv_cache")
         return code, kind, shape
 
+    def _begin_run(self, q, paged_kv_cache, out, lse, return_lse: bool):
+        """What every run() does first, before any launch: check the inputs against the
+        plan, pick the stream, bring q and the cache to the device, make the outputs."""
+        self._need_plan()
+        check_return_lse(self._variant, return_lse)
+        rows = self._batch if self._decode else self._total_q     # q rows the plan expects
+        code, kind, shape = self._check_cache(q, paged_kv_cache, rows)
+        L.check_same_device(q=q, out=out, lse=lse)
+        stream = A.launch_stream(q, paged_kv_cache, out, lse)
+        q_dev = A.to_device(q, "q", stream, code)
+        kv_dev = A.to_device(paged_kv_cache, "paged_kv_cache", stream, code)
+        out_user, out_dev, lse_user, lse_dev = self._outputs(kind, shape, code, stream, q, out, lse)
+        return code, kind, stream, q_dev, kv_dev, out_user, out_dev, lse_user, lse_dev
+
     def _outputs(self, kind, shape, code, stream, q, out, lse):
         """(out_user, out_raw_dev, lse_user, lse_dev): given buffers in place, else fresh ones."""
         if out is not None:
@@ -499,14 +513,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_PlanRunWrapper):
     def run(self, q, paged_kv_cache, out=None, lse=None, return_lse: bool = False):
         """Attention of ``q [batch, num_qo_heads, head_dim]`` against the planned
         pages of ``paged_kv_cache``; returns ``o`` (and the base-2 ``lse``)."""
-        self._need_plan()
-        check_return_lse(self._variant, return_lse)
-        code, kind, shape = self._check_cache(q, paged_kv_cache, self._batch)
-        L.check_same_device(q=q, out=out, lse=lse)
-        stream = A.launch_stream(q, paged_kv_cache, out, lse)
-        q_dev = A.to_device(q, "q", stream, code)
-        kv_dev = A.to_device(paged_kv_cache, "paged_kv_cache", stream, code)
-        out_user, out_dev, lse_user, lse_dev = self._outputs(kind, shape, code, stream, q, out, lse)
+        code, kind, stream, q_dev, kv_dev, out_user, out_dev, lse_user, lse_dev = self._begin_run(
+            q, paged_kv_cache, out, lse, return_lse)
         var = self._variant
         slopes = self._slopes
         prob = DEC.DecodeProblem(
@@ -631,14 +639,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PlanRunWrapper):
         the base-2 ``lse``)."""
         from . import prefill as P
 
-        self._need_plan()
-        check_return_lse(self._variant, return_lse)
-        code, kind, shape = self._check_cache(q, paged_kv_cache, self._total_q)
-        L.check_same_device(q=q, out=out, lse=lse)
-        stream = A.launch_stream(q, paged_kv_cache, out, lse)
-        q_dev = A.to_device(q, "q", stream, code)
-        kv_dev = A.to_device(paged_kv_cache, "paged_kv_cache", stream, code)
-        out_user, out_dev, lse_user, lse_dev = self._outputs(kind, shape, code, stream, q, out, lse)
+        code, kind, stream, q_dev, kv_dev, out_user, out_dev, lse_user, lse_dev = self._begin_run(
+            q, paged_kv_cache, out, lse, return_lse)
         H, D, rows_cap = self._num_qo_heads, self._head_dim, 2 * self.num_ctas * self._slot_rows
         po, pl = self._partials(self._slot_rows, H, D)
         common = (q_dev, kv_dev, kv_dev, self._view("kv_indices"))
