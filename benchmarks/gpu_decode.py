@@ -6,7 +6,7 @@ compute-sanitizer, bandwidth benchmark with peers, compile time and disk cache.
     ... gpu_decode.py correct    # only (a), then exit
     ... gpu_decode.py bench      # only (c); reads (a)'s file for the compile time if present
     ... gpu_decode.py extras     # only (b) and the on-disk cache check, $OUT/decode_extras.json
-    NBATTN_QUICK=1               # skip FlexAttention, the sanitizer and the second process
+    NBATTN_QUICK=1               # skip the sanitizer and the second process
 
 Paths: the default decode path on a GPU is the warp kernel (nbattn.cuda.decode_warp);
 every bandwidth record also times the shared-memory kernel (peer "nbattn_smem") in
@@ -155,6 +155,11 @@ CORRECTNESS = [
     ("b64_f16_p16_g8_d128", "f16", ("uniform", 64, 1, 4096), 16, 4, 8, 128, "NHD", {}, True),
     ("b16_f16_g8_variants", "f16", ("uniform", 16, 1, 8192), 16, 2, 8, 128, "NHD",
      dict(causal=True, window_left=1000, sink_size=4, logits_soft_cap=30.0, pos_encoding_mode="ALIBI"), True),
+    # batch 1 x 32k: split, merged inside the kernel (the benchmark's shape)
+    ("b1_f16_p16_g4_d128_32k", "f16", ("list", [32768]), 16, 8, 4, 128, "NHD", {}, True),
+    # a split request with every key masked: o = 0, lse = -inf from ~30 empty partials
+    ("b3_bf16_p16_g8_d128_masked", "bf16", ("list", [30000, 1, 17001]), 16, 4, 8, 128, "HND",
+     dict(mask_mod=lambda b, h, q, k: b != 0), True),
 ]
 
 
@@ -326,13 +331,18 @@ def our_runner(p, chunk, path="auto", unroll=0, heads=4):
     po = cuda.device_array((n, p.num_qo_heads, p.head_dim), np.float32)
     pl = cuda.device_array((n, p.num_qo_heads), np.float32)
     mmap = MRG.MergeMap(up(m_indptr), up(m_row), up(m_slots))
+    # as DEC.run_split does: the warp and tensor-core kernels merge their own partials
+    cfg = with_path(p, path, unroll, lambda p: p.config(), heads)
+    fused = None
+    if n_slots and cfg.path in ("warp", "tc"):
+        fused = DEC.fused_merge_arrays(0, p.batch, p.num_qo_heads // cfg.heads_per_cta, m_indptr, m_row, m_slots)
 
     def run():
         DEC.DECODE_PATH, DEC.WARP_UNROLL, DEC.WARP_MAX_HEADS = path, unroll, heads
         try:
             p.stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
-            DEC.run_decode_work(p, work, po, pl)
-            if n_slots:
+            DEC.run_decode_work(p, work, po, pl, fused)
+            if n_slots and fused is None:
                 MRG.run_merge_partials(po, pl, mmap, p.out_dev, p.lse_dev, code=p.code, stream=p.stream)
         finally:
             DEC.DECODE_PATH, DEC.WARP_UNROLL, DEC.WARP_MAX_HEADS = "auto", 0, 4
@@ -398,8 +408,8 @@ def bench_case(batch, kv_len, hkv, copy_bw, gen, split_modes=("auto",), unrolls=
             log(name, "failed:", repr(exc)[:150])
             peers[name] = None
     try:
-        if QUICK or FLEX is None or kv_len not in (4096, 32768) or left() < 120:
-            raise RuntimeError("flex skipped (compile time per shape)")
+        if FLEX is None or left() < 60:
+            raise RuntimeError("flex skipped (time)")
         ms, _ = bench(lambda: FLEX(qd, kd, vd, enable_gqa=True))
         peers["flex"] = nbytes / (ms * 1e-3) / 1e9 / copy_bw
     except Exception as exc:  # noqa: BLE001

@@ -84,6 +84,74 @@ def warp_geometry(code: str, head_dim: int, heads: int, nwarps: int, unroll: int
     return nx, tw, nwarps * tw, nwarps * tw * unroll
 
 
+
+def make_fused_merge(HG: int, D: int, NT: int, sigmoid: bool, store_elem):
+    """Device function ``(r, hb, h0, tid, s_flag, merge_indptr, merge_slots, request_merge,
+    counters, n_head_blocks, num_qo_heads, part_o, part_lse, out, lse)`` run by every
+    thread of a CTA that has just written request ``r``'s partial state for heads
+    ``h0 .. h0+HG``.
+
+    Split-KV without a second launch: each CTA counts its arrival on the
+    request's counter (one per (request, head block)); the CTA that brings the
+    count to the request's number of partials folds them all into ``out`` /
+    ``lse`` with the SPEC 3 rule, in slot order, and re-arms the counter to 0
+    for the next launch (a CUDA graph replays the same buffers).  The fence
+    before the count makes this CTA's partial visible to whoever folds it;
+    the one after it orders the folder's reads after every other arrival.
+    ``request_merge[r]`` is the request's row in the merge map (``merge_indptr``
+    / ``merge_slots``, as :func:`nbattn.cuda.decode.split_work` builds it).
+    Weights ``2^(lse - max)`` are at most 1, so nothing overflows; a request
+    whose partials are all empty gets o = 0 and lse = -inf."""
+
+    @device_fn
+    def fused_merge(r, hb, h0, tid, s_flag, merge_indptr, merge_slots, request_merge, counters,
+                    n_head_blocks, num_qo_heads, part_o, part_lse, out, lse):
+        i_m = request_merge[r]
+        first = merge_indptr[i_m]
+        last = merge_indptr[i_m + 1]
+        cuda.threadfence()
+        cuda.syncthreads()
+        if tid == 0:
+            c = int64(r) * n_head_blocks + hb
+            arrived = cuda.atomic.add(counters, c, 1)
+            s_flag[0] = 1 if arrived == last - first - 1 else 0
+            if arrived == last - first - 1:
+                counters[c] = 0
+        cuda.syncthreads()
+        if s_flag[0] != 0:
+            cuda.threadfence()
+            for i in range(tid, HG * D, NT):
+                g = i // D
+                dd = i - g * D
+                h = h0 + g
+                o = float32(0.0)
+                row_lse = float32(math.nan)
+                if sigmoid:
+                    for k in range(first, last):
+                        o += part_o[(int64(merge_slots[k]) * num_qo_heads + h) * D + dd]
+                else:
+                    mm = NEG_INF
+                    for k in range(first, last):
+                        mm = max(mm, part_lse[int64(merge_slots[k]) * num_qo_heads + h])
+                    row_lse = NEG_INF
+                    if mm != NEG_INF:
+                        tot = float32(0.0)
+                        for k in range(first, last):
+                            sl = int64(merge_slots[k])
+                            lk = part_lse[sl * num_qo_heads + h]
+                            w = float32(0.0) if lk == NEG_INF else exp2f(lk - mm)
+                            tot += w
+                            o += w * part_o[(sl * num_qo_heads + h) * D + dd]
+                        o = o / tot
+                        row_lse = mm + math.log2(tot)
+                store_elem(out, (int64(r) * num_qo_heads + h) * D + dd, o)
+                if dd == 0:
+                    lse[int64(r) * num_qo_heads + h] = row_lse
+        cuda.syncthreads()      # s_flag is read again by the next item
+
+    return fused_merge
+
+
 def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
     """Compile the warp-path kernel for a :class:`~nbattn.cuda.decode.DecodeConfig`.
 
@@ -114,6 +182,7 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
     PLAIN = not SIGMOID and not ALIBI and not var.has_soft_cap and var.score_mod is None
     _, store_elem, unpack4 = element_io(cfg.code)
     transform, keep = variant_device_fns(var)
+    fused_merge = make_fused_merge(HG, D, NT, SIGMOID, store_elem)
 
     @device_fn
     def page_slot(pos, page_size, ps_shift):
@@ -126,10 +195,12 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
 
     def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, ps_shift, num_kv_heads,
                num_qo_heads, n_head_blocks, cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
+               merge_indptr, merge_slots, request_merge, counters,
                out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias):
         st_acc = cuda.shared.array(ACC_LEN, np.float32, alignment=SHARED_ALIGN)
         st_m = cuda.shared.array(ML_LEN, np.float32)
         st_l = cuda.shared.array(ML_LEN, np.float32)
+        s_flag = cuda.shared.array(1, np.int32)
         qv = cuda.local.array(HPV, np.float32)
         acc = cuda.local.array(HPV, np.float32)
         dv = cuda.local.array(HP, np.float32)
@@ -147,7 +218,8 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
         mine = x >> HEAD_SHIFT               # the head whose score and softmax state I keep
         writer = (x & ((1 << HEAD_SHIFT) - 1)) == 0 and mine < HG
         cta = cuda.blockIdx.x // n_head_blocks
-        h0 = (cuda.blockIdx.x - cta * n_head_blocks) * HG
+        hb = cuda.blockIdx.x - cta * n_head_blocks
+        h0 = hb * HG
         h_mine = h0 + min(mine, HG - 1)
         kvh = h0 // (num_qo_heads // num_kv_heads)
         ps = int64(page_size)
@@ -319,6 +391,9 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
                     if dd == 0:
                         part_lse[int64(slot) * num_qo_heads + h] = row_lse
             cuda.syncthreads()   # the next item overwrites st_*
+            if slot >= 0 and counters.shape[0] > 0:
+                fused_merge(r, hb, h0, tid, s_flag, merge_indptr, merge_slots, request_merge, counters,
+                            n_head_blocks, num_qo_heads, part_o, part_lse, out, lse)
 
     if SIMULATOR:                 # the simulator refuses launch bounds
         return cuda.jit(kernel)
@@ -381,6 +456,7 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     MASKED = var.window_left >= 0 or var.mask_mod is not None
     _, store_elem, _ = element_io(cfg.code)
     transform, keep = variant_device_fns(var)
+    fused_merge = make_fused_merge(HG, D, NT, var.use_sigmoid, store_elem)
     mma = MMA.mma_f16 if cfg.code == "f16" else MMA.mma_bf16
     pack = MMA.pack_f16x2 if cfg.code == "f16" else MMA.pack_bf16x2
     movt = MMA.movmatrix_t
@@ -395,10 +471,12 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
 
     def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, ps_shift, num_kv_heads,
                num_qo_heads, n_head_blocks, cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
+               merge_indptr, merge_slots, request_merge, counters,
                out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias):
         st_acc = cuda.shared.array(ACC_LEN, np.float32)
         st_m = cuda.shared.array(ML_LEN, np.float32)
         st_l = cuda.shared.array(ML_LEN, np.float32)
+        s_flag = cuda.shared.array(1, np.int32)
         qa = cuda.local.array(QL, np.uint32)
         kw = cuda.local.array(KL, np.uint32)
         vw = cuda.local.array(KL, np.uint32)
@@ -412,7 +490,8 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
         g = lane >> 2
         t = lane & 3
         cta = cuda.blockIdx.x // n_head_blocks
-        h0 = (cuda.blockIdx.x - cta * n_head_blocks) * HG
+        hb = cuda.blockIdx.x - cta * n_head_blocks
+        h0 = hb * HG
         h_row = h0 + min(g, HG - 1)      # my score row's head (padding rows borrow the last)
         kvh = h0 // (num_qo_heads // num_kv_heads)
         ps = int64(page_size)
@@ -582,5 +661,8 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                     if dd == 0:
                         part_lse[int64(slot) * num_qo_heads + h] = row_lse
             cuda.syncthreads()
+            if slot >= 0 and counters.shape[0] > 0:
+                fused_merge(r, hb, h0, tid, s_flag, merge_indptr, merge_slots, request_merge, counters,
+                            n_head_blocks, num_qo_heads, part_o, part_lse, out, lse)
 
     return jit_kernel(kernel, launch_bounds=(NT, min_blocks))
