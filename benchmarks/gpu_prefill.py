@@ -4,37 +4,44 @@
 
 Suites (result format of shared/GPU.md):
 - prefill.json: batch 1 x 8k x 8k, 32 query / 8 KV heads, head_dim 128, fp16,
-  causal and not: nbattn tensor-core and CUDA-core paths beside torch SDPA
-  (flash, cuDNN) and FlexAttention (compiled); TFLOP/s.  Also page size 1 vs
-  contiguous KV at batch 1 x 32k (prefill TFLOP/s, decode bandwidth fraction).
-- cascade.json: shared-prefix decode, suffix 128, batch {16, 64} x prefix
-  {1024, 32768}: cascade vs flat paged decode (nbattn.cuda.batch_decode_paged).
+  causal and not: nbattn's tensor-core path beside torch SDPA (flash, cuDNN)
+  and FlexAttention (compiled); TFLOP/s.  Page size 1 (and 16) vs contiguous
+  KV at batch 1 x 32k (prefill TFLOP/s; decode bandwidth fraction with the
+  default split decode path).  (The CUDA-core prefill path is measured by its
+  own script.)
+- cascade.json: shared-prefix decode, suffix 128, page 16, batch {16, 64} x
+  prefix {1024, 32768}: cascade vs flat paged decode (the default
+  nbattn.cuda.batch_decode_paged path, split as choose_chunk splits it); the
+  cascade's prefix pass alone (TFLOP/s); a sweep of the prefix split size.
 
 Every timing: CUDA events around the kernels only (host planning recorded
 once, :class:`nbattn.cuda.prefill.recording`), after warm-up, median of many
-runs; first-call (compile) time kept apart; outputs poisoned with NaN first
-and checked fully written and close to a peer.
+runs; the short ones (cascade, decode) as CUDA-graph replays of 10 calls, so
+host launch gaps are not counted on either side; first-call (compile) time
+kept apart; outputs poisoned with NaN first and checked fully written and
+close to a peer.
 """
 from __future__ import annotations
 
 import datetime
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
 
 import numpy as np
 import torch
+from numba import cuda
 
-import nbattn  # noqa: F401
+import nbattn  # noqa: F401  (compat shim before numba.cuda kernels)
 from nbattn import layout as L
 from nbattn.cuda.cascade import cascade as cuda_cascade
 from nbattn.cuda import prefill as P
 
 OUT = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
 DEV = "cuda"
-FP32_FMA_PEAK_TFLOPS = 67.0      # H200/H100 SXM datasheet (a lead, not measured)
 
 
 def events_ms(fn, reps: int, warm: int = 2) -> float:
@@ -52,6 +59,49 @@ def events_ms(fn, reps: int, warm: int = 2) -> float:
     return float(np.median(times))
 
 
+def torch_stream():
+    """torch's current stream as a numba stream (inside a graph capture: the capture stream)."""
+    return cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+
+
+def graph_ms(fn, iters: int = 15, rep: int = 10) -> tuple[float, bool]:
+    """(median ms per call, graphed): CUDA events around replays of a graph of
+    ``rep`` calls of ``fn`` (which launches on torch's current stream); plain
+    launches if the capture fails."""
+    fn()
+    torch.cuda.synchronize()
+    graph = None
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(rep):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001
+        print(f"  graph capture failed, timing plain launches: {exc!r}"[:200], flush=True)
+        graph = None
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        if graph is not None:
+            graph.replay()
+        else:
+            for _ in range(rep):
+                fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / rep)
+    return statistics.median(times), graph is not None
+
+
 def copy_bandwidth() -> float:
     x = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
     y = torch.empty_like(x)
@@ -61,15 +111,14 @@ def copy_bandwidth() -> float:
 
 def prefill_flops(q_len: int, kv_len: int, heads: int, d: int, causal: bool) -> float:
     if causal:   # bottom-right: query i sees kv_len - q_len + i + 1 keys
-        seen = sum(kv_len - q_len + i + 1 for i in range(q_len)) if q_len < 4096 else \
-            q_len * (kv_len - q_len) + q_len * (q_len + 1) / 2
+        seen = q_len * (kv_len - q_len) + q_len * (q_len + 1) / 2
     else:
         seen = q_len * kv_len
     return 4.0 * heads * d * seen
 
 
 def ours(fn, *args, **kw):
-    """(replay, result, first_call_s): record launches once, then replay them."""
+    """(recording, result, first_call_s): record the launches of one call once."""
     torch.cuda.synchronize()
     t = time.time()
     res = fn(*args, **kw)               # first call: compiles
@@ -79,13 +128,23 @@ def ours(fn, *args, **kw):
         res = fn(*args, **kw)
     rec.replay()
     torch.cuda.synchronize()
-    return rec.replay, res, first
+    return rec, res, first
 
 
-def poisoned_replay(replay, out) -> bool:
-    """Fill the output with NaN, run the recorded launches, check every element was written."""
+def replay_fn(launches):
+    """Launch recorded launches on torch's current stream (graph-capturable)."""
+    def run():
+        s = torch_stream()
+        for kernel, grid, threads, args in launches:
+            kernel[grid, threads, s](*args)
+    return run
+
+
+def poisoned(run, out) -> bool:
+    """Fill the output with NaN, run, check every element was written."""
     out.fill_(float("nan"))
-    replay()
+    torch.cuda.synchronize()
+    run()
     torch.cuda.synchronize()
     return bool(torch.isfinite(out).all())
 
@@ -152,27 +211,40 @@ def bench_prefill_8k(recs):
             print(f"  flex failed: {e!r}"[:300])
         ref_o = ref[0].transpose(0, 1) if ref is not None else None
         print(f"  peers causal={causal}: { {k: round(v, 1) for k, v in peers.items()} }", flush=True)
-        for tc, reps in ((True, 10), (False, 2)):
-            try:
-                out = torch.empty_like(q)
-                replay, res, first = ours(P.single_prefill, q, k, v, causal=causal, tensor_cores=tc, out=out)
-                written = poisoned_replay(replay, out)
-                err = rel_err(out, ref_o) if ref_o is not None else float("nan")
-                ms = events_ms(replay, reps, warm=1)
-                tflops = flops / (ms * 1e-3) / 1e12
-                c = dict(case, path="tensor_cores" if tc else "cuda_cores")
-                # peers hold only the same metric measured in this run; ratios and
-                # datasheet peaks travel beside them as extra fields.
-                if tc:
-                    record(recs, c, "tflops", tflops, "TFLOP/s", dict(peers), compile_s=first,
-                           rel_err_vs_sdpa=err, all_written=written, ms=ms,
-                           ratio_to_peers={k: tflops / v for k, v in peers.items()})
-                else:
-                    record(recs, c, "tflops", tflops, "TFLOP/s", {}, compile_s=first, rel_err_vs_sdpa=err,
-                           all_written=written, ms=ms, fp32_fma_peak_datasheet=FP32_FMA_PEAK_TFLOPS,
-                           fraction_of_fp32_peak=tflops / FP32_FMA_PEAK_TFLOPS)
-            except Exception:
-                traceback.print_exc()
+        try:
+            out = torch.empty_like(q)
+            rec, res, first = ours(P.single_prefill, q, k, v, causal=causal, tensor_cores=True, out=out)
+            run = replay_fn(rec.launches)
+            written = poisoned(run, out)
+            err = rel_err(out, ref_o) if ref_o is not None else float("nan")
+            ms = events_ms(run, 10, warm=1)
+            tflops = flops / (ms * 1e-3) / 1e12
+            # peers hold only the same metric measured in this run; ratios travel beside them
+            record(recs, dict(case, path="tensor_cores"), "tflops", tflops, "TFLOP/s", dict(peers),
+                   compile_s=first, rel_err_vs_sdpa=err, all_written=written, ms=ms,
+                   ratio_to_peers={k: tflops / v for k, v in peers.items()})
+        except Exception:
+            traceback.print_exc()
+
+
+def _decode_runner(Dec, p, chunk):
+    """The flat decode's launches (work lists uploaded once) on torch's current stream."""
+    from nbattn.cuda.merge import MergeMap, run_merge_partials
+    (cta_indptr, req, ks, ke, slot, m_indptr, m_row, m_slots, n_slots) = Dec.split_work(p.kv_lens, chunk)
+    work = Dec.WorkList(*Dec._upload(p.stream, cta_indptr, req, ks, ke, slot))
+    n = max(n_slots, 1)
+    po = cuda.device_array((n, p.num_qo_heads, p.head_dim), np.float32)
+    pl = cuda.device_array((n, p.num_qo_heads), np.float32)
+    mmap = MergeMap(*Dec._upload(p.stream, m_indptr, m_row, m_slots))
+    cuda.synchronize()
+
+    def run():
+        p.stream = torch_stream()
+        Dec.run_decode_work(p, work, po, pl)
+        if n_slots:
+            run_merge_partials(po, pl, mmap, p.out_dev, p.lse_dev, code=p.code,
+                               use_sigmoid=p.variant.use_sigmoid, stream=p.stream)
+    return run
 
 
 def bench_page1_vs_contiguous(recs, copy_bw):
@@ -185,66 +257,76 @@ def bench_page1_vs_contiguous(recs, copy_bw):
     cache1 = torch.empty(S, 2, 1, HK, D, device=DEV, dtype=torch.float16)
     cache1[perm, 0, 0] = k
     cache1[perm, 1, 0] = v
-    indices = perm.to(torch.int32).cpu().numpy()
-    indptr = np.array([0, S], np.int32)
-    last = np.array([1], np.int32)
+    indices1 = perm.to(torch.int32).cpu().numpy()
+    # page 16: the same keys in shuffled 16-key pages
+    n16 = S // 16
+    perm16 = torch.randperm(n16, device=DEV, generator=g)
+    cache16 = torch.empty(n16, 2, 16, HK, D, device=DEV, dtype=torch.float16)
+    cache16[perm16, 0] = k.view(n16, 16, HK, D)
+    cache16[perm16, 1] = v.view(n16, 16, HK, D)
+    indices16 = perm16.to(torch.int32).cpu().numpy()
     flops = prefill_flops(S, S, HQ, D, True)
     q = torch.randn(S, HQ, D, device=DEV, dtype=torch.float16, generator=g)
     case = {"batch": 1, "q_len": S, "kv_len": S, "num_qo_heads": HQ, "num_kv_heads": HK, "head_dim": D,
             "dtype": "fp16", "causal": True, "path": "tensor_cores"}
-    replay_c, oc, _ = ours(P.single_prefill, q, k, v, causal=True)
-    poisoned_replay(replay_c, oc)
-    ms_c = events_ms(replay_c, 3, warm=1)
-    replay_p, op, _ = ours(P.batch_prefill_paged, q, cache1, np.array([0, S], np.int32), indptr, indices, last,
-                           causal=True)
-    written = poisoned_replay(replay_p, op)
-    ms_p = events_ms(replay_p, 3, warm=1)
-    err = rel_err(op, oc)
-    record(recs, dict(case, kv="page_size_1"), "tflops", flops / (ms_p * 1e-3) / 1e12, "TFLOP/s",
-           {"contiguous": flops / (ms_c * 1e-3) / 1e12}, rel_err_vs_contiguous=err,
-           all_written=written)
-    # decode: one query over 32k keys, the decode engineer's kernel, page 1 vs one 32k page
+    rec_c, oc, _ = ours(P.single_prefill, q, k, v, causal=True)
+    run_c = replay_fn(rec_c.launches)
+    poisoned(run_c, oc)
+    ms_c = events_ms(run_c, 5, warm=1)
+    tf_c = flops / (ms_c * 1e-3) / 1e12
+    # page_size 0 = contiguous KV (the key nbattn.plots.paper pairs page 1 against)
+    record(recs, dict(case, kv="contiguous", page_size=0), "tflops", tf_c, "TFLOP/s", {}, ms=ms_c)
+    for name, cache, ind, ps in (("page_size_1", cache1, indices1, 1), ("page_size_16", cache16, indices16, 16)):
+        rec_p, op, first = ours(P.batch_prefill_paged, q, cache, np.array([0, S], np.int32),
+                                np.array([0, len(ind)], np.int32), ind, np.array([ps], np.int32), causal=True)
+        run_p = replay_fn(rec_p.launches)
+        written = poisoned(run_p, op)
+        err = rel_err(op, oc)
+        ms_p = events_ms(run_p, 5, warm=1)
+        tf_p = flops / (ms_p * 1e-3) / 1e12
+        record(recs, dict(case, kv=name, page_size=ps), "tflops", tf_p, "TFLOP/s", {"contiguous": tf_c},
+               rel_err_vs_contiguous=err, all_written=written, compile_s=first, ms=ms_p, contiguous_ms=ms_c,
+               ratio_to_contiguous=tf_p / tf_c, paper_ratio={"fa2_template": 347 / 370, "fa3_template": 532 / 627})
+    # decode: one query over 32k keys, the default decode path (split as choose_chunk splits it),
+    # page 1 vs one 32k page
     qd = torch.randn(1, HQ, D, device=DEV, dtype=torch.float16, generator=g)
     cache_c = torch.stack([k, v]).unsqueeze(0)                   # [1, 2, S, HK, D]
     bytes_moved = 2 * S * HK * D * 2 + 2 * HQ * D * 2
-    res = {}
-    for name, cache, ind, ps_last in (("page_size_1", cache1, indices, last),
+    res, chunks = {}, {}
+    for name, cache, ind, ps_last in (("page_size_1", cache1, indices1, np.array([1], np.int32)),
                                       ("contiguous", cache_c, np.zeros(1, np.int32), np.array([S], np.int32))):
         ip = np.array([0, len(ind)], np.int32)
-        fn = lambda: Dec.batch_decode_paged(qd, cache, ip, ind, ps_last)
-        fn()
+        Dec.batch_decode_paged(qd, cache, ip, ind, ps_last)
         p = Dec.prepare_decode(qd, cache, ip, ind, ps_last)
-        chunk = Dec.choose_chunk(p)
-        run = _decode_runner(Dec, p, chunk)
-        ms = events_ms(run, 30)
+        chunks[name] = Dec.choose_chunk(p)
+        run = _decode_runner(Dec, p, chunks[name])
+        ms, graphed = graph_ms(run, iters=20)
         res[name] = bytes_moved / (ms * 1e-3) / 1e9 / copy_bw
     record(recs, {"batch": 1, "kv_len": S, "num_qo_heads": HQ, "num_kv_heads": HK, "head_dim": D,
-                  "dtype": "fp16", "kernel": "nbattn.cuda.batch_decode_paged", "kv": "page_size_1"},
-           "bw_fraction", res["page_size_1"], "fraction", {"contiguous": res["contiguous"]})
+                  "dtype": "fp16", "kernel": "nbattn.cuda.batch_decode_paged", "kv": "page_size_1",
+                  "page_size": 1},
+           "bw_fraction", res["page_size_1"], "fraction", {"contiguous": res["contiguous"]},
+           kv_chunk=chunks["page_size_1"], kv_chunk_contiguous=chunks["contiguous"], graphed=graphed)
 
 
-def _decode_runner(Dec, p, chunk):
-    """The flat decode's launches with their work lists uploaded once."""
-    from nbattn.cuda.merge import MergeMap, run_merge_partials
-    (cta_indptr, req, ks, ke, slot, m_indptr, m_row, m_slots, n_slots) = Dec.split_work(p.kv_lens, chunk)
-    work = Dec.WorkList(*Dec._upload(p.stream, cta_indptr, req, ks, ke, slot))
-    if n_slots == 0:
-        return lambda: Dec.run_decode_work(p, work)
-    from numba import cuda
-    po = cuda.device_array((n_slots, p.num_qo_heads, p.head_dim), np.float32)
-    pl = cuda.device_array((n_slots, p.num_qo_heads), np.float32)
-    mmap = MergeMap(*Dec._upload(p.stream, m_indptr, m_row, m_slots))
-
-    def run():
-        Dec.run_decode_work(p, work, po, pl)
-        run_merge_partials(po, pl, mmap, p.out_dev, p.lse_dev, code=p.code,
-                           use_sigmoid=p.variant.use_sigmoid, stream=p.stream)
-    return run
+def _torch_ref(q, cache, indptr, indices, batch_rows):
+    """fp32 attention of a few requests, keys gathered from the page table (torch, on the GPU)."""
+    HQ, D = q.shape[1], q.shape[2]
+    HK = cache.shape[3]
+    outs = []
+    for b in batch_rows:
+        pages = torch.as_tensor(indices[indptr[b]:indptr[b + 1]], device=DEV, dtype=torch.long)
+        kk = cache[pages, 0].reshape(-1, HK, D).float().repeat_interleave(HQ // HK, dim=1)
+        vv = cache[pages, 1].reshape(-1, HK, D).float().repeat_interleave(HQ // HK, dim=1)
+        s = torch.einsum("hd,khd->hk", q[b].float(), kk) / D ** 0.5
+        outs.append(torch.einsum("hk,khd->hd", torch.softmax(s, -1), vv))
+    return torch.stack(outs)
 
 
 def bench_cascade(recs, copy_bw):
     from nbattn.cuda import decode as Dec
     HQ, HK, D, PS, SUF = 32, 8, 128, 16, 128
+    sweep = (128, 256, 512, 1024, 2048, 4096, 8192)
     for batch in (16, 64):
         for prefix in (1024, 32768):
             g = torch.Generator(device=DEV).manual_seed(batch + prefix)
@@ -261,49 +343,93 @@ def bench_cascade(recs, copy_bw):
             pkv = L.PagedKV.validate(indptr, indices, last, PS, pool)
             levels = L.cascade_decompose(qo, pkv)
             q = torch.randn(batch, HQ, D, device=DEV, dtype=torch.float16, generator=g)
-            replay, oc, first = ours(cuda_cascade, q, levels, cache)
-            written = poisoned_replay(replay, oc)
-            ms_c = events_ms(replay, 50)
-            flat = Dec.batch_decode_paged(q, cache, indptr, indices, last)
-            p = Dec.prepare_decode(q, cache, indptr, indices, last)
-            ms_f = events_ms(_decode_runner(Dec, p, Dec.choose_chunk(p)), 50)
-            err = rel_err(oc, flat)
             case = {"batch": batch, "prefix": prefix, "suffix": SUF, "page_size": PS, "num_qo_heads": HQ,
                     "num_kv_heads": HK, "head_dim": D, "dtype": "fp16"}
+            # flat paged decode: the default path (choose_chunk's split)
+            flat = Dec.batch_decode_paged(q, cache, indptr, indices, last)
+            p = Dec.prepare_decode(q, cache, indptr, indices, last)
+            flat_chunk = Dec.choose_chunk(p)
+            run_f = _decode_runner(Dec, p, flat_chunk)
+            ms_f, graphed_f = graph_ms(run_f)
+            # the cascade, default split
+            rec, oc, first = ours(cuda_cascade, q, levels, cache)
+            run_c = replay_fn(rec.launches)
+            written = poisoned(run_c, oc)
+            ms_c, graphed_c = graph_ms(run_c)
+            ms_pre, _ = graph_ms(replay_fn(rec.launches[:1]))        # the prefix pass alone
+            ms_rest, _ = graph_ms(replay_fn(rec.launches[1:]))       # suffix pass + merge
+            err = rel_err(oc, flat)
+            ref = _torch_ref(q, cache, indptr, indices, range(min(batch, 8)))
+            err_ref = rel_err(oc[:len(ref)], ref)
+            chunk0 = rec.launches[0][3][4].copy_to_host() if hasattr(rec.launches[0][3][4], "copy_to_host") else None
+            pre_chunk = int(chunk0[0, 6] - chunk0[0, 5]) if chunk0 is not None else None
+            pre_ctas = int(rec.launches[0][1][0]) * int(rec.launches[0][1][1])
+            pre_flops = 4.0 * batch * HQ * D * prefix
+            pre_tflops = pre_flops / (ms_pre * 1e-3) / 1e12
+            # what the prefix pass would need for 10x over flat, the rest unchanged
+            budget = ms_f / 10 - ms_rest
+            need = pre_flops / (budget * 1e-3) / 1e12 if budget > 0 else None      # None: unreachable
+            sw = {}
+            for ch in sweep:
+                if ch >= prefix or ch < prefix // 64:
+                    continue
+                try:
+                    rec_s, os_, _ = ours(cuda_cascade, q, levels, cache, kv_chunk=ch)
+                    sw[str(ch)] = graph_ms(replay_fn(rec_s.launches))[0] * 1e3
+                    sw[str(ch) + "_err"] = rel_err(os_, flat)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  sweep {ch} failed: {e!r}"[:200])
             record(recs, case, "latency_us", ms_c * 1e3, "us", {"flat_decode": ms_f * 1e3},
-                   compile_s=first, rel_err_vs_flat=err, all_written=written)
+                   compile_s=first, rel_err_vs_flat=err, rel_err_vs_torch_fp32_first8=err_ref,
+                   all_written=written, graphed=graphed_c and graphed_f, flat_kv_chunk=flat_chunk,
+                   prefix_kv_chunk=pre_chunk, prefix_ctas=pre_ctas, prefix_pass_us=ms_pre * 1e3,
+                   suffix_and_merge_us=ms_rest * 1e3, prefix_chunk_sweep_us=sw)
             paper = {(64, 32768): 16.07, (16, 1024): 1.03}.get((batch, prefix))
             record(recs, case, "speedup", ms_f / ms_c, "x", {},
                    **({"paper_flashinfer_h100": paper} if paper else {}))
+            record(recs, dict(case, part="prefix_pass"), "tflops", pre_tflops, "TFLOP/s", {},
+                   us=ms_pre * 1e3, flops=pre_flops, tflops_needed_for_10x=need,
+                   note="10x needs cascade <= flat/10; with suffix+merge as measured, the prefix pass must "
+                        "reach tflops_needed_for_10x")
 
 
 def inspect_tc():
-    """Registers and local-memory use of the tensor-core kernel (spills show as ld.local)."""
-    from nbattn.variants import Variant
-    for d in (64, 128, 256):
-        spec = P.make_spec("contig", "NHD", "f16", d, 32, 8, Variant(causal=True), True)
-        kern = P.get_kernel(spec)
-        regs = kern.get_regs_per_thread()
-        for sig, ptx in kern.inspect_asm().items():
-            print(f"  tc D={d}: ld.local={ptx.count('ld.local')} st.local={ptx.count('st.local')} "
-                  f"mma={ptx.count('mma.sync')} regs={regs}")
+    """Registers and local-memory use of the tensor-core kernels this run compiled."""
+    from numba.cuda.dispatcher import CUDADispatcher
+    for key, kern in list(P._KERNELS.items()):
+        if not isinstance(kern, CUDADispatcher) or not getattr(key, "tensor_cores", False):
+            continue
+        try:
+            regs = kern.get_regs_per_thread()
+            for sig, ptx in kern.inspect_asm().items():
+                print(f"  tc {key.mode} D={key.head_dim} out={key.out_kind}: ld.local={ptx.count('ld.local')} "
+                      f"div.s64={ptx.count('div.s64')} mma={ptx.count('mma.sync')} regs={regs}")
+        except Exception as e:  # noqa: BLE001
+            print(f"  inspect failed: {e!r}"[:200])
 
 
 def main():
     torch.cuda.init()
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw:.0f} GB/s", flush=True)
+    only = set(sys.argv[1:])
     prefill, cascade = [], []
-    for name, fn, recs in (("prefill_8k", lambda r: bench_prefill_8k(r), prefill),
-                           ("cascade", lambda r: bench_cascade(r, copy_bw), cascade),
-                           ("page1", lambda r: bench_page1_vs_contiguous(r, copy_bw), prefill)):
+    for name, fn, recs in (("cascade", lambda r: bench_cascade(r, copy_bw), cascade),
+                           ("page1", lambda r: bench_page1_vs_contiguous(r, copy_bw), prefill),
+                           ("prefill_8k", lambda r: bench_prefill_8k(r), prefill)):
+        if only and name not in only:
+            continue
         print(f"== {name}", flush=True)
+        t = time.time()
         try:
             fn(recs)
         except Exception:
             traceback.print_exc()
-        write("prefill", prefill, copy_bw)
-        write("cascade", cascade, copy_bw)
+        print(f"   ({time.time() - t:.1f} s)", flush=True)
+        if not only or "prefill_8k" in only or "page1" in only:
+            write("prefill", prefill, copy_bw)
+        if not only or "cascade" in only:
+            write("cascade", cascade, copy_bw)
     try:
         inspect_tc()
     except Exception:

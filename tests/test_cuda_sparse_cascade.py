@@ -151,3 +151,34 @@ def test_gpu_pipelined_sparse_and_cascade(d):
     levels = L.cascade_decompose(qo, pkv)
     got = cuda_cascade(q, levels, cache, causal=True, return_lse=True, tensor_cores=True, kv_chunk=64)
     check(got, R.cascade(q, levels, cache, causal=True, return_lse=True), tol=2e-2)
+
+
+def test_cascade_chunk_size_fills_one_wave_in_whole_tiles(monkeypatch):
+    """The prefix split (GPU only): as many chunks as one wave of CTAs holds,
+    each a whole number of KV tiles, never below MIN_CHUNK; no split when the
+    unsplit level already fills the GPU."""
+    import importlib
+
+    from nbattn.cuda import prefill as P
+    from nbattn.variants import Variant
+
+    C = importlib.import_module("nbattn.cuda.cascade")     # the package exports the function under this name
+    monkeypatch.setattr(C, "SIMULATOR", False)
+    monkeypatch.setattr(C, "sm_count", lambda: 132)
+    spec = P.KernelSpec("paged", "NHD", "f16", "f32", 128, 4, 32, Variant(), True, 64, 64, 128)
+
+    def level(n_groups, rows_per_group, kv_len):
+        qo = L.RaggedQ.validate(np.arange(n_groups + 1, dtype=np.int32) * rows_per_group)
+        pages = -(-kv_len // 16)
+        pkv = L.PagedKV.validate(np.arange(n_groups + 1, dtype=np.int32) * pages,
+                                 np.zeros(n_groups * pages, np.int32), np.full(n_groups, 16, np.int32), 16, 1)
+        return qo, pkv
+
+    slots = C.CTAS_PER_SM * 132
+    for batch, prefix in ((64, 32768), (16, 32768), (16, 1024), (64, 1024)):
+        qo, pkv = level(1, batch, prefix)
+        chunk = C._chunk_size(qo, pkv, spec, 8)
+        ctas = -(-batch * 4 // 64) * 8
+        assert chunk % 64 == 0 and chunk >= C.MIN_CHUNK
+        assert ctas * -(-prefix // chunk) <= slots or chunk == C.MIN_CHUNK
+    assert C._chunk_size(*level(64, 1, 128), spec, 8) == 0          # 64 suffix groups x 8 heads: full

@@ -36,12 +36,13 @@ from ..variants import check_return_lse, variant_from_kwargs
 from . import _arrays as A
 from . import merge as M
 from . import prefill as P
+from ._driver import sm_count
 from .primitives import SIMULATOR
 
 __all__ = ["cascade"]
 
-TARGET_CTAS = 2 * 132    # two blocks per H200 SM
-MIN_CHUNK = 512
+CTAS_PER_SM = 2          # the pipelined tensor-core tile: 242 registers x 128 threads
+MIN_CHUNK = 256          # keys: below this a chunk's fixed cost (Q tile, first K load, one more state) dominates
 
 
 def cascade(q, levels, paged_kv_cache, *, kv_layout: str = "NHD", return_lse: bool = False,
@@ -117,13 +118,17 @@ def _merge_map(states, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _chunk_size(qo: L.RaggedQ, pkv: L.PagedKV, spec: P.KernelSpec, num_kv_heads: int) -> int:
-    """Keys per chunk so that the level's work items reach ~TARGET_CTAS blocks (0: no split)."""
+    """Keys per chunk so that the level's work items fill one wave of CTAs
+    (resident slots = SMs x CTAS_PER_SM; a second, partial wave would cost a
+    whole one), in whole KV tiles so no chunk ends inside a tile; 0: no split."""
     if SIMULATOR:
         return 0
+    slots = CTAS_PER_SM * sm_count()
     tiles = int(np.sum(-(-qo.lengths.astype(np.int64) * spec.group // spec.tile_q)))
-    if tiles == 0 or tiles * num_kv_heads >= TARGET_CTAS:
+    if tiles == 0 or tiles * num_kv_heads >= slots:
         return 0
     longest = int(pkv.kv_lens.max(initial=0))
-    want = max(1, TARGET_CTAS // (tiles * num_kv_heads))
-    chunk = max(MIN_CHUNK, -(-longest // want))
+    want = max(1, slots // (tiles * num_kv_heads))
+    chunk = -(-longest // want)
+    chunk = max(MIN_CHUNK, -(-chunk // spec.tile_k) * spec.tile_k)
     return 0 if chunk >= longest else chunk

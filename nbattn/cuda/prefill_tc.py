@@ -23,8 +23,9 @@ O and Q stay in registers.  Device functions are force-inlined at the LLVM
 level (``primitives.device_fn``) rather than by numba's IR inliner: the same
 code, a quarter of the compile time.
 
-Shared with the CUDA-core kernel: the key walk (:func:`nbattn.cuda.prefill.key_locator`,
-``kv_reader``, ``tile_key_range``, ``NO_KEY``), element stores
+Shared with the CUDA-core kernel: the key walk (``kv_reader``, ``tile_key_range``,
+``NO_KEY``; :func:`_tile_locator` answers as :func:`nbattn.cuda.prefill.key_locator`
+does, once per key and tile, with a shift for power-of-two blocks), element stores
 (:func:`nbattn.cuda.primitives.element_io`) and the variant
 (:func:`nbattn.cuda.variants.variant_device_fns`).
 """
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import math
 
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, int32, uint32, uint64
 
 from . import mma as _mma
 from . import prefill as P
@@ -149,7 +150,8 @@ def mma_tile(spec: P.KernelSpec):
     log2e = float32(LOG2E)
     _, store, _ = element_io(spec.out_kind)
     vec = P.kv_reader(spec.mode, spec.kv_layout, _mma.load_u32x4)  # 16 B: eight 2-byte elements from d on
-    locate = P.key_locator(spec.mode)
+    loc = _tile_locator(spec.mode)
+    assert T_k <= NT
     transform, keep = variant_device_fns(var)
     bias = float32(var.sigmoid_bias)
     NO_KEY = P.NO_KEY
@@ -203,10 +205,15 @@ def mma_tile(spec: P.KernelSpec):
         s_k = cuda.shared.array((T_k, W), uint32)
         s_vt = cuda.shared.array((D, WV), uint32)
         s_kpos = cuda.shared.array(T_k, int32)
+        s_kpage = cuda.shared.array(T_k, int32)
+        s_kslot = cuda.shared.array(T_k, int32)
         s_qpos = cuda.shared.array(T_q, int32)
         s_diag = cuda.shared.array(T_q, int32)
         s_req = cuda.shared.array(T_q, int32)
         s_range = cuda.shared.array(3, int32)
+        shift = -1
+        if block > 0 and block & (block - 1) == 0:
+            shift = 31 - cuda.clz(int32(block))
 
         # Q tile: 16-byte loads, packed pairs stay packed.
         for e in range(tid, T_q * (D // 8), NT):
@@ -261,38 +268,34 @@ def mma_tile(spec: P.KernelSpec):
         for t0 in range(kv_begin, hi, T_k):
             if t0 + T_k <= lo and t0 >= sink_end:
                 continue
+            # Where each key lives, once per tile (not once per 16-byte chunk).
+            if tid < T_k:
+                t = t0 + tid
+                page, slot, pos = loc(kv_indices, kv_ptr, kv_base, min(t, hi - 1), block, n_keys, shift)
+                s_kpage[tid] = page
+                s_kslot[tid] = slot
+                s_kpos[tid] = pos if t < hi else NO_KEY
+            cuda.syncthreads()
             # K rows as packed pairs; V transposed so that pairs run along keys.
             for e in range(tid, T_k * (D // 8), NT):
                 j = e // (D // 8)
                 c = e % (D // 8)
-                t = t0 + j
                 w0 = w1 = w2 = w3 = uint32(0)
-                if t < hi:
-                    page, slot, pos = locate(kv_indices, kv_ptr, kv_base, t, block, n_keys)
-                    if pos != NO_KEY:
-                        w0, w1, w2, w3 = vec(k_src, 0, page, slot, kv_head, c * 8)
-                else:
-                    pos = NO_KEY
+                if s_kpos[j] != NO_KEY:
+                    w0, w1, w2, w3 = vec(k_src, 0, s_kpage[j], s_kslot[j], kv_head, c * 8)
                 s_k[j, c * 4] = w0
                 s_k[j, c * 4 + 1] = w1
                 s_k[j, c * 4 + 2] = w2
                 s_k[j, c * 4 + 3] = w3
-                if c == 0:
-                    s_kpos[j] = pos
             for e in range(tid, (T_k // 2) * (D // 8), NT):
                 jj = e // (D // 8)
                 c = e % (D // 8)
                 a0 = a1 = a2 = a3 = uint32(0)
                 b0 = b1 = b2 = b3 = uint32(0)
-                t = t0 + 2 * jj
-                if t < hi:
-                    page, slot, pos = locate(kv_indices, kv_ptr, kv_base, t, block, n_keys)
-                    if pos != NO_KEY:
-                        a0, a1, a2, a3 = vec(v_src, 1, page, slot, kv_head, c * 8)
-                if t + 1 < hi:
-                    page, slot, pos = locate(kv_indices, kv_ptr, kv_base, t + 1, block, n_keys)
-                    if pos != NO_KEY:
-                        b0, b1, b2, b3 = vec(v_src, 1, page, slot, kv_head, c * 8)
+                if s_kpos[2 * jj] != NO_KEY:
+                    a0, a1, a2, a3 = vec(v_src, 1, s_kpage[2 * jj], s_kslot[2 * jj], kv_head, c * 8)
+                if s_kpos[2 * jj + 1] != NO_KEY:
+                    b0, b1, b2, b3 = vec(v_src, 1, s_kpage[2 * jj + 1], s_kslot[2 * jj + 1], kv_head, c * 8)
                 d0 = c * 8
                 s_vt[d0, jj] = (a0 & lo16) | (b0 << sh16)
                 s_vt[d0 + 1, jj] = (a0 >> sh16) | (b0 & hi16)
@@ -434,7 +437,8 @@ def _fast_fragments(D: int, T_k: int, ROW: int, mma, pack, score, sigmoid: bool,
     - ``q_frags(addr)``: all A fragments of the warp's 16 Q rows (ldmatrix.x4 per k-step);
     - ``qk(qf, addr)``: S = Q K^T (one ldmatrix.x4 = B of two k-steps of one n-tile);
     - ``scaled(s, f)``: every score times f (unmasked tiles);
-    - ``masked(s, ...)``: :func:`score` per element (variant and mask);
+    - ``masked(s, ..., s_kpos, kbase, ...)``: :func:`score` per element (variant
+      and mask), key positions from ``s_kpos[kbase:kbase + T_k]``;
     - ``softmax(s, m_lo, m_hi, l_lo, l_hi)`` -> (P packed as A fragments,
       m_lo, m_hi, l_lo, l_hi, alpha_lo, alpha_hi); base-2 online softmax, or
       sigmoid weights with alpha 1;
@@ -476,9 +480,9 @@ def _fast_fragments(D: int, T_k: int, ROW: int, mma, pack, score, sigmoid: bool,
     L.append("    " + ", ".join(S) + ", = s")
     L.append("    return " + tup([f"{x} * f" for x in S]))
 
-    L.append("def masked(s, r_lo, r_hi, ok_lo, ok_hi, tq, s_qpos, s_diag, s_req, s_kpos, head0, slopes):")
+    L.append("def masked(s, r_lo, r_hi, ok_lo, ok_hi, tq, s_qpos, s_diag, s_req, s_kpos, kbase, head0, slopes):")
     L.append("    " + ", ".join(S) + ", = s")
-    L.append("    kt = 2 * tq")
+    L.append("    kt = kbase + 2 * tq")
     out = []
     for j in range(NTK):
         for c in range(4):
@@ -541,6 +545,63 @@ def _fast_fragments(D: int, T_k: int, ROW: int, mma, pack, score, sigmoid: bool,
     return {name: device_fn(env[name]) for name in names}
 
 
+def _issue_function(CH: int, NT: int, k_iters: int, ROW: int, no_key: int):
+    """``issue(s_dst, s_addr, s_kpos, base, tid)``: cp.async of one K or V tile,
+    row j from the global address ``s_addr[base + j]`` (zero-fill where
+    ``s_kpos[base + j]`` is NO_KEY).  Generated straight-line code: cp.async is
+    volatile asm with a memory clobber, so in a loop each row's shared-memory
+    reads would wait behind the previous row's copy; written out, all of them
+    are issued before the first copy."""
+    JS = NT // CH                       # rows per pass of the block
+    L = ["def issue(s_dst, s_addr, s_kpos, base, tid):",
+         "    j = base + tid // CH",
+         "    c16 = uint64((tid % CH) * 16)",
+         "    dst = s_dst + uint32((tid // CH) * ROW + (tid % CH) * 16)"]
+    for i in range(k_iters):
+        L.append(f"    a{i} = s_addr[j + {i * JS}]")
+        L.append(f"    n{i} = int32(16) if s_kpos[j + {i * JS}] != NO_KEY else int32(0)")
+    for i in range(k_iters):
+        L.append(f"    cp_async16(dst + uint32({i * JS * ROW}), a{i} + c16, n{i})")
+    env = {"uint32": uint32, "uint64": uint64, "int32": int32, "CH": CH, "ROW": ROW, "NO_KEY": no_key,
+           "cp_async16": _mma.cp_async16}
+    exec(compile("\n".join(L), f"<nbattn cp.async issue CH={CH} NT={NT} iters={k_iters}>", "exec"), env)
+    return device_fn(env["issue"])
+
+
+def _tile_locator(mode: str):
+    """Device function ``(kv_indices, kv_ptr, kv_base, t, block, n_keys, shift) -> (page, slot, pos)``:
+    :func:`nbattn.cuda.prefill.key_locator`'s answer for key ``t >= 0``, with a
+    shift and a mask in place of ``t // block`` and ``t % block`` when the block
+    (page size, BSR column block) is a power of two (``shift >= 0``)."""
+    NO_KEY = P.NO_KEY
+    if mode == "contig":
+        @device_fn
+        def loc(kv_indices, kv_ptr, kv_base, t, block, n_keys, shift):
+            return 0, kv_base + t, t
+        return loc
+
+    @device_fn
+    def split(t, block, shift):
+        if shift >= 0:
+            return t >> shift, t & (block - 1)
+        return t // block, t % block
+
+    if mode == "paged":
+        @device_fn
+        def loc(kv_indices, kv_ptr, kv_base, t, block, n_keys, shift):
+            i, slot = split(t, block, shift)
+            return kv_indices[kv_ptr + i], slot, t
+    else:
+        @device_fn
+        def loc(kv_indices, kv_ptr, kv_base, t, block, n_keys, shift):
+            i, slot = split(t, block, shift)
+            row = kv_indices[kv_ptr + i] * block + slot
+            if row >= n_keys:
+                return 0, 0, NO_KEY
+            return 0, row, row
+    return loc
+
+
 def pipelined_tile(spec: P.KernelSpec):
     """cp.async + ldmatrix path for head_dim 64/128.  Launch as the others:
     grid (n_work, num_kv_heads), T_q/16 warps; static shared memory only (the
@@ -559,6 +620,18 @@ def pipelined_tile(spec: P.KernelSpec):
 
     Copies past the key range (or of missing bsr keys) zero-fill instead of
     reading, so the P V product never meets uninitialized memory.
+
+    Where the keys live is worked out once per tile, one tile ahead: at the
+    top of iteration t, threads ``tid < T_k`` load the page ids of tile t+1
+    (one ``kv_indices`` load each, shift/mask for power-of-two pages); the
+    values are only used -- turned into the global row addresses of K and V
+    and written to the other half of ``s_kaddr``/``s_vaddr``/``s_kpos`` -- after
+    the QK product and softmax, so the loads' latency hides behind the math,
+    and the barrier before ``issue K(t+1)`` publishes them.  The copies then
+    read their row addresses from shared memory.  (Each 16-byte chunk used to
+    redo the page lookup: per thread 16 dependent index loads and 64-bit
+    divisions per tile, serialized behind the volatile cp.async asm; page size
+    1 ran at a third of the contiguous speed.)
     """
     D, group = spec.head_dim, spec.group
     T_q, T_k, NT = spec.tile_q, spec.tile_k, spec.threads
@@ -576,7 +649,7 @@ def pipelined_tile(spec: P.KernelSpec):
     _, store, _ = element_io(spec.out_kind)
     addr_of = P.kv_reader(spec.mode, spec.kv_layout, _mma.global_addr)
     gaddr = _mma.global_addr
-    locate = P.key_locator(spec.mode)
+    loc = _tile_locator(spec.mode)
     transform, keep = variant_device_fns(var)
     NO_KEY = P.NO_KEY
     mma = _mma.mma_bf16 if spec.kind == "bf16" else _mma.mma_f16
@@ -590,6 +663,8 @@ def pipelined_tile(spec: P.KernelSpec):
     BUF_WORDS = (2 * TILE + 16) // 4  # K tile, V tile, slack for 16-byte alignment
     K_ITERS = T_k * CH // NT
     Q_ITERS = T_q * CH // NT
+    assert NT % CH == 0 and NT % T_k == 0
+    LOCS = 2 * T_k                   # key locations of two tiles
     NDT = D // 8
     align_mask = uint32(0xFFFFFFF0)
 
@@ -613,21 +688,14 @@ def pipelined_tile(spec: P.KernelSpec):
     o_zero, q_frags, qk, scaled = fr["o_zero"], fr["q_frags"], fr["qk"], fr["scaled"]
     masked, softmax, pv = fr["masked"], fr["softmax"], fr["pv"]
 
+    issue = _issue_function(CH, NT, K_ITERS, ROW, NO_KEY)
+
     @device_fn
-    def issue(src, which, s_dst, t0, hi, kv_indices, kv_ptr, kv_base, block, n_keys, kv_head, tid,
-              s_kpos, with_pos):
-        """cp.async of the K (which=0) or V (which=1) rows t0..t0+T_k-1."""
-        for i in range(K_ITERS):
-            e = tid + i * NT
-            j = e // CH
-            c = e % CH
-            t = t0 + j
-            page, slot, pos = locate(kv_indices, kv_ptr, kv_base, min(t, hi - 1), block, n_keys)
-            ok = t < hi and pos != NO_KEY
-            cp_async16(s_dst + uint32(j * ROW + c * 16), addr_of(src, which, page, slot, kv_head, c * 8),
-                       int32(16) if ok else int32(0))
-            if with_pos and c == 0:
-                s_kpos[j] = pos if t < hi else NO_KEY
+    def put(s_kaddr, s_vaddr, s_kpos, k_src, v_src, page, slot, pos, t, hi, kv_head, at):
+        """Row addresses and position of one key (a clamped, valid address when it has no key)."""
+        s_kaddr[at] = addr_of(k_src, 0, page, slot, kv_head, 0)
+        s_vaddr[at] = addr_of(v_src, 1, page, slot, kv_head, 0)
+        s_kpos[at] = pos if t < hi else NO_KEY
 
     @device_fn
     def next_tile(t, lo, sink_end):
@@ -651,7 +719,10 @@ def pipelined_tile(spec: P.KernelSpec):
         head0 = kv_head * group
 
         buf = cuda.shared.array(BUF_WORDS, uint32)
-        s_kpos = cuda.shared.array(T_k, int32)
+        # two tiles' key locations: the current tile's half, the next one's
+        s_kaddr = cuda.shared.array(LOCS, uint64)
+        s_vaddr = cuda.shared.array(LOCS, uint64)
+        s_kpos = cuda.shared.array(LOCS, int32)
         s_qpos = cuda.shared.array(T_q, int32)
         s_diag = cuda.shared.array(T_q, int32)
         s_req = cuda.shared.array(T_q, int32)
@@ -708,9 +779,20 @@ def pipelined_tile(spec: P.KernelSpec):
         v_lane = s_v + a_off
         cuda.syncthreads()              # Q read: the buffer is K's and V's now
 
+        # t // block as a shift when block is a power of two (page sizes usually are)
+        shift = -1
+        if block > 0 and block & (block - 1) == 0:
+            shift = 31 - cuda.clz(int32(block))
+        jk = tid % T_k                  # the key this thread locates (threads >= T_k repeat, unstored)
         t0 = next_tile(kv_begin, lo, sink_end)
         if t0 < hi:
-            issue(k_src, 0, s_k, t0, hi, kv_indices, kv_ptr, kv_base, block, n_keys, kv_head, tid, s_kpos, True)
+            t = t0 + jk
+            page, slot, pos = loc(kv_indices, kv_ptr, kv_base, min(t, hi - 1), block, n_keys, shift)
+            if tid < T_k:
+                put(s_kaddr, s_vaddr, s_kpos, k_src, v_src, page, slot, pos, t, hi, kv_head, jk)
+        cuda.syncthreads()
+        if t0 < hi:
+            issue(s_k, s_kaddr, s_kpos, 0, tid)
         commit()
         wait_all()
         cuda.syncthreads()
@@ -720,28 +802,34 @@ def pipelined_tile(spec: P.KernelSpec):
         m_hi = neg_inf
         l_lo = float32(0.0)
         l_hi = float32(0.0)
+        base = 0
         while t0 < hi:
-            issue(v_src, 1, s_v, t0, hi, kv_indices, kv_ptr, kv_base, block, n_keys, kv_head, tid, s_kpos,
-                  False)
+            nbase = T_k - base
+            t1 = next_tile(t0 + T_k, lo, sink_end)
+            # next tile's page ids: loaded now, used after the math below
+            t = t1 + jk
+            page, slot, pos = loc(kv_indices, kv_ptr, kv_base, min(t, hi - 1), block, n_keys, shift)
+            issue(s_v, s_vaddr, s_kpos, base, tid)
             commit()
             s = qk(qf, k_lane)
             last = t0 + T_k - 1
             if plain and positional and warp_full and last < hi and (not causal or last <= warp_diag):
                 s = scaled(s, scale_log2)
             else:
-                s = masked(s, r_lo, r_hi, ok_lo, ok_hi, tq, s_qpos, s_diag, s_req, s_kpos, head0, slopes)
+                s = masked(s, r_lo, r_hi, ok_lo, ok_hi, tq, s_qpos, s_diag, s_req, s_kpos, base, head0, slopes)
             p, m_lo, m_hi, l_lo, l_hi, alpha_lo, alpha_hi = softmax(s, m_lo, m_hi, l_lo, l_hi)
+            if tid < T_k and t1 < hi:
+                put(s_kaddr, s_vaddr, s_kpos, k_src, v_src, page, slot, pos, t, hi, kv_head, nbase + jk)
             wait_all()
             cuda.syncthreads()
-            t1 = next_tile(t0 + T_k, lo, sink_end)
             if t1 < hi:
-                issue(k_src, 0, s_k, t1, hi, kv_indices, kv_ptr, kv_base, block, n_keys, kv_head, tid, s_kpos,
-                      True)
+                issue(s_k, s_kaddr, s_kpos, nbase, tid)
             commit()
             o = pv(o, p, v_lane, alpha_lo, alpha_hi)
             wait_all()
             cuda.syncthreads()
             t0 = t1
+            base = nbase
 
         if not sigmoid:
             l_lo += cuda.shfl_xor_sync(0xFFFFFFFF, l_lo, 1)
