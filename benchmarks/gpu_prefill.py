@@ -228,7 +228,9 @@ def bench_prefill_8k(recs):
 
 
 def _decode_runner(Dec, p, chunk):
-    """The flat decode's launches (work lists uploaded once) on torch's current stream."""
+    """The flat decode's launches on torch's current stream, as ``Dec.run_split``
+    makes them (work lists uploaded once; the warp and tensor-core kernels merge
+    their own partials, the others through a merge launch).  Returns (run, path)."""
     from nbattn.cuda.merge import MergeMap, run_merge_partials
     (cta_indptr, req, ks, ke, slot, m_indptr, m_row, m_slots, n_slots) = Dec.split_work(p.kv_lens, chunk)
     work = Dec.WorkList(*Dec._upload(p.stream, cta_indptr, req, ks, ke, slot))
@@ -236,15 +238,20 @@ def _decode_runner(Dec, p, chunk):
     po = cuda.device_array((n, p.num_qo_heads, p.head_dim), np.float32)
     pl = cuda.device_array((n, p.num_qo_heads), np.float32)
     mmap = MergeMap(*Dec._upload(p.stream, m_indptr, m_row, m_slots))
+    cfg = p.config()
+    fused = None
+    if n_slots and cfg.path in ("warp", "tc"):
+        fused = Dec.fused_merge_arrays(p.stream, p.batch, p.num_qo_heads // cfg.heads_per_cta,
+                                       m_indptr, m_row, m_slots)
     cuda.synchronize()
 
     def run():
         p.stream = torch_stream()
-        Dec.run_decode_work(p, work, po, pl)
-        if n_slots:
+        Dec.run_decode_work(p, work, po, pl, fused)
+        if n_slots and fused is None:
             run_merge_partials(po, pl, mmap, p.out_dev, p.lse_dev, code=p.code,
                                use_sigmoid=p.variant.use_sigmoid, stream=p.stream)
-    return run
+    return run, cfg.path
 
 
 def bench_page1_vs_contiguous(recs, copy_bw):
@@ -292,21 +299,22 @@ def bench_page1_vs_contiguous(recs, copy_bw):
     qd = torch.randn(1, HQ, D, device=DEV, dtype=torch.float16, generator=g)
     cache_c = torch.stack([k, v]).unsqueeze(0)                   # [1, 2, S, HK, D]
     bytes_moved = 2 * S * HK * D * 2 + 2 * HQ * D * 2
-    res, chunks = {}, {}
+    res, chunks, paths = {}, {}, {}
     for name, cache, ind, ps_last in (("page_size_1", cache1, indices1, np.array([1], np.int32)),
                                       ("contiguous", cache_c, np.zeros(1, np.int32), np.array([S], np.int32))):
         ip = np.array([0, len(ind)], np.int32)
         Dec.batch_decode_paged(qd, cache, ip, ind, ps_last)
         p = Dec.prepare_decode(qd, cache, ip, ind, ps_last)
         chunks[name] = Dec.choose_chunk(p)
-        run = _decode_runner(Dec, p, chunks[name])
+        run, paths[name] = _decode_runner(Dec, p, chunks[name])
         ms, graphed = graph_ms(run, iters=20)
         res[name] = bytes_moved / (ms * 1e-3) / 1e9 / copy_bw
     record(recs, {"batch": 1, "kv_len": S, "num_qo_heads": HQ, "num_kv_heads": HK, "head_dim": D,
                   "dtype": "fp16", "kernel": "nbattn.cuda.batch_decode_paged", "kv": "page_size_1",
                   "page_size": 1},
            "bw_fraction", res["page_size_1"], "fraction", {"contiguous": res["contiguous"]},
-           kv_chunk=chunks["page_size_1"], kv_chunk_contiguous=chunks["contiguous"], graphed=graphed)
+           kv_chunk=chunks["page_size_1"], kv_chunk_contiguous=chunks["contiguous"], graphed=graphed,
+           decode_path=paths["page_size_1"])
 
 
 def _torch_ref(q, cache, indptr, indices, batch_rows):
@@ -349,8 +357,14 @@ def bench_cascade(recs, copy_bw):
             flat = Dec.batch_decode_paged(q, cache, indptr, indices, last)
             p = Dec.prepare_decode(q, cache, indptr, indices, last)
             flat_chunk = Dec.choose_chunk(p)
-            run_f = _decode_runner(Dec, p, flat_chunk)
+            run_f, flat_path = _decode_runner(Dec, p, flat_chunk)
             ms_f, graphed_f = graph_ms(run_f)
+            try:        # the timed launches give what batch_decode_paged gave
+                got = torch.from_numpy(np.ascontiguousarray(p.out_dev.copy_to_host()).view(np.float16))
+                flat_runner_err = rel_err(got, flat.cpu())
+            except Exception as e:  # noqa: BLE001
+                print(f"  flat runner check failed: {e!r}"[:200])
+                flat_runner_err = None
             # the cascade, default split
             rec, oc, first = ours(cuda_cascade, q, levels, cache)
             run_c = replay_fn(rec.launches)
@@ -382,6 +396,7 @@ def bench_cascade(recs, copy_bw):
             record(recs, case, "latency_us", ms_c * 1e3, "us", {"flat_decode": ms_f * 1e3},
                    compile_s=first, rel_err_vs_flat=err, rel_err_vs_torch_fp32_first8=err_ref,
                    all_written=written, graphed=graphed_c and graphed_f, flat_kv_chunk=flat_chunk,
+                   flat_decode_path=flat_path, flat_timed_vs_call_rel_err=flat_runner_err,
                    prefix_kv_chunk=pre_chunk, prefix_ctas=pre_ctas, prefix_pass_us=ms_pre * 1e3,
                    suffix_and_merge_us=ms_rest * 1e3, prefix_chunk_sweep_us=sw)
             paper = {(64, 32768): 16.07, (16, 1024): 1.03}.get((batch, prefix))
