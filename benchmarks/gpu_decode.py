@@ -333,9 +333,8 @@ def our_runner(p, chunk, path="auto", unroll=0, heads=4):
     mmap = MRG.MergeMap(up(m_indptr), up(m_row), up(m_slots))
     # as DEC.run_split does: the warp and tensor-core kernels merge their own partials
     cfg = with_path(p, path, unroll, lambda p: p.config(), heads)
-    fused = None
-    if n_slots and cfg.path in ("warp", "tc"):
-        fused = DEC.fused_merge_arrays(0, p.batch, p.num_qo_heads // cfg.heads_per_cta, m_indptr, m_row, m_slots)
+    fused = (DEC.fused_merge_arrays(0, p.batch, p.num_qo_heads // cfg.heads_per_cta, m_indptr, m_row, m_slots, cfg)
+             if n_slots else None)
 
     def run():
         DEC.DECODE_PATH, DEC.WARP_UNROLL, DEC.WARP_MAX_HEADS = path, unroll, heads

@@ -352,8 +352,10 @@ def test_warp_path_fused_merge(warp_path):
     p = DEC.prepare_decode(b["q"], b["cache"], b["indptr"], b["indices"], b["last"], return_lse=True, **kw)
     cta_indptr, req, ks, ke, slot, m_indptr, m_row, m_slots, n_slots = DEC.split_work(p.kv_lens, 3)
     work = DEC.WorkList(*[cuda.to_device(a) for a in (cta_indptr, req, ks, ke, slot)])
-    n_hb = p.num_qo_heads // p.config().heads_per_cta
-    fused = DEC.fused_merge_arrays(0, p.batch, n_hb, m_indptr, m_row, m_slots)
+    cfg = p.config()
+    n_hb = p.num_qo_heads // cfg.heads_per_cta
+    fused = DEC.fused_merge_arrays(0, p.batch, n_hb, m_indptr, m_row, m_slots, cfg)
+    assert fused is not None
     po = cuda.device_array((n_slots, p.num_qo_heads, p.head_dim), np.float32)
     pl = cuda.device_array((n_slots, p.num_qo_heads), np.float32)
     want_o, want_lse = golden(b, return_lse=True, **kw)
@@ -365,6 +367,9 @@ def test_warp_path_fused_merge(warp_path):
         check(o, lse, want_o, want_lse, "f32")
         assert np.all(o[1] == 0) and np.all(np.isneginf(lse[1]))
         assert not fused.counters.copy_to_host().any()
+    # more partials than the CTA has threads: not fused (run_split merges in a second launch)
+    many = DEC.split_work(np.array([cfg.nthreads + 1]), 1)
+    assert DEC.fused_merge_arrays(0, 1, n_hb, *many[5:8], cfg) is None
 
 
 def test_warp_path_eight_heads_per_cta(warp_path, monkeypatch):

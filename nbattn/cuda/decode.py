@@ -638,8 +638,15 @@ def _no_fused(stream) -> FusedMerge:
     return FusedMerge(e, e, e, e)
 
 
-def fused_merge_arrays(stream, batch: int, n_head_blocks: int, m_indptr, m_row, m_slots) -> FusedMerge:
-    """:class:`FusedMerge` for a merge map as :func:`split_work` returns it."""
+def fused_merge_arrays(stream, batch: int, n_head_blocks: int, m_indptr, m_row, m_slots,
+                       cfg: DecodeConfig | None = None) -> FusedMerge | None:
+    """:class:`FusedMerge` for a merge map as :func:`split_work` returns it.  With
+    ``cfg``, None where that kernel cannot merge: the shared-memory path, or a
+    request with more partials than the CTA has threads (its slot ids and LSEs
+    are staged one per thread)."""
+    if cfg is not None and (cfg.path not in ("warp", "tc") or
+                            np.diff(np.asarray(m_indptr, np.int64)).max(initial=0) > cfg.nthreads):
+        return None
     request_merge = np.full(batch, -1, np.int32)
     request_merge[np.asarray(m_row, np.int64)] = np.arange(len(m_row), dtype=np.int32)
     counters = np.zeros(max(batch * n_head_blocks, 1), np.int32)
@@ -661,11 +668,11 @@ def run_split(p: DecodeProblem, kv_chunk_size: int | None) -> None:
     po = cuda.device_array((n_slots, p.num_qo_heads, p.head_dim), np.float32, stream=p.stream)
     pl = cuda.device_array((n_slots, p.num_qo_heads), np.float32, stream=p.stream)
     cfg = p.config()
-    if cfg.path in ("warp", "tc"):
-        n_hb = p.num_qo_heads // cfg.heads_per_cta
-        run_decode_work(p, work, po, pl, fused_merge_arrays(p.stream, p.batch, n_hb, m_indptr, m_row, m_slots))
+    fused = fused_merge_arrays(p.stream, p.batch, p.num_qo_heads // cfg.heads_per_cta, m_indptr, m_row, m_slots,
+                               cfg)
+    run_decode_work(p, work, po, pl, fused)
+    if fused is not None:
         return
-    run_decode_work(p, work, po, pl)
     mmap = MergeMap(*_upload(p.stream, m_indptr, m_row, m_slots))
     run_merge_partials(po, pl, mmap, p.out_dev, p.lse_dev, code=p.code,
                        use_sigmoid=p.variant.use_sigmoid, stream=p.stream)

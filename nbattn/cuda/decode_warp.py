@@ -51,6 +51,7 @@ from numba import cuda, float32, int64, uint32
 from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f, load_v4,
                          shfl_idx_f32, shfl_xor_f32, st_v4)
 from ._driver import jit_kernel
+from .merge import lse_fold
 from .variants import LOG2E, variant_device_fns
 
 __all__ = ["warp_eligible", "warp_heads_per_cta", "build_warp_kernel", "warp_geometry", "tc_eligible",
@@ -86,68 +87,100 @@ def warp_geometry(code: str, head_dim: int, heads: int, nwarps: int, unroll: int
 
 
 def make_fused_merge(HG: int, D: int, NT: int, sigmoid: bool, store_elem):
-    """Device function ``(r, hb, h0, tid, s_flag, merge_indptr, merge_slots, request_merge,
-    counters, n_head_blocks, num_qo_heads, part_o, part_lse, out, lse)`` run by every
-    thread of a CTA that has just written request ``r``'s partial state for heads
-    ``h0 .. h0+HG``.
+    """Device function ``(r, hb, h0, tid, s_flag, s_slot, scratch, st_m, st_l, merge_indptr,
+    merge_slots, request_merge, counters, n_head_blocks, num_qo_heads, part_o, part_lse,
+    out, lse)`` run by every thread of a CTA that has just written request ``r``'s
+    partial state for heads ``h0 .. h0+HG``.
 
     Split-KV without a second launch: each CTA counts its arrival on the
     request's counter (one per (request, head block)); the CTA that brings the
     count to the request's number of partials folds them all into ``out`` /
-    ``lse`` with the SPEC 3 rule, in slot order, and re-arms the counter to 0
-    for the next launch (a CUDA graph replays the same buffers).  The fence
-    before the count makes this CTA's partial visible to whoever folds it;
-    the one after it orders the folder's reads after every other arrival.
+    ``lse`` with the SPEC 3 rule and re-arms the counter to 0 for the next
+    launch (a CUDA graph replays the same buffers).  The fence before the
+    count makes this CTA's partial visible to whoever folds it; the one after
+    it orders the folder's reads after every other arrival.
     ``request_merge[r]`` is the request's row in the merge map (``merge_indptr``
-    / ``merge_slots``, as :func:`nbattn.cuda.decode.split_work` builds it).
-    Weights ``2^(lse - max)`` are at most 1, so nothing overflows; a request
-    whose partials are all empty gets o = 0 and lse = -inf."""
+    / ``merge_slots``, as :func:`nbattn.cuda.decode.split_work` builds it); a
+    request has at most ``NT`` partials (the host checks), so its slot ids and
+    LSEs fit the kernel's shared memory (``s_slot``, ``scratch``: the combine
+    buffer, free by now).
+
+    A left fold over partials would wait on one load per partial (~0.5 us
+    each on an H200); here every load of a pass is independent: (1) all
+    threads fetch the ``HG x n`` LSEs at once, (2) one thread per head folds
+    them from shared memory into the max M and mass T, (3) each output element
+    sums ``2^(lse_k - M) / T * o_k`` with eight partials in flight.  Weights
+    are at most 1, so nothing overflows; a request whose partials are all
+    empty gets o = 0 and lse = -inf."""
+    FLIGHT = 8
 
     @device_fn
-    def fused_merge(r, hb, h0, tid, s_flag, merge_indptr, merge_slots, request_merge, counters,
-                    n_head_blocks, num_qo_heads, part_o, part_lse, out, lse):
+    def fused_merge(r, hb, h0, tid, s_flag, s_slot, scratch, st_m, st_l, merge_indptr, merge_slots,
+                    request_merge, counters, n_head_blocks, num_qo_heads, part_o, part_lse, out, lse):
         i_m = request_merge[r]
         first = merge_indptr[i_m]
-        last = merge_indptr[i_m + 1]
+        n = merge_indptr[i_m + 1] - first
         cuda.threadfence()
         cuda.syncthreads()
         if tid == 0:
             c = int64(r) * n_head_blocks + hb
             arrived = cuda.atomic.add(counters, c, 1)
-            s_flag[0] = 1 if arrived == last - first - 1 else 0
-            if arrived == last - first - 1:
+            s_flag[0] = 1 if arrived == n - 1 else 0
+            if arrived == n - 1:
                 counters[c] = 0
         cuda.syncthreads()
         if s_flag[0] != 0:
             cuda.threadfence()
+            for k in range(tid, n, NT):
+                s_slot[k] = merge_slots[first + k]
+            cuda.syncthreads()
+            if not sigmoid:
+                for i in range(tid, HG * n, NT):
+                    g = i // n
+                    scratch[i] = part_lse[int64(s_slot[i - g * n]) * num_qo_heads + h0 + g]
+                cuda.syncthreads()
+                if tid < HG:
+                    mm = NEG_INF
+                    tot = float32(0.0)
+                    for k in range(n):
+                        mm, tot = lse_fold(mm, tot, scratch[tid * n + k], float32(1.0))
+                    st_m[tid] = mm
+                    st_l[tid] = tot
+                cuda.syncthreads()
+            ov = cuda.local.array(FLIGHT, np.float32)
+            wv = cuda.local.array(FLIGHT, np.float32)
             for i in range(tid, HG * D, NT):
                 g = i // D
                 dd = i - g * D
                 h = h0 + g
-                o = float32(0.0)
-                row_lse = float32(math.nan)
-                if sigmoid:
-                    for k in range(first, last):
-                        o += part_o[(int64(merge_slots[k]) * num_qo_heads + h) * D + dd]
-                else:
-                    mm = NEG_INF
-                    for k in range(first, last):
-                        mm = max(mm, part_lse[int64(merge_slots[k]) * num_qo_heads + h])
-                    row_lse = NEG_INF
+                mm = NEG_INF
+                inv = float32(1.0)
+                if not sigmoid:
+                    mm = st_m[g]
                     if mm != NEG_INF:
-                        tot = float32(0.0)
-                        for k in range(first, last):
-                            sl = int64(merge_slots[k])
-                            lk = part_lse[sl * num_qo_heads + h]
-                            w = float32(0.0) if lk == NEG_INF else exp2f(lk - mm)
-                            tot += w
-                            o += w * part_o[(sl * num_qo_heads + h) * D + dd]
-                        o = o / tot
-                        row_lse = mm + math.log2(tot)
+                        inv = float32(1.0) / st_l[g]
+                o = float32(0.0)
+                if sigmoid or mm != NEG_INF:
+                    for k0 in range(0, n, FLIGHT):
+                        for u in range(FLIGHT):
+                            ov[u] = float32(0.0)
+                            wv[u] = float32(0.0)
+                            if k0 + u < n:
+                                ov[u] = part_o[(int64(s_slot[k0 + u]) * num_qo_heads + h) * D + dd]
+                                if sigmoid:
+                                    wv[u] = float32(1.0)
+                                else:
+                                    lk = scratch[g * n + k0 + u]
+                                    wv[u] = float32(0.0) if lk == NEG_INF else exp2f(lk - mm) * inv
+                        for u in range(FLIGHT):
+                            o += wv[u] * ov[u]
                 store_elem(out, (int64(r) * num_qo_heads + h) * D + dd, o)
                 if dd == 0:
-                    lse[int64(r) * num_qo_heads + h] = row_lse
-        cuda.syncthreads()      # s_flag is read again by the next item
+                    if sigmoid:
+                        lse[int64(r) * num_qo_heads + h] = math.nan
+                    else:
+                        lse[int64(r) * num_qo_heads + h] = mm + math.log2(st_l[g]) if mm != NEG_INF else NEG_INF
+        cuda.syncthreads()      # the next item reuses the shared buffers
 
     return fused_merge
 
@@ -201,6 +234,7 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
         st_m = cuda.shared.array(ML_LEN, np.float32)
         st_l = cuda.shared.array(ML_LEN, np.float32)
         s_flag = cuda.shared.array(1, np.int32)
+        s_slot = cuda.shared.array(NT, np.int32)
         qv = cuda.local.array(HPV, np.float32)
         acc = cuda.local.array(HPV, np.float32)
         dv = cuda.local.array(HP, np.float32)
@@ -392,8 +426,8 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
                         part_lse[int64(slot) * num_qo_heads + h] = row_lse
             cuda.syncthreads()   # the next item overwrites st_*
             if slot >= 0 and counters.shape[0] > 0:
-                fused_merge(r, hb, h0, tid, s_flag, merge_indptr, merge_slots, request_merge, counters,
-                            n_head_blocks, num_qo_heads, part_o, part_lse, out, lse)
+                fused_merge(r, hb, h0, tid, s_flag, s_slot, st_acc, st_m, st_l, merge_indptr, merge_slots,
+                            request_merge, counters, n_head_blocks, num_qo_heads, part_o, part_lse, out, lse)
 
     if SIMULATOR:                 # the simulator refuses launch bounds
         return cuda.jit(kernel)
@@ -477,6 +511,7 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
         st_m = cuda.shared.array(ML_LEN, np.float32)
         st_l = cuda.shared.array(ML_LEN, np.float32)
         s_flag = cuda.shared.array(1, np.int32)
+        s_slot = cuda.shared.array(NT, np.int32)
         qa = cuda.local.array(QL, np.uint32)
         kw = cuda.local.array(KL, np.uint32)
         vw = cuda.local.array(KL, np.uint32)
@@ -662,7 +697,7 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                         part_lse[int64(slot) * num_qo_heads + h] = row_lse
             cuda.syncthreads()
             if slot >= 0 and counters.shape[0] > 0:
-                fused_merge(r, hb, h0, tid, s_flag, merge_indptr, merge_slots, request_merge, counters,
-                            n_head_blocks, num_qo_heads, part_o, part_lse, out, lse)
+                fused_merge(r, hb, h0, tid, s_flag, s_slot, st_acc, st_m, st_l, merge_indptr, merge_slots,
+                            request_merge, counters, n_head_blocks, num_qo_heads, part_o, part_lse, out, lse)
 
     return jit_kernel(kernel, launch_bounds=(NT, min_blocks))
