@@ -365,40 +365,71 @@ def bench_cascade(recs, copy_bw):
             except Exception as e:  # noqa: BLE001
                 print(f"  flat runner check failed: {e!r}"[:200])
                 flat_runner_err = None
-            # the cascade, default split
-            rec, oc, first = ours(cuda_cascade, q, levels, cache)
-            run_c = replay_fn(rec.launches)
-            written = poisoned(run_c, oc)
-            ms_c, graphed_c = graph_ms(run_c)
-            ms_pre, _ = graph_ms(replay_fn(rec.launches[:1]))        # the prefix pass alone
-            ms_rest, _ = graph_ms(replay_fn(rec.launches[1:]))       # suffix pass + merge
-            err = rel_err(oc, flat)
-            ref = _torch_ref(q, cache, indptr, indices, range(min(batch, 8)))
-            err_ref = rel_err(oc[:len(ref)], ref)
-            chunk0 = rec.launches[0][3][4].copy_to_host() if hasattr(rec.launches[0][3][4], "copy_to_host") else None
-            pre_chunk = int(chunk0[0, 6] - chunk0[0, 5]) if chunk0 is not None else None
-            pre_ctas = int(rec.launches[0][1][0]) * int(rec.launches[0][1][1])
+            C = sys.modules["nbattn.cuda.cascade"]
+
+            def measure(min_blocks, kv_chunk=None, parts=True):
+                """The cascade's recorded launches timed whole and (parts) pass by pass."""
+                C.MIN_BLOCKS = min_blocks
+                try:
+                    rec, oc, first = ours(cuda_cascade, q, levels, cache, kv_chunk=kv_chunk)
+                finally:
+                    C.MIN_BLOCKS = default_blocks
+                run_c = replay_fn(rec.launches)
+                m = {"written": poisoned(run_c, oc), "err": rel_err(oc, flat), "first": first}
+                m["us"], m["graphed"] = graph_ms(run_c)
+                m["us"] *= 1e3
+                work0 = rec.launches[0][3][4].copy_to_host()
+                m["chunk"] = int(work0[0, 6] - work0[0, 5])
+                m["ctas"] = int(rec.launches[0][1][0]) * int(rec.launches[0][1][1])
+                if parts:
+                    for name, sl in (("prefix_us", slice(0, 1)), ("suffix_us", slice(1, 2)),
+                                     ("merge_us", slice(2, None))):
+                        m[name] = graph_ms(replay_fn(rec.launches[sl]))[0] * 1e3
+                    ref = _torch_ref(q, cache, indptr, indices, range(min(batch, 8)))
+                    m["err_ref"] = rel_err(oc[:len(ref)], ref)
+                return m
+
+            default_blocks = C.MIN_BLOCKS
+            main = measure(default_blocks)
+            ms_c, ms_pre = main["us"] * 1e-3, main["prefix_us"] * 1e-3
+            ms_rest = (main["suffix_us"] + main["merge_us"]) * 1e-3
             pre_flops = 4.0 * batch * HQ * D * prefix
             pre_tflops = pre_flops / (ms_pre * 1e-3) / 1e12
             # what the prefix pass would need for 10x over flat, the rest unchanged
             budget = ms_f / 10 - ms_rest
             need = pre_flops / (budget * 1e-3) / 1e12 if budget > 0 else None      # None: unreachable
+            other = {}
+            for mb in (2, 3):
+                if mb == default_blocks:
+                    continue
+                try:
+                    o = measure(mb)
+                    other[str(mb)] = {k: o[k] for k in ("us", "prefix_us", "suffix_us", "merge_us", "chunk",
+                                                        "ctas", "err", "written")}
+                    other[str(mb)]["prefix_tflops"] = pre_flops / (o["prefix_us"] * 1e-6) / 1e12
+                except Exception as e:  # noqa: BLE001
+                    print(f"  min_blocks {mb} failed: {e!r}"[:300])
             sw = {}
             for ch in sweep:
                 if ch >= prefix or ch < prefix // 64:
                     continue
                 try:
-                    rec_s, os_, _ = ours(cuda_cascade, q, levels, cache, kv_chunk=ch)
-                    sw[str(ch)] = graph_ms(replay_fn(rec_s.launches))[0] * 1e3
-                    sw[str(ch) + "_err"] = rel_err(os_, flat)
+                    o = measure(default_blocks, ch, parts=False)
+                    sw[str(ch)], sw[str(ch) + "_err"] = o["us"], o["err"]
                 except Exception as e:  # noqa: BLE001
                     print(f"  sweep {ch} failed: {e!r}"[:200])
+            print(f"  batch {batch} prefix {prefix}: flat {ms_f * 1e3:.1f} us, cascade {main['us']:.1f} "
+                  f"(prefix {main['prefix_us']:.1f}, suffix {main['suffix_us']:.1f}, merge {main['merge_us']:.1f}) "
+                  f"other min_blocks { {k: round(v['us'], 1) for k, v in other.items()} } sweep "
+                  f"{ {k: round(v, 1) for k, v in sw.items() if not k.endswith('_err')} }", flush=True)
             record(recs, case, "latency_us", ms_c * 1e3, "us", {"flat_decode": ms_f * 1e3},
-                   compile_s=first, rel_err_vs_flat=err, rel_err_vs_torch_fp32_first8=err_ref,
-                   all_written=written, graphed=graphed_c and graphed_f, flat_kv_chunk=flat_chunk,
+                   compile_s=main["first"], rel_err_vs_flat=main["err"],
+                   rel_err_vs_torch_fp32_first8=main["err_ref"], all_written=main["written"],
+                   graphed=main["graphed"] and graphed_f, flat_kv_chunk=flat_chunk,
                    flat_decode_path=flat_path, flat_timed_vs_call_rel_err=flat_runner_err,
-                   prefix_kv_chunk=pre_chunk, prefix_ctas=pre_ctas, prefix_pass_us=ms_pre * 1e3,
-                   suffix_and_merge_us=ms_rest * 1e3, prefix_chunk_sweep_us=sw)
+                   min_blocks=default_blocks, prefix_kv_chunk=main["chunk"], prefix_ctas=main["ctas"],
+                   prefix_pass_us=main["prefix_us"], suffix_pass_us=main["suffix_us"], merge_us=main["merge_us"],
+                   prefix_chunk_sweep_us=sw, other_min_blocks=other)
             paper = {(64, 32768): 16.07, (16, 1024): 1.03}.get((batch, prefix))
             record(recs, case, "speedup", ms_f / ms_c, "x", {},
                    **({"paper_flashinfer_h100": paper} if paper else {}))

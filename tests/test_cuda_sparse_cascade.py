@@ -174,7 +174,7 @@ def test_cascade_chunk_size_fills_one_wave_in_whole_tiles(monkeypatch):
                                  np.zeros(n_groups * pages, np.int32), np.full(n_groups, 16, np.int32), 16, 1)
         return qo, pkv
 
-    slots = C.CTAS_PER_SM * 132
+    slots = C.MIN_BLOCKS * 132
     for batch, prefix in ((64, 32768), (16, 32768), (16, 1024), (64, 1024)):
         qo, pkv = level(1, batch, prefix)
         chunk = C._chunk_size(qo, pkv, spec, 8)

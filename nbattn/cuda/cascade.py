@@ -32,16 +32,19 @@ import numpy as np
 from numba import cuda
 
 from .. import layout as L
-from ..variants import check_return_lse, variant_from_kwargs
+from ..variants import alibi_slopes, check_return_lse, variant_from_kwargs
 from . import _arrays as A
 from . import merge as M
 from . import prefill as P
-from ._driver import sm_count
+from ._driver import jit_kernel, sm_count
 from .primitives import SIMULATOR
 
 __all__ = ["cascade"]
 
-CTAS_PER_SM = 2          # the pipelined tensor-core tile: 242 registers x 128 threads
+# CTAs per SM the level kernels are built for (launch bounds: registers <= 65536 /
+# (threads * MIN_BLOCKS)) and the split fills; the pipelined tile's non-causal
+# builds use ~174 registers, so 2 costs nothing and 3 caps them at 168.
+MIN_BLOCKS = 2
 MIN_CHUNK = 256          # keys: below this a chunk's fixed cost (Q tile, first K load, one more state) dominates
 
 
@@ -94,13 +97,45 @@ def cascade(q, levels, paged_kv_cache, *, kv_layout: str = "NHD", return_lse: bo
     states_lse = cuda.device_array((n_states * rows, hq), np.float32, stream=stream)
     if rows:
         for pkv, work, kvoff in plans:
-            P.launch(spec, dq, cache, cache, pkv.paged_kv_indices, work, row_pos, kvoff, row_req,
-                     dims.page_size, 0, dims.num_kv_heads, states_o, states_lse, stream)
+            _launch(spec, dq, cache, pkv.paged_kv_indices, work, row_pos, kvoff, row_req,
+                    dims.page_size, dims.num_kv_heads, states_o, states_lse, stream)
         merge_map = M.MergeMap(*(A.device_meta(x, x, stream) for x in _merge_map(states, rows)))
         kernel, grid, threads, args = M.merge_partials_launch(
             states_o, states_lse, merge_map, outs.d_out, outs.d_lse, code=kind, use_sigmoid=var.use_sigmoid)
         P.enqueue(kernel, grid, threads, stream, args)
     return outs.finish()
+
+
+_KERNELS: dict = {}
+
+
+def _level_kernel(spec: P.KernelSpec, min_blocks: int):
+    """:func:`nbattn.cuda.prefill.prefill_entry` around the spec's tile, with
+    launch bounds promising ``min_blocks`` resident CTAs per SM."""
+    key = (spec, min_blocks)
+    kern = _KERNELS.get(key)
+    if kern is None:
+        tile = P.get_tile(spec)
+
+        def kernel(q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes, block, n_keys,
+                   out, lse):
+            if min_blocks > 0:          # (min_blocks in the closure: part of the on-disk cache key)
+                tile(cuda.blockIdx.x, q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req,
+                     slopes, block, n_keys, out, lse)
+        kern = _KERNELS[key] = jit_kernel(kernel, launch_bounds=(spec.threads, min_blocks))
+    return kern
+
+
+def _launch(spec, q, cache, kv_indices, work, row_pos, row_kvoff, row_req, block, num_kv_heads, out, lse,
+            stream):
+    """One level: :func:`nbattn.cuda.prefill.launch` on :func:`_level_kernel`."""
+    if len(work) == 0:
+        return
+    slopes = alibi_slopes(spec.num_qo_heads) if spec.variant.has_alibi else np.zeros(spec.num_qo_heads, np.float32)
+    idx = kv_indices if len(kv_indices) else np.zeros(1, np.int32)
+    meta = [A.device_meta(x, x, stream) for x in (idx, work, row_pos, row_kvoff, row_req)]
+    args = (q, cache, cache, *meta, cuda.to_device(slopes, stream=stream), np.int32(block), np.int32(0), out, lse)
+    P.enqueue(_level_kernel(spec, MIN_BLOCKS), (len(work), num_kv_heads), spec.threads, stream, args)
 
 
 def _merge_map(states, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -123,7 +158,7 @@ def _chunk_size(qo: L.RaggedQ, pkv: L.PagedKV, spec: P.KernelSpec, num_kv_heads:
     whole one), in whole KV tiles so no chunk ends inside a tile; 0: no split."""
     if SIMULATOR:
         return 0
-    slots = CTAS_PER_SM * sm_count()
+    slots = MIN_BLOCKS * sm_count()
     tiles = int(np.sum(-(-qo.lengths.astype(np.int64) * spec.group // spec.tile_q)))
     if tiles == 0 or tiles * num_kv_heads >= slots:
         return 0
