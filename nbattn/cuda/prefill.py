@@ -73,6 +73,7 @@ from numba import cuda, float32, int32  # noqa: E402  (after the shim)
 from . import _arrays as A  # noqa: E402
 from . import mma as _mma  # noqa: E402
 from . import prefill_tc as TC  # noqa: E402
+from . import prefill_cc as CC  # noqa: E402
 from ._driver import jit_kernel  # noqa: E402
 from .primitives import SIMULATOR, device_fn, element_io  # noqa: E402
 from .variants import LOG2E, sigmoid_weight, variant_device_fns  # noqa: E402
@@ -455,7 +456,12 @@ def get_tile(spec: KernelSpec):
     key = ("tile", spec)
     tile = _KERNELS.get(key)
     if tile is None:
-        tile = TC.tensor_core_tile(spec) if spec.tensor_cores else core_tile(spec)
+        if spec.tensor_cores:
+            tile = TC.tensor_core_tile(spec)
+        elif CC.covers(spec):       # register-tiled CUDA-core tile (nbattn.cuda.prefill_cc)
+            tile = CC.cuda_core_tile(spec)
+        else:
+            tile = core_tile(spec)
         _KERNELS[key] = tile
     return tile
 
@@ -489,6 +495,9 @@ def kernel_tiles(head_dim: int, kind: str, tensor_cores: bool) -> tuple[int, int
     Python thread); the CUDA-core GPU path fits its shared memory in 48 KB."""
     if tensor_cores:
         return TC.tensor_core_tiles(head_dim)
+    cc = CC.cuda_core_tiles(head_dim, kind)
+    if cc is not None:
+        return cc
     if SIMULATOR:
         return 16, 16, 32
     budget = 48 * 1024 - 512

@@ -1,0 +1,585 @@
+"""The register-tiled CUDA-core prefill tile (issue 4, CUDA-core path).
+
+What it computes: the per-row body ``tile(wi, ...)`` of a prefill kernel
+build, exactly what :func:`nbattn.cuda.prefill.core_tile` computes -- the
+attention of SPEC section 2 (scale, logits transform, mask, softmax or
+sigmoid, in that order) over one work item's keys, returning the state of
+SPEC section 3 (normalized output plus base-2 LSE; ``o = 0``, ``lse = -inf``
+for a row that kept no key; NaN LSE for sigmoid).  Same signature, work list,
+shared helpers (``key_locator``, ``kv_reader``, ``tile_key_range``,
+``variant_device_fns``, ``element_io``) and entries (``prefill_entry``,
+``persistent_entry``) as the other paths; all fp32 math on CUDA cores
+(FMA), FlashAttention-2's loop order.  The simulator runs it (CI).
+
+Launch shape.  ``NT = NW * 32`` threads (GPU): warp ``w`` owns the fused
+rows ``w*WR .. w*WR+WR-1`` of the ``T_q = NW*WR`` row tile, whole -- their
+scores, softmax state and output -- so softmax needs no block-wide step.
+A warp's lanes are an ``RG x CG`` grid (lane = rg*CG + cg).  Lane (rg, cg)
+holds, in registers:
+
+- an ``R x C`` micro-tile of S: rows ``rg + RG*i`` of its warp, keys
+  ``cg + CG*c`` of the KV tile (``T_k = CG*C``);
+- an ``R x D/CG`` micro-tile of O: the same rows, dims ``4cg + 4CG*k + (0..3)``;
+- the running max ``m`` and its partial sum ``l`` of each of its rows.
+
+Rows and keys are interleaved (not blocked) so that the lanes of a warp read
+consecutive padded rows of Q and K at the same time: distinct banks, one
+shared-memory wavefront per 16-byte load.
+
+Shared memory (static, under 48 KB: the launch paths pass no dynamic size).
+All tiles hold fp32, converted once when filled, rows padded by 4 floats:
+``s_q`` (T_q x D, loaded once per work item), ``s_kv`` (T_k x D: K, then V
+of the same tile -- one buffer because two do not fit beside Q at
+head_dim 128), ``s_p`` (per warp, T_k x WR: P transposed, a lane's R rows
+contiguous).  Every shared access of the inner loops is a 16-byte vector
+(:func:`nbattn.cuda.primitives.ld_v4` / ``st_v4``).
+
+Per KV tile (keys ``t0 .. t0+T_k-1``; tiles wholly outside the causal/window
+range are never visited, :func:`nbattn.cuda.prefill.tile_key_range`)::
+
+    K(t0) words (prefetched into registers) -> s_kv as fp32;  barrier
+    issue V(t0) global loads into registers (hidden behind the next step)
+    S = Q K^T (micro-tile, 16-byte loads along head_dim)
+    variant + mask per element, or one multiply by scale*log2(e) on
+      interior tiles without variant; online softmax in base 2: row max
+      over the CG lanes of the row by xor shuffles, m' = max(m, max_j s),
+      alpha = 2^(m - m'), p = 2^(s - m'), l = alpha l + sum p (per lane;
+      the lanes' l are added at the end); P -> s_p
+    barrier; V words -> s_kv as fp32; barrier
+    issue the next K tile's global loads into registers
+    O = alpha O + P V (micro-tile; P and V rows by 16-byte loads)
+    barrier
+
+Global K/V/Q loads are 16 bytes (eight fp16/bf16 or four fp32 elements,
+:func:`nbattn.cuda.mma.load_u32x4`), held as raw words until their store so
+the conversion does not wait on the load.  Write: the CG lanes of a row add
+their ``l`` (shuffles), then ``o / l`` to ``out`` (or the f32 partial) and
+``m + log2 l`` to ``lse``.
+
+The micro-kernels (S, softmax, P V, write) are generated as straight-line
+source per tile shape, the accumulators as named scalars and tuples, because
+a ``cuda.local.array`` stays in registers only if every loop indexing it is
+unrolled, which the tensor-core path measured not to happen
+(:mod:`nbattn.cuda.prefill_tc`).
+
+Simulator (CI): a "warp" is RG x CG = 2 x 4 threads (shuffles are the
+block-wide emulation of :func:`nbattn.cuda.primitives.shfl_xor_f32`), tiny
+tiles, and 16-byte global loads become element loads.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32, int32, uint32
+
+from . import mma as _mma
+from . import prefill as P
+from .primitives import (SHARED_ALIGN, SIMULATOR, bf16x2_to_f32, device_fn, element_io, exp2f,
+                         f16x2_to_f32, f32_as_u32, ld_v4, shfl_xor_f32, st_v4, u32_as_f32)
+from .variants import LOG2E, sigmoid_weight, variant_device_fns
+
+__all__ = ["cuda_core_tiles", "cuda_core_tile", "covers", "ENABLED", "LANES", "POLICY", "UNROLL",
+           "PREFETCH_MAX_CHUNKS"]
+
+# Lane grid (RG x CG lanes per warp) and rows per lane.  GPU: 32-lane warps of
+# 4 x 8 lanes, 4 rows each (16 rows per warp).
+LANES = dict(RG=2, CG=4, R=4) if SIMULATOR else dict(RG=4, CG=8, R=4)
+SMEM_BUDGET = 48 * 1024 - 1024     # static limit, minus the per-row int arrays and slack
+# Which fitting shape wins: "keys" = the most keys per lane (C), then the most
+# warps; "rows" = the most warps (NW, T_q = NW*RG*R), then keys.
+POLICY = "rows"
+# Loop trips of the generated S and P V loops cover UNROLL[0] 4-dim chunks / UNROLL[1] keys.
+UNROLL = (8, 4)
+# Most 16-byte K (or V) chunks per thread that are prefetched into registers.
+PREFETCH_MAX_CHUNKS = 4
+# Benchmarks switch the path off to time the scalar core_tile on the same build route.
+ENABLED = True
+
+ELEMS_PER_16B = {"f16": 8, "bf16": 8, "f32": 4}
+
+
+def _smem_bytes(D: int, NW: int, C: int) -> int:
+    RG, CG, R = LANES["RG"], LANES["CG"], LANES["R"]
+    T_q, T_k = NW * RG * R, CG * C
+    return 4 * (T_q * (D + 4) + T_k * (D + 4) + NW * T_k * RG * R)
+
+
+def _shapes(head_dim: int, kind: str) -> list:
+    """The (NW, C) shapes this tile can build for (head_dim, kind): head_dim
+    splits into 16-byte chunks per lane of O (D % (4*CG) == 0), the O
+    micro-tile stays within 64 registers, Q, K/V and P fit the static shared
+    memory, and a K/V tile's 16-byte chunks split evenly over the threads."""
+    RG, CG, R = LANES["RG"], LANES["CG"], LANES["R"]
+    D = int(head_dim)
+    if kind not in ELEMS_PER_16B or D <= 0 or D % (4 * CG) or R % 4 or R * D // CG > 64:
+        return []
+    out = []
+    for NW in ((2,) if SIMULATOR else (4, 2)):
+        for C in ((2,) if SIMULATOR else (8, 4, 2, 1)):
+            chunks = CG * C * D // ELEMS_PER_16B[kind]
+            if (_smem_bytes(D, NW, C) <= SMEM_BUDGET and R * C <= 32
+                    and chunks % (NW * RG * CG) == 0):
+                out.append((NW, C))
+    return out
+
+
+def _tiles_of(NW: int, C: int) -> tuple[int, int, int]:
+    RG, CG, R = LANES["RG"], LANES["CG"], LANES["R"]
+    return NW * RG * R, CG * C, NW * RG * CG
+
+
+def cuda_core_tiles(head_dim: int, kind: str):
+    """(T_q, T_k, threads) of this tile for (head_dim, kind), or None when it
+    does not cover them (the caller falls back to ``core_tile``).  More keys
+    per lane mean more FMAs per shared load in S = Q K^T and per barrier;
+    more warps mean more rows sharing each gathered K/V tile."""
+    if not ENABLED:
+        return None
+    shapes = _shapes(head_dim, kind)
+    if not shapes:
+        return None
+    key = (lambda s: (s[1], s[0])) if POLICY == "keys" else (lambda s: (s[0], s[1]))
+    return _tiles_of(*max(shapes, key=key))
+
+
+def _shape_of(spec):
+    """(NW, C) of a spec sized for this tile, else None."""
+    if spec.tensor_cores:
+        return None
+    for NW, C in _shapes(spec.head_dim, spec.kind):
+        if _tiles_of(NW, C) == (spec.tile_q, spec.tile_k, spec.threads):
+            return NW, C
+    return None
+
+
+def covers(spec) -> bool:
+    """True when ``spec`` was sized for this tile (``kernel_tiles`` chose it)."""
+    return _shape_of(spec) is not None
+
+
+# ---------------------------------------------------------------------------
+# 16-byte global loads with a simulator face
+# ---------------------------------------------------------------------------
+
+if SIMULATOR:
+    def load16(arr, idx):
+        """Four uint32 words of the 16 bytes at ``arr[idx]`` (last index along a row)."""
+        head, d = tuple(idx[:-1]), int(idx[-1])
+        if arr.dtype.itemsize == 2:
+            return tuple(np.uint32(int(arr[head + (d + 2 * i,)]) | (int(arr[head + (d + 2 * i + 1,)]) << 16))
+                         for i in range(4))
+        return tuple(f32_as_u32(arr[head + (d + i,)]) for i in range(4))
+else:  # pragma: no cover - needs a GPU
+    load16 = _mma.load_u32x4
+
+
+def _unpack_fn(kind: str):
+    """Device function ``(w0, w1, w2, w3, dst, off)``: the words' elements as fp32
+    into ``dst[off:]`` with 16-byte stores (8 values for 16-bit kinds, 4 for fp32)."""
+    if kind == "f32":
+        @device_fn
+        def unpack(w0, w1, w2, w3, dst, off):
+            st_v4(dst, off, u32_as_f32(w0), u32_as_f32(w1), u32_as_f32(w2), u32_as_f32(w3))
+    else:
+        pair = f16x2_to_f32 if kind == "f16" else bf16x2_to_f32
+
+        @device_fn
+        def unpack(w0, w1, w2, w3, dst, off):
+            a0, a1 = pair(w0)
+            a2, a3 = pair(w1)
+            st_v4(dst, off, a0, a1, a2, a3)
+            b0, b1 = pair(w2)
+            b2, b3 = pair(w3)
+            st_v4(dst, off + 4, b0, b1, b2, b3)
+    return unpack
+
+
+# ---------------------------------------------------------------------------
+# Generated micro-kernels
+# ---------------------------------------------------------------------------
+
+def _micro_kernels(D, RG, CG, R, C, WR, QS, KS, KPT, CPR, EPC, NT, sigmoid, env, unroll) -> dict:
+    """Straight-line device functions of one tile shape (see the module doc):
+
+    - ``o_zero()``: the zero O micro-tile (R*DPT floats, row-major);
+    - ``qk(s_q, s_kv, qa, ka)``: S micro-tile (R*C floats, row-major) from
+      ``s_q[qa + i*RG*QS + d]`` and ``s_kv[ka + c*CG*KS + d]``;
+    - ``scaled(s, f)`` / ``masked(s, ...)``: interior tiles / the variant per element;
+    - ``softmax(s, m, l)`` -> (p, m, l, alpha), R-tuples but p;
+    - ``put_p(p, s_p, pa)``: P^T rows (key cg + CG*c) at ``s_p[pa + key*WR + i]``;
+    - ``pv(o, s_p, s_kv, pa, va, alpha)``: O = alpha O + P V;
+    - ``fetch(src, which, t0, hi, ...)`` -> (words, locs): the lane's KPT
+      16-byte chunks of a K or V tile and where they live; ``refetch(src,
+      which, locs, head, tid)`` reads the other of K/V at the same places;
+      ``put_kv(words, locs, s_kv, s_kpos, tid, with_pos)`` stores them as fp32;
+    - ``write(o, l, m, ...)``: o / l and the LSE of the lane's valid rows.
+    """
+    DPT = D // CG            # O dims per lane
+    NCH = DPT // 4           # 16-byte chunks of a lane's O row
+    S = [[f"s{i}_{c}" for c in range(C)] for i in range(R)]
+    Sf = [x for row in S for x in row]
+    O = [[f"o{i}_{x}" for x in range(DPT)] for i in range(R)]
+    Of = [x for row in O for x in row]
+    tup = lambda xs: "(" + ", ".join(xs) + ",)"
+    L = []
+    L.append("def o_zero():")
+    L.append("    z = float32(0.0)")
+    L.append("    return " + tup(["z"] * len(Of)))
+
+    # S = Q K^T: per 4 dims, R + C 16-byte loads feed 4*R*C FMAs.  Two chunks
+    # per loop trip halve the loop overhead; the trip count is a constant.
+    U = max(u for u in range(1, unroll[0] + 1) if (D // 4) % u == 0)
+    L.append("def qk(s_q, s_kv, qa, ka):")
+    L.append("    z = float32(0.0)")
+    for x in Sf:
+        L.append(f"    {x} = z")
+    L.append(f"    for d in range(0, {D}, {4 * U}):")
+    for u in range(U):
+        for i in range(R):
+            L.append(f"        q{i}_0, q{i}_1, q{i}_2, q{i}_3 = ld_v4(s_q, qa + {i * RG * QS + 4 * u} + d)")
+        for c in range(C):
+            L.append(f"        k{c}_0, k{c}_1, k{c}_2, k{c}_3 = ld_v4(s_kv, ka + {c * CG * KS + 4 * u} + d)")
+        for e in range(4):
+            for i in range(R):
+                for c in range(C):
+                    L.append(f"        {S[i][c]} = cuda.fma(q{i}_{e}, k{c}_{e}, {S[i][c]})")
+    L.append("    return " + tup(Sf))
+
+    L.append("def stats0():")
+    L.append("    return " + tup(["neg_inf"] * R) + ", " + tup(["float32(0.0)"] * R))
+
+    L.append("def scaled(s, f):")
+    L.append("    " + ", ".join(Sf) + ", = s")
+    L.append("    return " + tup([f"{x} * f" for x in Sf]))
+
+    L.append("def masked(s, rbase, n_rows, kbase, s_qpos, s_diag, s_req, s_kpos, head0, row0, slopes):")
+    L.append("    " + ", ".join(Sf) + ", = s")
+    outs = []
+    for i in range(R):
+        for c in range(C):
+            r = f"rbase + {i * RG}"
+            outs.append(f"score({S[i][c]}, {r}, {r} < n_rows, kbase + {c * CG}, s_qpos, s_diag, s_req, "
+                        f"s_kpos, head0, row0, slopes)")
+    L.append("    return (" + ",\n            ".join(outs) + ",)")
+
+    M = [f"m{i}" for i in range(R)]
+    Lr = [f"l{i}" for i in range(R)]
+    A = [f"alpha{i}" for i in range(R)]
+    L.append("def softmax(s, m, l):")
+    L.append("    " + ", ".join(Sf) + ", = s")
+    L.append("    " + ", ".join(M) + ", = m")
+    L.append("    " + ", ".join(Lr) + ", = l")
+    if sigmoid:
+        for x in Sf:
+            L.append(f"    {x} = sigmoid_weight({x}, bias) if {x} != neg_inf else float32(0.0)")
+        for a in A:
+            L.append(f"    {a} = float32(1.0)")
+    else:
+        for i in range(R):
+            L.append(f"    mx = {S[i][0]}")
+            for x in S[i][1:]:
+                L.append(f"    mx = max(mx, {x})")
+            mask = 1
+            while mask < CG:            # the CG lanes of a row are lanes rg*CG + (0..CG-1)
+                L.append(f"    mx = max(mx, shfl_xor(mx, {mask}))")
+                mask *= 2
+            L.append(f"    new = max(m{i}, mx)")
+            # a row with no key yet keeps m = -inf: subtract 0 so exp2 gives 0, not NaN
+            L.append("    base = new if new != neg_inf else float32(0.0)")
+            L.append(f"    alpha{i} = exp2(m{i} - base)")
+            for x in S[i]:
+                L.append(f"    {x} = exp2({x} - base)")
+            L.append(f"    l{i} = l{i} * alpha{i} + (" + " + ".join(S[i]) + ")")
+            L.append(f"    m{i} = new")
+    L.append("    return " + tup(Sf) + ", " + tup(M) + ", " + tup(Lr) + ", " + tup(A))
+
+    L.append("def put_p(p, s_p, pa):")
+    L.append("    " + ", ".join(Sf) + ", = p")
+    for c in range(C):
+        for i0 in range(0, R, 4):
+            vals = ", ".join(S[i][c] for i in range(i0, i0 + 4))
+            L.append(f"    st_v4(s_p, pa + {c * CG * WR + i0}, {vals})")
+    L.append("    return 0")
+
+    # O = alpha O + P V: per key, R/4 + NCH 16-byte loads feed R*DPT FMAs.
+    T_k = CG * C
+    UV = max(u for u in range(1, unroll[1] + 1) if T_k % u == 0)
+    L.append("def pv(o, s_p, s_kv, pa, va, alpha):")
+    L.append("    " + ", ".join(Of) + ", = o")
+    L.append("    " + ", ".join(A) + ", = alpha")
+    L.append("    one = float32(1.0)")
+    L.append("    if " + " or ".join(f"{a} != one" for a in A) + ":")
+    for i in range(R):
+        for x in O[i]:
+            L.append(f"        {x} = {x} * alpha{i}")
+    L.append(f"    for j in range(0, {T_k}, {UV}):")
+    for u in range(UV):
+        for i0 in range(0, R, 4):
+            L.append(f"        p{i0}, p{i0 + 1}, p{i0 + 2}, p{i0 + 3} = ld_v4(s_p, pa + (j + {u}) * {WR} + {i0})")
+        for k in range(NCH):
+            L.append(f"        v{k}_0, v{k}_1, v{k}_2, v{k}_3 = ld_v4(s_kv, va + (j + {u}) * {KS} + {4 * CG * k})")
+        for k in range(NCH):
+            for e in range(4):
+                for i in range(R):
+                    x = O[i][4 * k + e]
+                    L.append(f"        {x} = cuda.fma(p{i}, v{k}_{e}, {x})")
+    L.append("    return " + tup(Of))
+
+    # K/V chunks: chunk e = tid + n*NT of the tile is key e // CPR, elements (e % CPR)*EPC ...
+    W = [f"w{n}_{x}" for n in range(KPT) for x in range(4)]
+    LOC = [f"{a}{n}" for n in range(KPT) for a in ("pg", "sl", "ps")]
+    L.append("def fetch(src, which, t0, hi, kv_indices, kv_ptr, kv_base, block, n_keys, head, tid):")
+    L.append("    zw = uint32(0)")
+    for n in range(KPT):
+        L.append(f"    e = tid + {n * NT}")
+        L.append(f"    t = t0 + e // {CPR}")
+        L.append(f"    d = (e % {CPR}) * {EPC}")
+        L.append(f"    pg{n} = 0")
+        L.append(f"    sl{n} = 0")
+        L.append(f"    ps{n} = NO_KEY")
+        L.append("    if t < hi:")
+        L.append(f"        pg{n}, sl{n}, ps{n} = locate(kv_indices, kv_ptr, kv_base, t, block, n_keys)")
+        L.append(f"    if ps{n} != NO_KEY:")
+        L.append(f"        w{n}_0, w{n}_1, w{n}_2, w{n}_3 = kv(src, which, pg{n}, sl{n}, head, d)")
+        L.append("    else:")
+        L.append(f"        w{n}_0, w{n}_1, w{n}_2, w{n}_3 = zw, zw, zw, zw")
+    L.append("    return " + tup(W) + ", " + tup(LOC))
+
+    L.append("def refetch(src, which, locs, head, tid):")
+    L.append("    " + ", ".join(LOC) + ", = locs")
+    L.append("    zw = uint32(0)")
+    for n in range(KPT):
+        L.append(f"    d = ((tid + {n * NT}) % {CPR}) * {EPC}")
+        L.append(f"    if ps{n} != NO_KEY:")
+        L.append(f"        w{n}_0, w{n}_1, w{n}_2, w{n}_3 = kv(src, which, pg{n}, sl{n}, head, d)")
+        L.append("    else:")
+        L.append(f"        w{n}_0, w{n}_1, w{n}_2, w{n}_3 = zw, zw, zw, zw")
+    L.append("    return " + tup(W))
+
+    L.append("def put_kv(words, locs, s_kv, s_kpos, tid, with_pos):")
+    L.append("    " + ", ".join(W) + ", = words")
+    L.append("    " + ", ".join(LOC) + ", = locs")
+    for n in range(KPT):
+        L.append(f"    e = tid + {n * NT}")
+        L.append(f"    j = e // {CPR}")
+        L.append(f"    c = e % {CPR}")
+        L.append(f"    unpack(w{n}_0, w{n}_1, w{n}_2, w{n}_3, s_kv, j * {KS} + c * {EPC})")
+        L.append("    if with_pos and c == 0:")
+        L.append(f"        s_kpos[j] = ps{n}")
+    L.append("    return 0")
+
+    # Write: rows rbase + i*RG, dims 4cg + 4CG*k + e.
+    L.append("def write(o, l, m, rbase, n_rows, cg, qo_start, row0, out_shift, head0, out, lse):")
+    L.append("    " + ", ".join(Of) + ", = o")
+    L.append("    " + ", ".join(Lr) + ", = l")
+    L.append("    " + ", ".join(M) + ", = m")
+    for i in range(R):
+        if not sigmoid:
+            mask = 1
+            while mask < CG:
+                L.append(f"    l{i} += shfl_xor(l{i}, {mask})")
+                mask *= 2
+            L.append(f"    inv = float32(1.0) / l{i} if l{i} > 0 else float32(0.0)")
+        else:
+            L.append("    inv = float32(1.0)")
+        L.append(f"    r = rbase + {i * RG}")
+        L.append("    if r < n_rows:")
+        L.append("        qi = qo_start + (row0 + r) // group")
+        L.append("        h = head0 + (row0 + r) % group")
+        for k in range(NCH):
+            for e in range(4):
+                L.append(f"        store(out, (qi + out_shift, h, 4 * cg + {4 * CG * k + e}), {O[i][4 * k + e]} * inv)")
+        L.append("        if cg == 0:")
+        if sigmoid:
+            L.append("            lse[qi + out_shift, h] = math.nan")
+        else:
+            L.append(f"            lse[qi + out_shift, h] = m{i} + math.log2(l{i}) if l{i} > 0 else neg_inf")
+    L.append("    return 0")
+
+    env = dict(env, float32=float32, uint32=uint32, math=math, ld_v4=ld_v4, st_v4=st_v4, cuda=cuda,
+               exp2=exp2f, shfl_xor=shfl_xor_f32, sigmoid_weight=sigmoid_weight, neg_inf=float32(-math.inf))
+    exec(compile("\n".join(L), f"<nbattn cuda-core micro-kernels D={D} C={C}>", "exec"), env)
+    names = ("o_zero", "stats0", "qk", "scaled", "masked", "softmax", "put_p", "pv", "fetch", "refetch", "put_kv", "write")
+    return {n: device_fn(env[n]) for n in names}
+
+
+# ---------------------------------------------------------------------------
+# The tile
+# ---------------------------------------------------------------------------
+
+def cuda_core_tile(spec: P.KernelSpec):
+    """The per-row body of a CUDA-core build sized by :func:`cuda_core_tiles`
+    (launch: grid (n_work, num_kv_heads) or the persistent grid, ``spec.threads``)."""
+    shape = _shape_of(spec)
+    assert shape is not None, "spec not sized for the register-tiled CUDA-core tile"
+    NW, C = shape
+    RG, CG, R = LANES["RG"], LANES["CG"], LANES["R"]
+    D, group = spec.head_dim, spec.group
+    T_q, T_k, NT = spec.tile_q, spec.tile_k, spec.threads
+    WARP = RG * CG
+    WR = RG * R                       # rows per warp
+    QS = KS = D + 4                   # padded rows: consecutive rows start 4 banks apart
+    EPC = ELEMS_PER_16B[spec.kind]    # elements per 16-byte chunk
+    CPR = D // EPC                    # chunks per row
+    assert (T_k * CPR) % NT == 0, "K/V tile chunks must split evenly over the threads"
+    KPT = T_k * CPR // NT             # K (or V) chunks per thread
+    var = spec.variant
+    sigmoid = var.use_sigmoid
+    causal = var.causal
+    positional = spec.mode != "bsr"
+    key_range = P.tile_key_range(var, positional)
+    # Only causal (or nothing) to apply: interior tiles are just scaled.
+    plain = not (int(var.window_left) >= 0 or var.sink_size or var.has_alibi or var.has_soft_cap
+                 or var.score_mod is not None or var.mask_mod is not None or sigmoid)
+    scale = float32(var.scale(D))
+    scale_log2 = float32(var.scale(D) * LOG2E)
+    log2e = float32(LOG2E)
+    _, store, _ = element_io(spec.out_kind)
+    kv = P.kv_reader(spec.mode, spec.kv_layout, load16)
+    locate = P.key_locator(spec.mode)
+    transform, keep = variant_device_fns(var)
+    unpack = _unpack_fn(spec.kind)
+    NO_KEY = P.NO_KEY
+    neg_inf = float32(-math.inf)
+    # Register prefetch of the next K/V tile overlaps its load with math but
+    # holds 4*KPT words through S or P V; wide K/V tiles turn it off.
+    prefetch = KPT <= PREFETCH_MAX_CHUNKS
+    Q_CHUNKS = T_q * CPR
+    Q_ITERS = -(-Q_CHUNKS // NT)
+    SQ, SKV, SP = T_q * QS, T_k * KS, NW * T_k * WR
+
+    @device_fn
+    def score(x, r, row_ok, t_local, s_qpos, s_diag, s_req, s_kpos, head0, row0, slopes):
+        """Raw dot product x of fused row r and tile key t_local -> base-2 logit
+        (natural for sigmoid) with the variant applied, or -inf when dropped."""
+        pos = s_kpos[t_local]
+        if not row_ok or pos == NO_KEY:
+            return neg_inf
+        q_idx = s_qpos[r]
+        kv_idx = pos + (q_idx - s_diag[r] if positional else 0)
+        h = head0 + (row0 + r) % group
+        b = s_req[r]
+        if not keep(b, h, q_idx, kv_idx):
+            return neg_inf
+        s = transform(x * scale, b, h, q_idx, kv_idx, slopes[h])
+        if sigmoid:
+            return s
+        return s * log2e
+
+    env = dict(score=score, locate=locate, kv=kv, unpack=unpack, store=store, NO_KEY=NO_KEY,
+               group=group, bias=float32(var.sigmoid_bias))
+    mk = _micro_kernels(D, RG, CG, R, C, WR, QS, KS, KPT, CPR, EPC, NT, sigmoid, env, UNROLL)
+    o_zero, stats0, qk, scaled = mk["o_zero"], mk["stats0"], mk["qk"], mk["scaled"]
+    masked, softmax = mk["masked"], mk["softmax"]
+    put_p, pv, fetch, refetch, put_kv, write = (mk["put_p"], mk["pv"], mk["fetch"], mk["refetch"], mk["put_kv"],
+                                                mk["write"])
+
+    @device_fn
+    def next_tile(t, lo, sink_end):
+        # skip whole tiles left of the window that hold no sink
+        if t >= sink_end and t + T_k <= lo:
+            t += ((lo - t) // T_k) * T_k
+        return t
+
+    @device_fn
+    def tile(wi, q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
+             block, n_keys, out, lse):
+        kv_head = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        warp = tid // WARP
+        lane = tid % WARP
+        rg = lane // CG
+        cg = lane % CG
+        qo_start, qo_len, row0 = work[wi, 0], work[wi, 1], work[wi, 2]
+        kv_ptr, kv_base, kv_begin, kv_end = work[wi, 3], work[wi, 4], work[wi, 5], work[wi, 6]
+        out_shift = work[wi, 7] - qo_start       # partial states land in their own rows
+        n_rows = min(T_q, qo_len * group - row0)
+        head0 = kv_head * group
+
+        s_q = cuda.shared.array(SQ, float32, alignment=SHARED_ALIGN)
+        s_kv = cuda.shared.array(SKV, float32, alignment=SHARED_ALIGN)
+        s_p = cuda.shared.array(SP, float32, alignment=SHARED_ALIGN)
+        s_kpos = cuda.shared.array(T_k, int32)
+        s_qpos = cuda.shared.array(T_q, int32)
+        s_diag = cuda.shared.array(T_q, int32)      # q_idx - kvoff: last key t a causal row sees
+        s_req = cuda.shared.array(T_q, int32)
+        s_range = cuda.shared.array(3, int32)
+
+        # Q tile as fp32 (rows past the tile zero), per-row positions.
+        for n in range(Q_ITERS):
+            e = tid + n * NT
+            if e < Q_CHUNKS:
+                r = e // CPR
+                d = (e % CPR) * EPC
+                if r < n_rows:
+                    w0, w1, w2, w3 = load16(q, (qo_start + (row0 + r) // group, head0 + (row0 + r) % group, d))
+                else:
+                    w0 = w1 = w2 = w3 = uint32(0)
+                unpack(w0, w1, w2, w3, s_q, r * QS + d)
+        for r in range(tid, T_q, NT):
+            if r < n_rows:
+                qi = qo_start + (row0 + r) // group
+                s_qpos[r] = row_pos[qi]
+                s_diag[r] = row_pos[qi] - row_kvoff[qi]
+                s_req[r] = row_req[qi]
+            else:
+                s_qpos[r] = 0
+                s_diag[r] = 2 ** 30
+                s_req[r] = 0
+        cuda.syncthreads()
+        if tid == 0:
+            lo, hi, sink_end = key_range(s_diag, s_qpos, n_rows, kv_begin, kv_end)
+            s_range[0] = lo
+            s_range[1] = hi
+            s_range[2] = sink_end
+        cuda.syncthreads()
+        lo = s_range[0]
+        hi = s_range[1]
+        sink_end = s_range[2]
+
+        rbase = warp * WR + rg               # the lane's rows: rbase + i*RG
+        warp_full = warp * WR + WR <= n_rows
+        warp_diag = s_diag[warp * WR]
+        for r in range(warp * WR + 1, warp * WR + WR):
+            warp_diag = min(warp_diag, s_diag[r])
+        qa = rbase * QS
+        ka = cg * KS
+        pa = warp * (T_k * WR) + rg * R      # P^T of the warp; the lane's rows are contiguous
+        va = 4 * cg
+
+        t0 = next_tile(kv_begin, lo, sink_end)
+        kw, locs = fetch(k_src, 0, t0, hi, kv_indices, kv_ptr, kv_base, block, n_keys, kv_head, tid)
+        o = o_zero()
+        m, l = stats0()
+        vw = kw
+        while t0 < hi:
+            put_kv(kw, locs, s_kv, s_kpos, tid, True)
+            cuda.syncthreads()                                   # K tile in
+            if prefetch:
+                vw = refetch(v_src, 1, locs, kv_head, tid)       # in flight during S and softmax
+            s = qk(s_q, s_kv, qa, ka)
+            last = t0 + T_k - 1
+            if plain and positional and warp_full and last < hi and (not causal or last <= warp_diag):
+                s = scaled(s, scale_log2)
+            else:
+                s = masked(s, rbase, n_rows, cg, s_qpos, s_diag, s_req, s_kpos, head0, row0, slopes)
+            p, m, l, alpha = softmax(s, m, l)
+            put_p(p, s_p, pa + cg * WR)
+            cuda.syncthreads()                                   # everyone done with K; P written
+            if not prefetch:
+                vw = refetch(v_src, 1, locs, kv_head, tid)
+            put_kv(vw, locs, s_kv, s_kpos, tid, False)
+            cuda.syncthreads()                                   # V tile in
+            t1 = next_tile(t0 + T_k, lo, sink_end)
+            if prefetch:
+                kw, locs = fetch(k_src, 0, t1, hi, kv_indices, kv_ptr, kv_base, block, n_keys, kv_head, tid)
+            o = pv(o, s_p, s_kv, pa, va, alpha)
+            cuda.syncthreads()                                   # everyone done with V and P
+            if not prefetch:
+                kw, locs = fetch(k_src, 0, t1, hi, kv_indices, kv_ptr, kv_base, block, n_keys, kv_head, tid)
+            t0 = t1
+
+        write(o, l, m, rbase, n_rows, cg, qo_start, row0, out_shift, head0, out, lse)
+
+    return tile

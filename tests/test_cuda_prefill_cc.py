@@ -1,0 +1,149 @@
+"""The register-tiled CUDA-core prefill tile (nbattn.cuda.prefill_cc) against a
+float64 brute force and the golden model (SPEC sections 1-3).
+
+Under the simulator the tile runs at its tiny shape (T_q = 16 fused rows in two
+"warps", T_k = 8 keys); the cases are sized so that several row tiles, several
+KV tiles, partial tiles and both warps' rows take part.
+"""
+import math
+
+import numpy as np
+import pytest
+
+import nbattn  # noqa: F401  (compat first)
+from nbattn import _compat
+from nbattn import reference as R
+from nbattn.cuda import prefill as P
+from nbattn.cuda import prefill_cc as CC
+from nbattn.variants import Variant
+
+from brute import brute_attention, gather_pages
+from test_cuda_prefill import check, paged_case
+
+SIM = _compat.simulator_enabled()
+
+
+def to_bf16_raw(x):
+    """float32 -> bf16 bits (round to nearest even) as NumPy's raw |V2, and the
+    float32 values those bits stand for (what the reference must see)."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return bits.view("V2"), (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def brute_paged(q, cache, qo, ip, ix, lp, layout="NHD", **kw):
+    """Per request: gather pages token by token, brute-force float64 attention."""
+    o = np.zeros(q.shape)
+    lse = np.full(q.shape[:2], -np.inf)
+    for r in range(len(qo) - 1):
+        a, b = int(qo[r]), int(qo[r + 1])
+        if a == b:
+            continue
+        k, v = gather_pages(np.asarray(cache, np.float64), ip, ix, lp, r, layout)
+        if len(k) == 0:
+            continue
+        o[a:b], lse[a:b] = brute_attention(q[a:b], k, v, b=r, **kw)
+    return o, lse
+
+
+def test_dispatch_picks_the_tile_where_it_applies():
+    for kind in ("f16", "bf16", "f32"):
+        spec = P.make_spec("paged", "NHD", kind, 16 if SIM else 128, 8, 2, Variant(causal=True), False)
+        assert CC.covers(spec)
+        assert (spec.tile_q, spec.tile_k, spec.threads) == CC.cuda_core_tiles(spec.head_dim, kind)
+        assert P.get_tile(spec).py_func.__module__ == CC.__name__
+    # a head_dim the lanes cannot split evenly falls back to the scalar tile
+    spec = P.make_spec("paged", "NHD", "f16", 12, 8, 2, Variant(), False)
+    assert not CC.covers(spec) and CC.cuda_core_tiles(12, "f16") is None
+    assert P.get_tile(spec).py_func.__module__ == P.__name__
+
+
+@pytest.mark.parametrize("causal, layout", [(False, "NHD"), (True, "HND")])
+def test_paged_gqa_against_brute_force(causal, layout):
+    """GQA 4, page size 3 (non-full last pages), an empty request, a request with
+    more fused rows than one tile and more keys than one KV tile."""
+    rng = np.random.default_rng(101 + causal)
+    q, cache, qo, ip, ix, lp = paged_case(rng, [5, 0, 9, 1], [21, 4, 9, 2], 3, hq=8, hk=2, d=16,
+                                          layout=layout)
+    got = P.batch_prefill_paged(q, cache, qo, ip, ix, lp, kv_layout=layout, causal=causal, return_lse=True,
+                                tensor_cores=False)
+    check(got, brute_paged(q, cache, qo, ip, ix, lp, layout, causal=causal))
+    check(got, R.batch_prefill_paged(q, cache, qo, ip, ix, lp, kv_layout=layout, causal=causal,
+                                     return_lse=True))
+
+
+def test_empty_and_fully_masked_rows_with_huge_logits():
+    """Scores of order +-1000 (fp32 inputs), a query position whose every key is
+    masked, a request with no keys at all: o = 0 and lse = -inf there, never NaN."""
+    rng = np.random.default_rng(102)
+    q, cache, qo, ip, ix, lp = paged_case(rng, [6, 3], [13, 0], 4, hq=4, hk=1, d=16, dtype=np.float32)
+    q, cache = q * 40, cache * 40
+    mask = lambda b, h, qi, kj: qi != 9               # request 0's position 9 keeps nothing
+    got = P.batch_prefill_paged(q, cache, qo, ip, ix, lp, mask_mod=mask, return_lse=True, tensor_cores=False)
+    ref = brute_paged(q, cache, qo, ip, ix, lp, mask_mod=mask)
+    assert np.abs(ref[1][np.isfinite(ref[1])]).max() > 500
+    check(got, ref)
+    check(got, R.batch_prefill_paged(q, cache, qo, ip, ix, lp, mask_mod=mask, return_lse=True))
+    o, lse = got
+    for row in (2, 6, 7, 8):                            # position 9 of request 0; request 1 (no keys)
+        assert np.isneginf(lse[row]).all() and (o[row] == 0).all()
+    assert np.isfinite(o).all()
+
+
+@pytest.mark.parametrize("kw", [
+    dict(causal=True, window_left=3, sink_size=2),      # whole KV tiles left of the window are skipped
+    dict(logits_soft_cap=3.0, pos_encoding_mode="ALIBI", sm_scale=0.3),
+    dict(use_sigmoid=True, sigmoid_bias=-1.0, causal=True),
+    dict(score_mod=lambda s, b, h, qi, kj: s + 0.1 * (h + b) - 0.05 * (qi - kj), causal=True),
+])
+def test_variants_bf16_against_brute_force(kw):
+    rng = np.random.default_rng(103)
+    q, cache, qo, ip, ix, lp = paged_case(rng, [7, 2], [40, 5], 5, hq=4, hk=2, d=16, dtype=np.float32)
+    (q_raw, q_f), (c_raw, c_f) = to_bf16_raw(q), to_bf16_raw(cache)
+    lse = not kw.get("use_sigmoid")
+    got = P.batch_prefill_paged(q_raw, c_raw, qo, ip, ix, lp, return_lse=lse, tensor_cores=False, **kw)
+    bkw = {("alibi" if k == "pos_encoding_mode" else k): (True if k == "pos_encoding_mode" else v)
+           for k, v in kw.items()}
+    o_b, lse_b = brute_paged(q_f, c_f, qo, ip, ix, lp, **bkw)
+    if lse:
+        check(got, (o_b, lse_b), tol=1e-2)
+    else:
+        check(got, o_b, tol=1e-2)
+
+
+def test_ragged_f32_and_single():
+    rng = np.random.default_rng(104)
+    hq, hk, d = 8, 2, 16
+    q = rng.standard_normal((12, hq, d)).astype(np.float32)
+    k = rng.standard_normal((30, hk, d)).astype(np.float32)
+    v = rng.standard_normal((30, hk, d)).astype(np.float32)
+    qo, kv = np.array([0, 9, 12], np.int32), np.array([0, 19, 30], np.int32)
+    got = P.batch_prefill_ragged(q, k, v, qo, kv, causal=True, return_lse=True, tensor_cores=False)
+    o0, l0 = brute_attention(q[:9], k[:19], v[:19], causal=True)
+    o1, l1 = brute_attention(q[9:], k[19:], v[19:], causal=True, b=1)
+    check(got, (np.concatenate([o0, o1]), np.concatenate([l0, l1])), tol=1e-4)
+    got = P.single_prefill(q[:5], k[:7], v[:7], return_lse=True, tensor_cores=False)
+    check(got, brute_attention(q[:5], k[:7], v[:7]), tol=1e-4)
+
+
+def test_without_register_prefetch(monkeypatch):
+    """Wide K/V tiles load after the barrier instead of into registers ahead: the
+    same results."""
+    monkeypatch.setattr(CC, "PREFETCH_MAX_CHUNKS", 0)
+    monkeypatch.setattr(P, "_KERNELS", {})
+    rng = np.random.default_rng(105)
+    q, cache, qo, ip, ix, lp = paged_case(rng, [9, 3], [17, 3], 4, hq=8, hk=2, d=16)
+    got = P.batch_prefill_paged(q, cache, qo, ip, ix, lp, causal=True, return_lse=True, tensor_cores=False)
+    check(got, brute_paged(q, cache, qo, ip, ix, lp, causal=True))
+
+
+def test_lse_is_base_two():
+    """One query, two keys with scores 0 and ln 3 (scale 1): lse = log2(1 + 3) = 2."""
+    q = np.zeros((1, 1, 16), np.float32)
+    k = np.zeros((2, 1, 16), np.float32)
+    q[0, 0, 0] = 1.0
+    k[1, 0, 0] = math.log(3.0)
+    v = np.ones((2, 1, 16), np.float32)
+    o, lse = P.single_prefill(q, k, v, sm_scale=1.0, return_lse=True, tensor_cores=False)
+    np.testing.assert_allclose(lse, [[2.0]], rtol=1e-6)
+    np.testing.assert_allclose(o, 1.0, rtol=1e-6)
