@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -132,6 +132,7 @@ class DecodeConfig:
     path: str = "smem"  # "smem" | "warp" | "tc" (see module doc)
     unroll: int = 1     # warp path: tokens per row per step
     min_blocks: int = 4  # warp path: CTAs per SM the launch bounds ask for (caps registers)
+    fused_merge: bool = False  # warp / tc paths: the build that merges split partials itself
 
     @property
     def words_per_row(self) -> int:
@@ -605,6 +606,8 @@ def run_decode_work(p: DecodeProblem, work: WorkList, partial_o=None, partial_ls
     to 1-D on the warp path).  Asynchronous on ``p.stream``.
     """
     cfg = p.config()
+    if fused is not None:
+        cfg = replace(cfg, fused_merge=True)
     num_ctas = int(work.cta_indptr.shape[0]) - 1
     if num_ctas <= 0:
         return
