@@ -367,13 +367,14 @@ def bench_cascade(recs, copy_bw):
                 flat_runner_err = None
             C = sys.modules["nbattn.cuda.cascade"]
 
-            def measure(min_blocks, kv_chunk=None, parts=True):
-                """The cascade's recorded launches timed whole and (parts) pass by pass."""
-                C.MIN_BLOCKS = min_blocks
+            def measure(split_blocks, kv_chunk=None, parts=True):
+                """The cascade's recorded launches timed whole and (parts) pass by pass, with
+                its split levels built for ``split_blocks`` CTAs per SM."""
+                C.MIN_BLOCKS_SPLIT = split_blocks
                 try:
                     rec, oc, first = ours(cuda_cascade, q, levels, cache, kv_chunk=kv_chunk)
                 finally:
-                    C.MIN_BLOCKS = default_blocks
+                    C.MIN_BLOCKS_SPLIT = default_blocks
                 run_c = replay_fn(rec.launches)
                 m = {"written": poisoned(run_c, oc), "err": rel_err(oc, flat), "first": first}
                 m["us"], m["graphed"] = graph_ms(run_c)
@@ -389,7 +390,7 @@ def bench_cascade(recs, copy_bw):
                     m["err_ref"] = rel_err(oc[:len(ref)], ref)
                 return m
 
-            default_blocks = C.MIN_BLOCKS
+            default_blocks = C.MIN_BLOCKS_SPLIT
             main = measure(default_blocks)
             ms_c, ms_pre = main["us"] * 1e-3, main["prefix_us"] * 1e-3
             ms_rest = (main["suffix_us"] + main["merge_us"]) * 1e-3
@@ -420,16 +421,16 @@ def bench_cascade(recs, copy_bw):
                     print(f"  sweep {ch} failed: {e!r}"[:200])
             print(f"  batch {batch} prefix {prefix}: flat {ms_f * 1e3:.1f} us, cascade {main['us']:.1f} "
                   f"(prefix {main['prefix_us']:.1f}, suffix {main['suffix_us']:.1f}, merge {main['merge_us']:.1f}) "
-                  f"other min_blocks { {k: round(v['us'], 1) for k, v in other.items()} } sweep "
+                  f"other split min_blocks { {k: round(v['us'], 1) for k, v in other.items()} } sweep "
                   f"{ {k: round(v, 1) for k, v in sw.items() if not k.endswith('_err')} }", flush=True)
             record(recs, case, "latency_us", ms_c * 1e3, "us", {"flat_decode": ms_f * 1e3},
                    compile_s=main["first"], rel_err_vs_flat=main["err"],
                    rel_err_vs_torch_fp32_first8=main["err_ref"], all_written=main["written"],
                    graphed=main["graphed"] and graphed_f, flat_kv_chunk=flat_chunk,
                    flat_decode_path=flat_path, flat_timed_vs_call_rel_err=flat_runner_err,
-                   min_blocks=default_blocks, prefix_kv_chunk=main["chunk"], prefix_ctas=main["ctas"],
+                   split_min_blocks=default_blocks, prefix_kv_chunk=main["chunk"], prefix_ctas=main["ctas"],
                    prefix_pass_us=main["prefix_us"], suffix_pass_us=main["suffix_us"], merge_us=main["merge_us"],
-                   prefix_chunk_sweep_us=sw, other_min_blocks=other)
+                   prefix_chunk_sweep_us=sw, other_split_min_blocks=other)
             paper = {(64, 32768): 16.07, (16, 1024): 1.03}.get((batch, prefix))
             record(recs, case, "speedup", ms_f / ms_c, "x", {},
                    **({"paper_flashinfer_h100": paper} if paper else {}))

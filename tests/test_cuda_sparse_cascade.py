@@ -174,7 +174,7 @@ def test_cascade_chunk_size_fills_one_wave_in_whole_tiles(monkeypatch):
                                  np.zeros(n_groups * pages, np.int32), np.full(n_groups, 16, np.int32), 16, 1)
         return qo, pkv
 
-    slots = C.MIN_BLOCKS * 132
+    slots = C.MIN_BLOCKS_SPLIT * 132
     for batch, prefix in ((64, 32768), (16, 32768), (16, 1024), (64, 1024)):
         qo, pkv = level(1, batch, prefix)
         chunk = C._chunk_size(qo, pkv, spec, 8)
@@ -182,3 +182,5 @@ def test_cascade_chunk_size_fills_one_wave_in_whole_tiles(monkeypatch):
         assert chunk % 64 == 0 and chunk >= C.MIN_CHUNK
         assert ctas * -(-prefix // chunk) <= slots or chunk == C.MIN_CHUNK
     assert C._chunk_size(*level(64, 1, 128), spec, 8) == 0          # 64 suffix groups x 8 heads: full
+    causal = P.KernelSpec("paged", "NHD", "f16", "f32", 128, 4, 32, Variant(causal=True), True, 64, 64, 128)
+    assert C._split_blocks(spec) == C.MIN_BLOCKS_SPLIT and C._split_blocks(causal) == C.MIN_BLOCKS

@@ -41,10 +41,16 @@ from .primitives import SIMULATOR
 
 __all__ = ["cascade"]
 
-# CTAs per SM the level kernels are built for (launch bounds: registers <= 65536 /
-# (threads * MIN_BLOCKS)) and the split fills; the pipelined tile's non-causal
-# builds use ~174 registers, so 2 costs nothing and 3 caps them at 168.
+# CTAs per SM each level kernel is built for (launch bounds: registers <= 65536 /
+# (threads * blocks)).  A split level (a long shared prefix) is compute-bound and
+# gains from a third CTA per SM even with registers capped at 168 (the pipelined
+# tile's non-causal build wants ~174): H200, batch 64 x prefix 32k, prefix pass
+# 151 vs 173 us.  An unsplit level (short suffixes, a few tiles per CTA) is
+# latency-bound and loses a little under the cap (25.2 vs 26.8 us): no cap.
+# Only the measured build gets the cap (:func:`_split_blocks`): causal and
+# variant builds of the same tile want ~240 registers, head_dim 256 all 255.
 MIN_BLOCKS = 2
+MIN_BLOCKS_SPLIT = 3
 MIN_CHUNK = 256          # keys: below this a chunk's fixed cost (Q tile, first K load, one more state) dominates
 
 
@@ -85,7 +91,8 @@ def cascade(q, levels, paged_kv_cache, *, kv_layout: str = "NHD", return_lse: bo
                             np.zeros(qo.batch_size, np.int64), pkv.kv_lens, spec.group, spec.tile_q,
                             kv_chunk=chunk or None, out_starts=n_states * rows + qo.qo_indptr[:-1],
                             chunk_stride=rows)
-        plans.append((pkv, work, offsets[li][row_req].astype(np.int32)))
+        plans.append((pkv, work, offsets[li][row_req].astype(np.int32),
+                      _split_blocks(spec) if chunk else MIN_BLOCKS))
         # chunks each group has (as build_work makes them), per query row
         chunks = (np.maximum(1, -(-pkv.kv_lens.astype(np.int64) // chunk)) if chunk
                   else np.ones(qo.batch_size, np.int64))
@@ -96,8 +103,8 @@ def cascade(q, levels, paged_kv_cache, *, kv_layout: str = "NHD", return_lse: bo
     states_o = cuda.device_array((n_states * rows, hq, d), np.float32, stream=stream)
     states_lse = cuda.device_array((n_states * rows, hq), np.float32, stream=stream)
     if rows:
-        for pkv, work, kvoff in plans:
-            _launch(spec, dq, cache, pkv.paged_kv_indices, work, row_pos, kvoff, row_req,
+        for pkv, work, kvoff, blocks in plans:
+            _launch(spec, blocks, dq, cache, pkv.paged_kv_indices, work, row_pos, kvoff, row_req,
                     dims.page_size, dims.num_kv_heads, states_o, states_lse, stream)
         merge_map = M.MergeMap(*(A.device_meta(x, x, stream) for x in _merge_map(states, rows)))
         kernel, grid, threads, args = M.merge_partials_launch(
@@ -126,7 +133,7 @@ def _level_kernel(spec: P.KernelSpec, min_blocks: int):
     return kern
 
 
-def _launch(spec, q, cache, kv_indices, work, row_pos, row_kvoff, row_req, block, num_kv_heads, out, lse,
+def _launch(spec, min_blocks, q, cache, kv_indices, work, row_pos, row_kvoff, row_req, block, num_kv_heads, out, lse,
             stream):
     """One level: :func:`nbattn.cuda.prefill.launch` on :func:`_level_kernel`."""
     if len(work) == 0:
@@ -135,7 +142,7 @@ def _launch(spec, q, cache, kv_indices, work, row_pos, row_kvoff, row_req, block
     idx = kv_indices if len(kv_indices) else np.zeros(1, np.int32)
     meta = [A.device_meta(x, x, stream) for x in (idx, work, row_pos, row_kvoff, row_req)]
     args = (q, cache, cache, *meta, cuda.to_device(slopes, stream=stream), np.int32(block), np.int32(0), out, lse)
-    P.enqueue(_level_kernel(spec, MIN_BLOCKS), (len(work), num_kv_heads), spec.threads, stream, args)
+    P.enqueue(_level_kernel(spec, min_blocks), (len(work), num_kv_heads), spec.threads, stream, args)
 
 
 def _merge_map(states, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -152,13 +159,22 @@ def _merge_map(states, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return indptr.astype(np.int32), np.arange(rows, dtype=np.int32), slots[written].astype(np.int32)
 
 
+def _split_blocks(spec: P.KernelSpec) -> int:
+    """CTAs per SM for a split level's kernel: MIN_BLOCKS_SPLIT for the plain
+    non-causal pipelined tensor-core build (head_dim 64/128), else MIN_BLOCKS."""
+    v = spec.variant
+    plain = not (v.causal or int(v.window_left) >= 0 or v.sink_size or v.has_alibi or v.has_soft_cap
+                 or v.score_mod is not None or v.mask_mod is not None or v.use_sigmoid)
+    return MIN_BLOCKS_SPLIT if spec.tensor_cores and spec.head_dim in (64, 128) and plain else MIN_BLOCKS
+
+
 def _chunk_size(qo: L.RaggedQ, pkv: L.PagedKV, spec: P.KernelSpec, num_kv_heads: int) -> int:
     """Keys per chunk so that the level's work items fill one wave of CTAs
-    (resident slots = SMs x CTAS_PER_SM; a second, partial wave would cost a
+    (resident slots = SMs x :func:`_split_blocks`; a second, partial wave would cost a
     whole one), in whole KV tiles so no chunk ends inside a tile; 0: no split."""
     if SIMULATOR:
         return 0
-    slots = MIN_BLOCKS * sm_count()
+    slots = _split_blocks(spec) * sm_count()
     tiles = int(np.sum(-(-qo.lengths.astype(np.int64) * spec.group // spec.tile_q)))
     if tiles == 0 or tiles * num_kv_heads >= slots:
         return 0
