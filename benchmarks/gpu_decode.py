@@ -155,7 +155,7 @@ CORRECTNESS = [
     ("b64_f16_p16_g8_d128", "f16", ("uniform", 64, 1, 4096), 16, 4, 8, 128, "NHD", {}, True),
     ("b16_f16_g8_variants", "f16", ("uniform", 16, 1, 8192), 16, 2, 8, 128, "NHD",
      dict(causal=True, window_left=1000, sink_size=4, logits_soft_cap=30.0, pos_encoding_mode="ALIBI"), True),
-    # batch 1 x 32k: split, merged inside the kernel (the benchmark's shape)
+    # batch 1 x 32k: the benchmark's shape, split on the small-batch CTA shape
     ("b1_f16_p16_g4_d128_32k", "f16", ("list", [32768]), 16, 8, 4, 128, "NHD", {}, True),
     # a split request with every key masked: o = 0, lse = -inf from ~30 empty partials
     ("b3_bf16_p16_g8_d128_masked", "bf16", ("list", [30000, 1, 17001]), 16, 4, 8, 128, "HND",
@@ -321,34 +321,24 @@ def copy_bandwidth() -> dict:
     return res
 
 
-def our_runner(p, chunk, path="auto", unroll=0, heads=4, fuse=True):
+def our_runner(p, chunk, path="auto", unroll=0, heads=4):
     """A closure launching the decode work (+ merge) on torch's current stream,
-    with the decode path (and the warp path's unroll) fixed for its lifetime;
-    ``fuse=False`` merges split partials in a second launch even where the
-    kernel could do it (the comparison run)."""
-    (cta_indptr, req, ks, ke, slot, m_indptr, m_row, m_slots, n_slots) = DEC.split_work(p.kv_lens, chunk)
-    up = lambda a: cuda.to_device(np.ascontiguousarray(a, np.int32))  # noqa: E731
-    work = DEC.WorkList(up(cta_indptr), up(req), up(ks), up(ke), up(slot))
-    n = max(n_slots, 1)
-    po = cuda.device_array((n, p.num_qo_heads, p.head_dim), np.float32)
-    pl = cuda.device_array((n, p.num_qo_heads), np.float32)
-    mmap = MRG.MergeMap(up(m_indptr), up(m_row), up(m_slots))
-    # as DEC.run_split does: the warp and tensor-core kernels merge their own partials
-    cfg = with_path(p, path, unroll, lambda p: p.config(), heads)
-    fused = (DEC.fused_merge_arrays(0, p.batch, p.num_qo_heads // cfg.heads_per_cta, m_indptr, m_row, m_slots, cfg)
-             if n_slots and fuse else None)
+    with the decode path (and the warp path's unroll) fixed for its lifetime."""
+    DEC.DECODE_PATH, DEC.WARP_UNROLL, DEC.WARP_MAX_HEADS = path, unroll, heads
+    try:
+        launch = DEC.split_runner(p, chunk)
+        items = len(DEC.split_work(p.kv_lens, chunk)[1])
+    finally:
+        DEC.DECODE_PATH, DEC.WARP_UNROLL, DEC.WARP_MAX_HEADS = "auto", 0, 4
 
     def run():
         DEC.DECODE_PATH, DEC.WARP_UNROLL, DEC.WARP_MAX_HEADS = path, unroll, heads
         try:
             p.stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
-            DEC.run_decode_work(p, work, po, pl, fused)
-            if n_slots and fused is None:
-                MRG.run_merge_partials(po, pl, mmap, p.out_dev, p.lse_dev, code=p.code, stream=p.stream)
+            launch()
         finally:
             DEC.DECODE_PATH, DEC.WARP_UNROLL, DEC.WARP_MAX_HEADS = "auto", 0, 4
-    run.merge = "none" if not n_slots else ("in_kernel" if fused is not None else "launch")
-    return run, len(req)
+    return run, items
 
 
 def with_path(p, path, unroll, fn, heads=4):
@@ -369,23 +359,20 @@ def bench_case(batch, kv_len, hkv, copy_bw, gen, split_modes=("auto",), unrolls=
     recs = []
     # the default path, the shared-memory path, and (optionally) other warp-path unrolls
     # (and heads per CTA on the warp path)
-    runs = [(m, DEFAULT_PATH, 0, 4, True) for m in split_modes]
-    if batch == 1:      # split partials merged by a second launch instead of in the kernel
-        runs += [(split_modes[0], DEFAULT_PATH, 0, 4, False)]
+    runs = [(m, DEFAULT_PATH, 0, 4) for m in split_modes]
     if DEFAULT_PATH != "smem":
-        runs += [(m, "smem", 0, 4, True) for m in split_modes] + [(split_modes[0], "warp", u, 4, True)
-                                                                 for u in unrolls]
+        runs += [(m, "smem", 0, 4) for m in split_modes] + [(split_modes[0], "warp", u, 4) for u in unrolls]
         if with_path(p, DEFAULT_PATH, 0, lambda p: p.config().path) == "tc":   # the CUDA-core peer
-            runs += [(m, "warp", 0, 4, True) for m in split_modes]
-        runs += [(split_modes[0], "warp", 0, h, True) for h in heads]
-    for mode, path, unroll, hmax, fuse in runs:
+            runs += [(m, "warp", 0, 4) for m in split_modes]
+        runs += [(split_modes[0], "warp", 0, h) for h in heads]
+    for mode, path, unroll, hmax in runs:
         chunk = (with_path(p, path, unroll, DEC.choose_chunk, hmax) if mode == "auto"
                  else (None if mode == "unsplit" else int(mode)))
         cfg = with_path(p, path, unroll, lambda p: p.config(), hmax)
-        fn, items = our_runner(p, chunk, path, unroll, hmax, fuse)
+        fn, items = our_runner(p, chunk, path, unroll, hmax)
         ms, graphed = bench(fn)
         recs.append(dict(mode=mode, path=cfg.path, unroll=cfg.unroll, heads_per_cta=cfg.heads_per_cta,
-                         asked=(path, unroll, hmax), merge=fn.merge, forced_launch=not fuse,
+                         asked=(path, unroll, hmax),
                          chunk=chunk, items=items, ms=ms, graphed=graphed,
                          bw=nbytes / (ms * 1e-3) / 1e9 / copy_bw))
     # same-run sanity check of the default path's output against torch's math (dense copy)
@@ -653,13 +640,11 @@ def bench_main(rng, gen, dev, versions, corr=None):
             continue
         smem = {r["mode"]: r["bw"] for r in recs if r["path"] == "smem"}
         warp = {r["mode"]: r["bw"] for r in recs if r["asked"] == ("warp", 0, 4)}
-        launch = {r["mode"]: r["bw"] for r in recs if r["forced_launch"]}
         for r in recs:
             case = {"batch": batch, "kv_len": L, "num_qo_heads": 32, "num_kv_heads": hkv, "group": 32 // hkv,
                     "head_dim": 128, "page_size": 16, "dtype": "f16", "split": r["mode"],
                     "kv_chunk": r["chunk"], "work_items": r["items"], "graphed": r["graphed"],
-                    "path": r["path"], "unroll": r["unroll"], "heads_per_cta": r["heads_per_cta"],
-                    "merge": r["merge"]}
+                    "path": r["path"], "unroll": r["unroll"], "heads_per_cta": r["heads_per_cta"]}
             if "check_max_abs_err" in r:
                 case["check_max_abs_err_vs_torch"] = r["check_max_abs_err"]
             pe = dict(peers)
@@ -667,20 +652,16 @@ def bench_main(rng, gen, dev, versions, corr=None):
                 pe["nbattn_smem"] = smem.get(r["mode"])
             if r["path"] == "tc":
                 pe["nbattn_warp"] = warp.get(r["mode"])
-            if r["mode"] in launch and not r["forced_launch"] and r["merge"] == "in_kernel":
-                pe["nbattn_merge_launch"] = launch[r["mode"]]
             # the library's default path keeps the plain metric names (plots and notebooks
             # select them by case); the comparison runs get their own
             default = (r["path"], r["unroll"], r["heads_per_cta"]) == (recs[0]["path"], recs[0]["unroll"],
-                                                                     recs[0]["heads_per_cta"]) \
-                and not r["forced_launch"]
+                                                                     recs[0]["heads_per_cta"])
             alt = "" if default else "_path_sweep"
             result["records"].append({"case": case, "metric": "bw_fraction" + alt, "value": r["bw"],
                                       "unit": "fraction of copy bandwidth", "peers": pe})
             result["records"].append({"case": case, "metric": "latency_us" + alt, "value": r["ms"] * 1e3,
                                       "unit": "us", "peers": {}})
             tag = f"u{r['unroll']}h{r['heads_per_cta']}" if r["path"] == "warp" else ""
-            tag += "/launch" if r["forced_launch"] else ""
             table.append((batch, L, hkv, f"{r['mode']}/{r['path']}{tag}",
                           r["chunk"], r["ms"] * 1e3, r["bw"], peers))
             log(f"bench b={batch} L={L} hkv={hkv} {r['mode']}/{r['path']} u{r['unroll']} (chunk {r['chunk']}): "

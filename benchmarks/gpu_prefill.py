@@ -229,29 +229,14 @@ def bench_prefill_8k(recs):
 
 def _decode_runner(Dec, p, chunk):
     """The flat decode's launches on torch's current stream, as ``Dec.run_split``
-    makes them (work lists uploaded once; the warp and tensor-core kernels merge
-    their own partials, the others through a merge launch).  Returns (run, path)."""
-    from nbattn.cuda.merge import MergeMap, run_merge_partials
-    (cta_indptr, req, ks, ke, slot, m_indptr, m_row, m_slots, n_slots) = Dec.split_work(p.kv_lens, chunk)
-    work = Dec.WorkList(*Dec._upload(p.stream, cta_indptr, req, ks, ke, slot))
-    n = max(n_slots, 1)
-    po = cuda.device_array((n, p.num_qo_heads, p.head_dim), np.float32)
-    pl = cuda.device_array((n, p.num_qo_heads), np.float32)
-    mmap = MergeMap(*Dec._upload(p.stream, m_indptr, m_row, m_slots))
-    cfg = p.config()
-    fused = None
-    if n_slots and cfg.path in ("warp", "tc"):
-        fused = Dec.fused_merge_arrays(p.stream, p.batch, p.num_qo_heads // cfg.heads_per_cta,
-                                       m_indptr, m_row, m_slots)
+    makes them (work lists uploaded once, by ``Dec.split_runner``).  Returns (run, path)."""
+    launch = Dec.split_runner(p, chunk)
     cuda.synchronize()
 
     def run():
         p.stream = torch_stream()
-        Dec.run_decode_work(p, work, po, pl, fused)
-        if n_slots and fused is None:
-            run_merge_partials(po, pl, mmap, p.out_dev, p.lse_dev, code=p.code,
-                               use_sigmoid=p.variant.use_sigmoid, stream=p.stream)
-    return run, cfg.path
+        launch()
+    return run, p.config().path
 
 
 def bench_page1_vs_contiguous(recs, copy_bw):

@@ -341,37 +341,6 @@ def test_warp_path_variants_and_split(warp_path):
     np.testing.assert_allclose(o, golden(b, **sig), atol=2e-4, rtol=2e-4)
 
 
-def test_warp_path_fused_merge(warp_path):
-    """Split requests merged inside the kernel: the last CTA of a request folds its
-    partials; a request whose keys are all masked gets o = 0, lse = -inf; the
-    counters are left zeroed, so a second launch on the same arrays (a CUDA graph
-    replay) merges again."""
-    rng = np.random.default_rng(25)
-    b = batch(rng, "f32", kv_lens=[7, 8, 0, 2], page_size=3, group=2)
-    kw = dict(mask_mod=lambda b, h, q, k: b != 1)
-    p = DEC.prepare_decode(b["q"], b["cache"], b["indptr"], b["indices"], b["last"], return_lse=True, **kw)
-    cta_indptr, req, ks, ke, slot, m_indptr, m_row, m_slots, n_slots = DEC.split_work(p.kv_lens, 3)
-    work = DEC.WorkList(*[cuda.to_device(a) for a in (cta_indptr, req, ks, ke, slot)])
-    cfg = p.config()
-    n_hb = p.num_qo_heads // cfg.heads_per_cta
-    fused = DEC.fused_merge_arrays(0, p.batch, n_hb, m_indptr, m_row, m_slots, cfg)
-    assert fused is not None
-    po = cuda.device_array((n_slots, p.num_qo_heads, p.head_dim), np.float32)
-    pl = cuda.device_array((n_slots, p.num_qo_heads), np.float32)
-    want_o, want_lse = golden(b, return_lse=True, **kw)
-    for _ in range(2):
-        p.out_dev.copy_to_device(np.full(p.out_dev.shape, np.nan, np.float32))
-        p.lse_dev.copy_to_device(np.full(p.lse_dev.shape, np.nan, np.float32))
-        DEC.run_decode_work(p, work, po, pl, fused)
-        o, lse = DEC.finish_decode(p, True)
-        check(o, lse, want_o, want_lse, "f32")
-        assert np.all(o[1] == 0) and np.all(np.isneginf(lse[1]))
-        assert not fused.counters.copy_to_host().any()
-    # more partials than the CTA has threads: not fused (run_split merges in a second launch)
-    many = DEC.split_work(np.array([cfg.nthreads + 1]), 1)
-    assert DEC.fused_merge_arrays(0, 1, n_hb, *many[5:8], cfg) is None
-
-
 def test_warp_path_eight_heads_per_cta(warp_path, monkeypatch):
     """One CTA for a whole group of 8 (opt-in: WARP_MAX_HEADS = 8): three reduce-scatter levels."""
     monkeypatch.setattr(DEC, "WARP_MAX_HEADS", 8)

@@ -51,8 +51,8 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 from numba import cuda, float32, int64
@@ -67,7 +67,7 @@ from . import decode_warp as WARP
 from .variants import LOG2E, kernel_variant_key, variant_device_fns
 
 __all__ = ["batch_decode_paged", "single_decode", "DecodeProblem", "WorkList", "prepare_decode", "run_decode_work",
-           "split_work", "decode_kernel", "DecodeConfig", "FusedMerge", "fused_merge_arrays", "MAX_HEAD_DIM"]
+           "split_work", "split_runner", "decode_kernel", "DecodeConfig", "MAX_HEAD_DIM"]
 
 MAX_HEAD_DIM = 256
 NEG_INF = float32(-math.inf)
@@ -92,7 +92,7 @@ TC_WARPS = 0
 TC_MIN_BLOCKS = 0
 # Small batches (the unsplit grid fills at most half the SMs, e.g. batch 1 x 32k) split
 # into about one CTA per SM of TC_SPLIT_WARPS warps instead.  H200, fp16, d128, batch 1 x
-# 32k, decode kernel alone: 39.4 us (group 4) / 26.2 us (group 8) as 8 warps x 1 CTA per SM,
+# 32k, decode kernel alone: 39.0 us (group 4) / 24.6 us (group 8) as 8 warps x 1 CTA per SM,
 # vs 41.7 / 27.3 us as one wave of 6 x 2 / 4 x 3: fewer, longer CTAs pay the per-CTA start
 # (work-list, page-table and first K/V loads in a chain) and end fewer times.
 TC_SPLIT_WARPS = 8
@@ -105,18 +105,6 @@ class WorkList(NamedTuple):
     kv_start: Any
     kv_end: Any
     out_slot: Any
-
-
-class FusedMerge(NamedTuple):
-    """Device arrays that let the warp and tensor-core kernels merge split-KV
-    partials themselves (:func:`nbattn.cuda.decode_warp.make_fused_merge`):
-    the merge map (``merge_indptr`` / ``merge_slots``), each request's row in it
-    (``request_merge``, -1 when unsplit) and one zeroed int32 arrival counter per
-    (request, head block), which the kernel leaves zeroed again."""
-    merge_indptr: Any
-    merge_slots: Any
-    request_merge: Any
-    counters: Any
 
 
 @dataclass(frozen=True)
@@ -132,7 +120,6 @@ class DecodeConfig:
     path: str = "smem"  # "smem" | "warp" | "tc" (see module doc)
     unroll: int = 1     # warp path: tokens per row per step
     min_blocks: int = 4  # warp path: CTAs per SM the launch bounds ask for (caps registers)
-    fused_merge: bool = False  # warp / tc paths: the build that merges split partials itself
 
     @property
     def words_per_row(self) -> int:
@@ -593,21 +580,16 @@ def choose_chunk(p: DecodeProblem) -> int | None:
     return None if chunk >= longest else chunk
 
 
-def run_decode_work(p: DecodeProblem, work: WorkList, partial_o=None, partial_lse=None,
-                    fused: FusedMerge | None = None) -> None:
+def run_decode_work(p: DecodeProblem, work: WorkList, partial_o=None, partial_lse=None) -> None:
     """Launch the decode kernel over a work list (device int32 arrays).
 
     ``partial_o [slots, num_qo_heads, head_dim]`` / ``partial_lse [slots,
     num_qo_heads]`` (float32 device arrays) receive items with ``out_slot >= 0``;
-    items with ``-1`` write ``p.out_dev`` / ``p.lse_dev``.  With ``fused`` (warp
-    and tensor-core paths only) the last CTA of each split request also merges
-    its partials into ``p.out_dev`` / ``p.lse_dev``, so no merge launch follows.
-    Grid ``(len(work.cta_indptr)-1, num_qo_heads // heads_per_cta)`` (flattened
-    to 1-D on the warp path).  Asynchronous on ``p.stream``.
+    items with ``-1`` write ``p.out_dev`` / ``p.lse_dev``.  Grid ``(len(work.cta_indptr)-1,
+    num_qo_heads // heads_per_cta)`` (flattened to 1-D on the warp path).  Asynchronous on
+    ``p.stream``.
     """
     cfg = p.config()
-    if fused is not None:
-        cfg = replace(cfg, fused_merge=True)
     num_ctas = int(work.cta_indptr.shape[0]) - 1
     if num_ctas <= 0:
         return
@@ -622,10 +604,8 @@ def run_decode_work(p: DecodeProblem, work: WorkList, partial_o=None, partial_ls
         shift = ps.bit_length() - 1 if ps & (ps - 1) == 0 else -1
         decode_kernel(cfg)[num_ctas * n_hb, cfg.nthreads, p.stream](
             p.q_w, p.kv_w, p.kv_indptr, p.kv_indices, p.kv_last, ps, shift, p.num_kv_heads,
-            p.num_qo_heads, n_hb, *work, *(fused or _no_fused(p.stream)), *tail)
+            p.num_qo_heads, n_hb, *work, *tail)
         return
-    if fused is not None:
-        raise ValueError(f"fused: the {cfg.path!r} decode path has no fused merge")
     decode_kernel(cfg)[(num_ctas, n_hb), cfg.nthreads, p.stream](
         p.q_w, p.kv_w, p.kv_indptr, p.kv_indices, p.kv_last, p.page_size, p.num_kv_heads,
         p.num_qo_heads, *work, *tail)
@@ -635,50 +615,32 @@ def _upload(stream, *arrays):
     return [cuda.to_device(np.ascontiguousarray(a, dtype=np.int32), stream=stream) for a in arrays]
 
 
-def _no_fused(stream) -> FusedMerge:
-    """Empty arrays: the kernels skip the fused merge when ``counters`` is empty."""
-    e = cuda.device_array(0, np.int32, stream=stream)
-    return FusedMerge(e, e, e, e)
-
-
-def fused_merge_arrays(stream, batch: int, n_head_blocks: int, m_indptr, m_row, m_slots,
-                       cfg: DecodeConfig | None = None) -> FusedMerge | None:
-    """:class:`FusedMerge` for a merge map as :func:`split_work` returns it.  With
-    ``cfg``, None where that kernel cannot merge: the shared-memory path, or a
-    request with more partials than the CTA has threads (its slot ids and LSEs
-    are staged one per thread)."""
-    if cfg is not None and (cfg.path not in ("warp", "tc") or
-                            np.diff(np.asarray(m_indptr, np.int64)).max(initial=0) > cfg.nthreads):
-        return None
-    request_merge = np.full(batch, -1, np.int32)
-    request_merge[np.asarray(m_row, np.int64)] = np.arange(len(m_row), dtype=np.int32)
-    counters = np.zeros(max(batch * n_head_blocks, 1), np.int32)
-    return FusedMerge(*_upload(stream, m_indptr, m_slots, request_merge, counters))
-
-
-def run_split(p: DecodeProblem, kv_chunk_size: int | None) -> None:
-    """Decode with fixed-size KV chunks (None: unsplit), merging partials in KV order
-    (inside the decode kernel on the warp and tensor-core paths, else by
-    :func:`nbattn.cuda.merge.run_merge_partials`)."""
+def split_runner(p: DecodeProblem, kv_chunk_size: int | None) -> Callable[[], None]:
+    """Upload the work list of fixed-size KV chunks (None: unsplit) and the
+    partial buffers once; the returned function launches the decode and, for
+    split requests, the merge of their partials in KV order, on ``p.stream`` as
+    it is when called (so it can be captured in a CUDA graph and replayed)."""
     from .merge import MergeMap, run_merge_partials
 
     (cta_indptr, req, ks, ke, slot, m_indptr, m_row, m_slots, n_slots) = split_work(
         p.kv_lens, kv_chunk_size)
     work = WorkList(*_upload(p.stream, cta_indptr, req, ks, ke, slot))
     if n_slots == 0:
-        run_decode_work(p, work)
-        return
+        return lambda: run_decode_work(p, work)
     po = cuda.device_array((n_slots, p.num_qo_heads, p.head_dim), np.float32, stream=p.stream)
     pl = cuda.device_array((n_slots, p.num_qo_heads), np.float32, stream=p.stream)
-    cfg = p.config()
-    fused = fused_merge_arrays(p.stream, p.batch, p.num_qo_heads // cfg.heads_per_cta, m_indptr, m_row, m_slots,
-                               cfg)
-    run_decode_work(p, work, po, pl, fused)
-    if fused is not None:
-        return
     mmap = MergeMap(*_upload(p.stream, m_indptr, m_row, m_slots))
-    run_merge_partials(po, pl, mmap, p.out_dev, p.lse_dev, code=p.code,
-                       use_sigmoid=p.variant.use_sigmoid, stream=p.stream)
+
+    def run() -> None:
+        run_decode_work(p, work, po, pl)
+        run_merge_partials(po, pl, mmap, p.out_dev, p.lse_dev, code=p.code,
+                           use_sigmoid=p.variant.use_sigmoid, stream=p.stream)
+    return run
+
+
+def run_split(p: DecodeProblem, kv_chunk_size: int | None) -> None:
+    """Decode with fixed-size KV chunks (None: unsplit), merging partials in KV order."""
+    split_runner(p, kv_chunk_size)()
 
 
 def finish_decode(p: DecodeProblem, return_lse: bool, out=None, lse=None):

@@ -48,7 +48,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int64, uint32
 
-from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f, ld_v4, load_v4,
+from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f, load_v4,
                          shfl_idx_f32, shfl_xor_f32, st_v4)
 from ._driver import jit_kernel
 from .variants import LOG2E, variant_device_fns
@@ -84,142 +84,6 @@ def warp_geometry(code: str, head_dim: int, heads: int, nwarps: int, unroll: int
     return nx, tw, nwarps * tw, nwarps * tw * unroll
 
 
-
-def fused_merge_scratch(HG: int, D: int, NT: int) -> int:
-    """Floats of shared scratch :func:`make_fused_merge` needs: the LSEs of up to
-    ``NT`` partials per head, then each partial stream's sums and masses."""
-    nv = HG * D // 4
-    ks = 2 if NT >= 2 * nv else 1
-    return HG * NT + ks * (HG * D + nv)
-
-
-def make_fused_merge(HG: int, D: int, NT: int, sigmoid: bool, store_elem):
-    """Device function ``(r, hb, h0, tid, s_flag, s_slot, scratch, st_m, merge_indptr,
-    merge_slots, request_merge, counters, n_head_blocks, num_qo_heads, part_o, part_lse,
-    out, lse)`` run by every thread of a CTA that has just written request ``r``'s
-    partial state for heads ``h0 .. h0+HG``.
-
-    Split-KV without a second launch: each CTA counts its arrival on the
-    request's counter (one per (request, head block)); the CTA that brings the
-    count to the request's number of partials folds them all into ``out`` /
-    ``lse`` with the SPEC 3 rule and re-arms the counter to 0 for the next
-    launch (a CUDA graph replays the same buffers).  The fence before the
-    count makes this CTA's partial visible to whoever folds it; the one after
-    it orders the folder's reads after every other arrival.
-    ``request_merge[r]`` is the request's row in the merge map (``merge_indptr``
-    / ``merge_slots``, as :func:`nbattn.cuda.decode.split_work` builds it); a
-    request has at most ``NT`` partials (the host checks).
-
-    One CTA reads every partial of its heads (16 x 4 x 128 floats = 32 KB for a
-    batch-1 split), so the fold is shaped for bandwidth, not a left fold (that
-    waits on one load per partial): slot ids are fetched before the count
-    (they do not depend on other CTAs); all ``HG x n`` LSEs in one round of
-    loads; one thread per head takes the max M; then ``KS`` streams per
-    16-byte output vector sum ``2^(lse_k - M) o_k`` and the masses with eight
-    partials in flight, and the streams are added in stream order.  Weights
-    are at most 1, so nothing overflows; a request whose partials are all
-    empty gets o = 0 and lse = -inf.  Shared scratch: the kernel's combine
-    buffer (free by now), :func:`fused_merge_scratch` floats."""
-    FLIGHT = 8
-    OV_LEN = 4 * FLIGHT
-    NV = HG * D // 4                 # 16-byte vectors of the head block's output
-    KS = 2 if NT >= 2 * NV else 1    # partial streams per vector
-    SUMS = HG * NT                   # scratch: LSEs [0, SUMS), then sums, then masses
-    MASS = SUMS + KS * HG * D
-
-    @device_fn
-    def fused_merge(r, hb, h0, tid, s_flag, s_slot, scratch, st_m, merge_indptr, merge_slots,
-                    request_merge, counters, n_head_blocks, num_qo_heads, part_o, part_lse, out, lse):
-        i_m = request_merge[r]
-        first = merge_indptr[i_m]
-        n = merge_indptr[i_m + 1] - first
-        for k in range(tid, n, NT):
-            s_slot[k] = merge_slots[first + k]
-        cuda.threadfence()
-        cuda.syncthreads()
-        if tid == 0:
-            c = int64(r) * n_head_blocks + hb
-            arrived = cuda.atomic.add(counters, c, 1)
-            s_flag[0] = 1 if arrived == n - 1 else 0
-            if arrived == n - 1:
-                counters[c] = 0
-        cuda.syncthreads()
-        if s_flag[0] != 0:
-            cuda.threadfence()
-            if not sigmoid:
-                for i in range(tid, HG * n, NT):
-                    g = i // n
-                    scratch[i] = part_lse[int64(s_slot[i - g * n]) * num_qo_heads + h0 + g]
-                cuda.syncthreads()
-                if tid < HG:
-                    mm = NEG_INF
-                    for k in range(n):
-                        mm = max(mm, scratch[tid * n + k])
-                    st_m[tid] = mm
-                cuda.syncthreads()
-            ov = cuda.local.array(OV_LEN, np.float32)
-            wv = cuda.local.array(FLIGHT, np.float32)
-            ks = tid // NV if KS > 1 else 0
-            for x in range(tid - ks * NV, NV, NV if KS > 1 else NT):
-                if ks >= KS:
-                    break
-                g = (4 * x) // D
-                at = 4 * x - g * D
-                mm = float32(0.0) if sigmoid else st_m[g]
-                a0 = a1 = a2 = a3 = tot = float32(0.0)
-                if sigmoid or mm != NEG_INF:
-                    for k0 in range(ks, n, KS * FLIGHT):
-                        for u in range(FLIGHT):
-                            k = k0 + u * KS
-                            wv[u] = float32(0.0)
-                            ov[4 * u] = ov[4 * u + 1] = ov[4 * u + 2] = ov[4 * u + 3] = float32(0.0)
-                            if k < n:
-                                v0, v1, v2, v3 = ld_v4(part_o, (int64(s_slot[k]) * num_qo_heads + h0 + g) * D + at)
-                                ov[4 * u] = v0
-                                ov[4 * u + 1] = v1
-                                ov[4 * u + 2] = v2
-                                ov[4 * u + 3] = v3
-                                if sigmoid:
-                                    wv[u] = float32(1.0)
-                                else:
-                                    lk = scratch[g * n + k]
-                                    wv[u] = float32(0.0) if lk == NEG_INF else exp2f(lk - mm)
-                        for u in range(FLIGHT):
-                            a0 += wv[u] * ov[4 * u]
-                            a1 += wv[u] * ov[4 * u + 1]
-                            a2 += wv[u] * ov[4 * u + 2]
-                            a3 += wv[u] * ov[4 * u + 3]
-                            tot += wv[u]
-                o_at = SUMS + ks * HG * D + 4 * x
-                scratch[o_at] = a0
-                scratch[o_at + 1] = a1
-                scratch[o_at + 2] = a2
-                scratch[o_at + 3] = a3
-                scratch[MASS + ks * NV + x] = tot
-            cuda.syncthreads()
-            for i in range(tid, HG * D, NT):
-                g = i // D
-                dd = i - g * D
-                h = h0 + g
-                o = float32(0.0)
-                tot = float32(0.0)
-                for y in range(KS):
-                    o += scratch[SUMS + y * HG * D + i]
-                    tot += scratch[MASS + y * NV + i // 4]
-                row_lse = float32(math.nan)
-                if not sigmoid:
-                    row_lse = NEG_INF
-                    if st_m[g] != NEG_INF:
-                        o = o / tot
-                        row_lse = st_m[g] + math.log2(tot)
-                store_elem(out, (int64(r) * num_qo_heads + h) * D + dd, o)
-                if dd == 0:
-                    lse[int64(r) * num_qo_heads + h] = row_lse
-        cuda.syncthreads()      # the next item reuses the shared buffers
-
-    return fused_merge
-
-
 def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
     """Compile the warp-path kernel for a :class:`~nbattn.cuda.decode.DecodeConfig`.
 
@@ -242,9 +106,6 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
     HALF = NX // 2
     HPV, U4 = HP * VEC, 4 * U                        # local array sizes
     ACC_LEN, ML_LEN = R * HG * D, R * HG             # shared array sizes
-    FUSED = cfg.fused_merge          # built in only where asked: its registers cost the main loop spills
-    if FUSED:
-        ACC_LEN = max(ACC_LEN, fused_merge_scratch(HG, D, NT))
     NHD = cfg.kv_layout == "NHD"
     var = cfg.variant
     SIGMOID = var.use_sigmoid
@@ -253,7 +114,6 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
     PLAIN = not SIGMOID and not ALIBI and not var.has_soft_cap and var.score_mod is None
     _, store_elem, unpack4 = element_io(cfg.code)
     transform, keep = variant_device_fns(var)
-    fused_merge = make_fused_merge(HG, D, NT, SIGMOID, store_elem)
 
     @device_fn
     def page_slot(pos, page_size, ps_shift):
@@ -266,13 +126,10 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
 
     def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, ps_shift, num_kv_heads,
                num_qo_heads, n_head_blocks, cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
-               merge_indptr, merge_slots, request_merge, counters,
                out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias):
         st_acc = cuda.shared.array(ACC_LEN, np.float32, alignment=SHARED_ALIGN)
         st_m = cuda.shared.array(ML_LEN, np.float32)
         st_l = cuda.shared.array(ML_LEN, np.float32)
-        s_flag = cuda.shared.array(1, np.int32)
-        s_slot = cuda.shared.array(NT, np.int32)
         qv = cuda.local.array(HPV, np.float32)
         acc = cuda.local.array(HPV, np.float32)
         dv = cuda.local.array(HP, np.float32)
@@ -290,8 +147,7 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
         mine = x >> HEAD_SHIFT               # the head whose score and softmax state I keep
         writer = (x & ((1 << HEAD_SHIFT) - 1)) == 0 and mine < HG
         cta = cuda.blockIdx.x // n_head_blocks
-        hb = cuda.blockIdx.x - cta * n_head_blocks
-        h0 = hb * HG
+        h0 = (cuda.blockIdx.x - cta * n_head_blocks) * HG
         h_mine = h0 + min(mine, HG - 1)
         kvh = h0 // (num_qo_heads // num_kv_heads)
         ps = int64(page_size)
@@ -463,9 +319,6 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
                     if dd == 0:
                         part_lse[int64(slot) * num_qo_heads + h] = row_lse
             cuda.syncthreads()   # the next item overwrites st_*
-            if FUSED and slot >= 0 and counters.shape[0] > 0:
-                fused_merge(r, hb, h0, tid, s_flag, s_slot, st_acc, st_m, merge_indptr, merge_slots,
-                            request_merge, counters, n_head_blocks, num_qo_heads, part_o, part_lse, out, lse)
 
     if SIMULATOR:                 # the simulator refuses launch bounds
         return cuda.jit(kernel)
@@ -521,9 +374,6 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     NT = 32 * NW
     STEP = 16 * NW
     ACC_LEN, ML_LEN = NW * 8 * D, NW * 8
-    FUSED = cfg.fused_merge          # built in only where asked: its registers cost the main loop spills
-    if FUSED:
-        ACC_LEN = max(ACC_LEN, fused_merge_scratch(HG, D, NT))
     NHD = cfg.kv_layout == "NHD"
     var = cfg.variant
     ALIBI = var.has_alibi
@@ -531,7 +381,6 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     MASKED = var.window_left >= 0 or var.mask_mod is not None
     _, store_elem, _ = element_io(cfg.code)
     transform, keep = variant_device_fns(var)
-    fused_merge = make_fused_merge(HG, D, NT, var.use_sigmoid, store_elem)
     mma = MMA.mma_f16 if cfg.code == "f16" else MMA.mma_bf16
     pack = MMA.pack_f16x2 if cfg.code == "f16" else MMA.pack_bf16x2
     movt = MMA.movmatrix_t
@@ -546,13 +395,10 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
 
     def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, ps_shift, num_kv_heads,
                num_qo_heads, n_head_blocks, cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
-               merge_indptr, merge_slots, request_merge, counters,
                out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias):
         st_acc = cuda.shared.array(ACC_LEN, np.float32)
         st_m = cuda.shared.array(ML_LEN, np.float32)
         st_l = cuda.shared.array(ML_LEN, np.float32)
-        s_flag = cuda.shared.array(1, np.int32)
-        s_slot = cuda.shared.array(NT, np.int32)
         qa = cuda.local.array(QL, np.uint32)
         kw = cuda.local.array(KL, np.uint32)
         vw = cuda.local.array(KL, np.uint32)
@@ -566,8 +412,7 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
         g = lane >> 2
         t = lane & 3
         cta = cuda.blockIdx.x // n_head_blocks
-        hb = cuda.blockIdx.x - cta * n_head_blocks
-        h0 = hb * HG
+        h0 = (cuda.blockIdx.x - cta * n_head_blocks) * HG
         h_row = h0 + min(g, HG - 1)      # my score row's head (padding rows borrow the last)
         kvh = h0 // (num_qo_heads // num_kv_heads)
         ps = int64(page_size)
@@ -737,8 +582,5 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                     if dd == 0:
                         part_lse[int64(slot) * num_qo_heads + h] = row_lse
             cuda.syncthreads()
-            if FUSED and slot >= 0 and counters.shape[0] > 0:
-                fused_merge(r, hb, h0, tid, s_flag, s_slot, st_acc, st_m, merge_indptr, merge_slots,
-                            request_merge, counters, n_head_blocks, num_qo_heads, part_o, part_lse, out, lse)
 
     return jit_kernel(kernel, launch_bounds=(NT, min_blocks))
