@@ -228,8 +228,8 @@ def bench_prefill_8k(recs):
 
 
 def _decode_runner(Dec, p, chunk):
-    """The flat decode's launches on torch's current stream, as ``Dec.run_split``
-    makes them (work lists uploaded once, by ``Dec.split_runner``).  Returns (run, path)."""
+    """The flat decode's launches as ``Dec.run_split`` makes them (``Dec.split_runner``:
+    work lists uploaded once), on torch's current stream.  Returns (run, path)."""
     launch = Dec.split_runner(p, chunk)
     cuda.synchronize()
 
