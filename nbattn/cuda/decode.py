@@ -625,10 +625,11 @@ def split_runner(p: DecodeProblem, kv_chunk_size: int | None) -> Callable[[], No
     (cta_indptr, req, ks, ke, slot, m_indptr, m_row, m_slots, n_slots) = split_work(
         p.kv_lens, kv_chunk_size)
     work = WorkList(*_upload(p.stream, cta_indptr, req, ks, ke, slot))
+    # allocated here, not per launch: a launch inside a CUDA-graph capture must not allocate
+    po = cuda.device_array((max(n_slots, 1), p.num_qo_heads, p.head_dim), np.float32, stream=p.stream)
+    pl = cuda.device_array((max(n_slots, 1), p.num_qo_heads), np.float32, stream=p.stream)
     if n_slots == 0:
-        return lambda: run_decode_work(p, work)
-    po = cuda.device_array((n_slots, p.num_qo_heads, p.head_dim), np.float32, stream=p.stream)
-    pl = cuda.device_array((n_slots, p.num_qo_heads), np.float32, stream=p.stream)
+        return lambda: run_decode_work(p, work, po, pl)
     mmap = MergeMap(*_upload(p.stream, m_indptr, m_row, m_slots))
 
     def run() -> None:
