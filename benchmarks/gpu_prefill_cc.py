@@ -286,7 +286,7 @@ def time_single(n, causal, reps, label):
 
 def main():
     os.makedirs(OUT, exist_ok=True)
-    say("device", torch.cuda.get_device_name(), "| numba-cuda tile geometry", CC.LANES, "policy", CC.POLICY,
+    say("device", torch.cuda.get_device_name(), "| lane grids", CC.LANE_GRIDS, "policy", CC.POLICY,
         "unroll", CC.UNROLL, "| tiles d128 f16", CC.cuda_core_tiles(128, "f16"))
     roof, sgemm = fp32_roof()
     save()
@@ -355,10 +355,12 @@ def main():
             say("core_tile comparison failed:\n" + traceback.format_exc()[-1500:])
         save()
 
-    # An alternative tile shape: 32 rows x 32 keys, 2 warps (more FMAs per shared load in Q K^T).
+    # An alternative tile shape (ALT_POLICY, prefill_cc.POLICY values): by default "keys", 32 rows x 32
+    # keys, 2 warps (more FMAs per shared load in Q K^T); "wide" is the 2 x 16-lane shape.
+    saved = CC.POLICY
     if left() > 40 and os.environ.get("ALT", "1") == "1":
         try:
-            CC.POLICY = "keys" if CC.POLICY == "rows" else "rows"
+            CC.POLICY = os.environ.get("ALT_POLICY", "keys")
             tf_alt, ms_alt, _, _ = time_single(8192, False, 5, f"cuda-core tiled policy={CC.POLICY}")
             RECORDS.append(dict(case=dict(target, causal=False, path="cuda_cores_tiled_alt"), metric="tflops",
                                 value=tf_alt, unit="TFLOP/s", peers={"fp32_fma_roof": roof}, ms=ms_alt,
@@ -366,7 +368,7 @@ def main():
         except Exception:  # noqa: BLE001
             say("alternative shape failed:\n" + traceback.format_exc()[-1500:])
         finally:
-            CC.POLICY = "keys" if CC.POLICY == "rows" else "rows"
+            CC.POLICY = saved
         save()
 
     oks = [r for r in RECORDS if r["metric"] == "ok"]

@@ -23,8 +23,22 @@ holds, in registers:
 - the running max ``m`` and its partial sum ``l`` of each of its rows.
 
 Rows and keys are interleaved (not blocked) so that the lanes of a warp read
-consecutive padded rows of Q and K at the same time: distinct banks, one
-shared-memory wavefront per 16-byte load.
+consecutive padded rows of Q and K at the same time: their 16-byte loads
+fall in distinct banks (lanes that share a row read the same address).
+
+Shapes (GPU, :func:`cuda_core_tiles`).  Default ``POLICY = "rows"``: 4 x 8
+lanes, R = 4, at head_dim 128 C = 2, so T_q = 64 fused rows, T_k = 16 keys,
+128 threads; ptxas (sm_90): 172 registers, no spills, 47.2 KB shared
+memory; an S step is 64 FMAs per 12 shared loads, a P V step 64 per 5.  This
+is the shape measured on the H200 (``benchmarks/gpu_prefill_cc.py``,
+``benchmarks/results/prefill_cuda_core.json``).  ``"keys"`` (4 x 8 lanes,
+T_q 32 x T_k 32, 64 threads: 255 registers) measured slower; ``"wide"``
+(2 x 16 lanes, T_q 32 x T_k 32, 128 threads: 166 registers, no spills)
+comes from the same generator the simulator checks (at 2 x 4 lanes) and
+compiles for sm_90, but has not run on the GPU yet: half
+the rows per CTA means twice the CTAs, which a list-scheduling model of the
+launch (3 CTAs per SM) puts at 0.985 / 0.95 of the ideal for 1 x 8k x 8k
+full / causal against 0.94 / 0.90 for "rows".
 
 Shared memory (static, under 48 KB: the launch paths pass no dynamic size).
 All tiles hold fp32, converted once when filled, rows padded by 4 floats:
@@ -79,15 +93,19 @@ from .primitives import (SHARED_ALIGN, SIMULATOR, bf16x2_to_f32, device_fn, elem
                          f16x2_to_f32, f32_as_u32, ld_v4, shfl_xor_f32, st_v4, u32_as_f32)
 from .variants import LOG2E, sigmoid_weight, variant_device_fns
 
-__all__ = ["cuda_core_tiles", "cuda_core_tile", "covers", "ENABLED", "LANES", "POLICY", "UNROLL",
+__all__ = ["cuda_core_tiles", "cuda_core_tile", "covers", "ENABLED", "LANE_GRIDS", "POLICY", "UNROLL",
            "PREFETCH_MAX_CHUNKS"]
 
-# Lane grid (RG x CG lanes per warp) and rows per lane.  GPU: 32-lane warps of
-# 4 x 8 lanes, 4 rows each (16 rows per warp).
-LANES = dict(RG=2, CG=4, R=4) if SIMULATOR else dict(RG=4, CG=8, R=4)
+# Lane grids (RG x CG lanes per warp) a tile can take, and rows per lane.
+# GPU: 32-lane warps of 4 x 8 lanes (16 rows per warp, 16 dims of O per
+# lane) or 2 x 16 lanes (8 rows per warp, 8 dims of O per lane: half the O
+# registers, so more CTAs fit an SM, and a longer K/V tile beside the same Q).
+LANE_GRIDS = ((2, 4),) if SIMULATOR else ((4, 8), (2, 16))
+ROWS_PER_LANE = 4
 SMEM_BUDGET = 48 * 1024 - 1024     # static limit, minus the per-row int arrays and slack
-# Which fitting shape wins: "keys" = the most keys per lane (C), then the most
-# warps; "rows" = the most warps (NW, T_q = NW*RG*R), then keys.
+# Which fitting shape wins: "rows" = 4 x 8 lanes, the most warps, then the most
+# keys per lane; "keys" = 4 x 8 lanes, the most keys per lane, then warps;
+# "wide" = 2 x 16 lanes, the most warps, then keys.
 POLICY = "rows"
 # Loop trips of the generated S and P V loops cover UNROLL[0] 4-dim chunks / UNROLL[1] keys.
 UNROLL = (8, 4)
@@ -99,63 +117,78 @@ ENABLED = True
 ELEMS_PER_16B = {"f16": 8, "bf16": 8, "f32": 4}
 
 
-def _smem_bytes(D: int, NW: int, C: int) -> int:
-    RG, CG, R = LANES["RG"], LANES["CG"], LANES["R"]
+def _smem_bytes(D: int, RG: int, CG: int, NW: int, C: int) -> int:
+    R = ROWS_PER_LANE
     T_q, T_k = NW * RG * R, CG * C
     return 4 * (T_q * (D + 4) + T_k * (D + 4) + NW * T_k * RG * R)
 
 
 def _shapes(head_dim: int, kind: str) -> list:
-    """The (NW, C) shapes this tile can build for (head_dim, kind): head_dim
-    splits into 16-byte chunks per lane of O (D % (4*CG) == 0), the O
-    micro-tile stays within 64 registers, Q, K/V and P fit the static shared
-    memory, and a K/V tile's 16-byte chunks split evenly over the threads."""
-    RG, CG, R = LANES["RG"], LANES["CG"], LANES["R"]
+    """The (RG, CG, NW, C) shapes this tile can build for (head_dim, kind):
+    head_dim splits into 16-byte chunks per lane of O (D % (4*CG) == 0), the
+    O micro-tile stays within 64 registers, Q, K/V and P fit the static
+    shared memory, and a K/V tile's 16-byte chunks split evenly over the threads."""
+    R = ROWS_PER_LANE
     D = int(head_dim)
-    if kind not in ELEMS_PER_16B or D <= 0 or D % (4 * CG) or R % 4 or R * D // CG > 64:
+    if kind not in ELEMS_PER_16B or D <= 0:
         return []
     out = []
-    for NW in ((2,) if SIMULATOR else (4, 2)):
-        for C in ((2,) if SIMULATOR else (8, 4, 2, 1)):
-            chunks = CG * C * D // ELEMS_PER_16B[kind]
-            if (_smem_bytes(D, NW, C) <= SMEM_BUDGET and R * C <= 32
-                    and chunks % (NW * RG * CG) == 0):
-                out.append((NW, C))
+    for RG, CG in LANE_GRIDS:
+        if D % (4 * CG) or R * D // CG > 64:
+            continue
+        for NW in ((2,) if SIMULATOR else (4, 2)):
+            for C in ((2,) if SIMULATOR else (8, 4, 2, 1)):
+                chunks = CG * C * D // ELEMS_PER_16B[kind]
+                if (_smem_bytes(D, RG, CG, NW, C) <= SMEM_BUDGET and R * C <= 32
+                        and chunks % (NW * RG * CG) == 0):
+                    out.append((RG, CG, NW, C))
     return out
 
 
-def _tiles_of(NW: int, C: int) -> tuple[int, int, int]:
-    RG, CG, R = LANES["RG"], LANES["CG"], LANES["R"]
-    return NW * RG * R, CG * C, NW * RG * CG
+def _tiles_of(RG: int, CG: int, NW: int, C: int) -> tuple[int, int, int]:
+    return NW * RG * ROWS_PER_LANE, CG * C, NW * RG * CG
+
+
+def _rank(shape):
+    RG, CG, NW, C = shape
+    if POLICY == "wide":
+        return (CG == 16, NW, C)
+    if POLICY == "keys":
+        return (CG == 8, C, NW)
+    return (CG == 8, NW, C)
 
 
 def cuda_core_tiles(head_dim: int, kind: str):
     """(T_q, T_k, threads) of this tile for (head_dim, kind), or None when it
-    does not cover them (the caller falls back to ``core_tile``).  More keys
-    per lane mean more FMAs per shared load in S = Q K^T and per barrier;
-    more warps mean more rows sharing each gathered K/V tile."""
+    does not cover them (the caller falls back to ``core_tile``)."""
     if not ENABLED:
         return None
     shapes = _shapes(head_dim, kind)
     if not shapes:
         return None
-    key = (lambda s: (s[1], s[0])) if POLICY == "keys" else (lambda s: (s[0], s[1]))
-    return _tiles_of(*max(shapes, key=key))
+    return _tiles_of(*max(shapes, key=_rank))
 
 
 def _shape_of(spec):
-    """(NW, C) of a spec sized for this tile, else None."""
+    """(RG, CG, NW, C) of a spec sized for this tile, else None (tile sizes and
+    thread count name one shape: checked when the module loads)."""
     if spec.tensor_cores:
         return None
-    for NW, C in _shapes(spec.head_dim, spec.kind):
-        if _tiles_of(NW, C) == (spec.tile_q, spec.tile_k, spec.threads):
-            return NW, C
+    for shape in _shapes(spec.head_dim, spec.kind):
+        if _tiles_of(*shape) == (spec.tile_q, spec.tile_k, spec.threads):
+            return shape
     return None
 
 
 def covers(spec) -> bool:
     """True when ``spec`` was sized for this tile (``kernel_tiles`` chose it)."""
     return _shape_of(spec) is not None
+
+
+for _d in (32, 64, 96, 128, 256):
+    for _k in ELEMS_PER_16B:
+        _t = [_tiles_of(*sh) for sh in _shapes(_d, _k)]
+        assert len(set(_t)) == len(_t), "two tile shapes with the same (T_q, T_k, threads)"
 
 
 # ---------------------------------------------------------------------------
@@ -413,8 +446,8 @@ def cuda_core_tile(spec: P.KernelSpec):
     (launch: grid (n_work, num_kv_heads) or the persistent grid, ``spec.threads``)."""
     shape = _shape_of(spec)
     assert shape is not None, "spec not sized for the register-tiled CUDA-core tile"
-    NW, C = shape
-    RG, CG, R = LANES["RG"], LANES["CG"], LANES["R"]
+    RG, CG, NW, C = shape
+    R = ROWS_PER_LANE
     D, group = spec.head_dim, spec.group
     T_q, T_k, NT = spec.tile_q, spec.tile_k, spec.threads
     WARP = RG * CG
