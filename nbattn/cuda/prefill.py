@@ -239,6 +239,39 @@ def tile_key_range(var: Variant, positional: bool):
     return key_range
 
 
+def tile_rows(spec: KernelSpec, positional: bool):
+    """Device function ``(tid, n_rows, qo_start, row0, row_pos, row_kvoff, row_req,
+    kv_begin, kv_end, s_qpos, s_diag, s_req, s_range)`` every prefill tile starts
+    with: each fused row's query position, diagonal (``q_idx - kvoff``: the last
+    key t a causal row sees) and request go to shared memory -- rows past the
+    tile get a diagonal no key reaches -- then thread 0 publishes the tile's key
+    range (:func:`tile_key_range`) as ``s_range = (lo, hi, sink_end)``, visible
+    after the caller's next barrier."""
+    T_q, NT, group = spec.tile_q, spec.threads, spec.group
+    key_range = tile_key_range(spec.variant, positional)
+
+    @cuda.jit(device=True, inline=True)
+    def stage(tid, n_rows, qo_start, row0, row_pos, row_kvoff, row_req, kv_begin, kv_end,
+              s_qpos, s_diag, s_req, s_range):
+        for r in range(tid, T_q, NT):
+            if r < n_rows:
+                qi = qo_start + (row0 + r) // group
+                s_qpos[r] = row_pos[qi]
+                s_diag[r] = row_pos[qi] - row_kvoff[qi]
+                s_req[r] = row_req[qi]
+            else:
+                s_qpos[r] = 0
+                s_diag[r] = 2 ** 30
+                s_req[r] = 0
+        cuda.syncthreads()
+        if tid == 0:
+            lo, hi, sink_end = key_range(s_diag, s_qpos, n_rows, kv_begin, kv_end)
+            s_range[0] = lo
+            s_range[1] = hi
+            s_range[2] = sink_end
+    return stage
+
+
 def core_tile(spec: KernelSpec):
     """Scalar path: threads stride over the (row, key) and (row, dim) grids of
     a tile in shared memory.  Launch: grid (n_work, num_kv_heads), ``threads``."""
@@ -246,7 +279,7 @@ def core_tile(spec: KernelSpec):
     var = spec.variant
     sigmoid = var.use_sigmoid
     positional = spec.mode != "bsr"       # key positions grow with t: tile ranges can be cut
-    key_range = tile_key_range(var, positional)
+    stage = tile_rows(spec, positional)
     scale = float32(var.scale(D))
     load, _, _ = element_io(spec.kind)
     _, store, _ = element_io(spec.out_kind)
@@ -296,20 +329,9 @@ def core_tile(spec: KernelSpec):
         for r in range(tid, T_q, NT):
             s_m[r] = neg_inf
             s_l[r] = 0.0
-            if r < n_rows:
-                qi = qo_start + (row0 + r) // group
-                s_qpos[r] = row_pos[qi]
-                s_diag[r] = row_pos[qi] - row_kvoff[qi]
-                s_req[r] = row_req[qi]
-        cuda.syncthreads()
-
-        # Key range this tile can see: causal ends at the last row's diagonal,
-        # a window starts at the first row's.
-        if tid == 0:
-            lo, hi, sink_end = key_range(s_diag, s_qpos, n_rows, kv_begin, kv_end)
-            s_range[0] = lo
-            s_range[1] = hi
-            s_range[2] = sink_end
+        # rows' positions, then the key range this tile can see
+        stage(tid, n_rows, qo_start, row0, row_pos, row_kvoff, row_req, kv_begin, kv_end,
+              s_qpos, s_diag, s_req, s_range)
         cuda.syncthreads()
         lo = s_range[0]
         hi = s_range[1]

@@ -6,7 +6,7 @@ attention of SPEC section 2 (scale, logits transform, mask, softmax or
 sigmoid, in that order) over one work item's keys, returning the state of
 SPEC section 3 (normalized output plus base-2 LSE; ``o = 0``, ``lse = -inf``
 for a row that kept no key; NaN LSE for sigmoid).  Same signature, work list,
-shared helpers (``key_locator``, ``kv_reader``, ``tile_key_range``,
+shared helpers (``tile_rows``, ``key_locator``, ``kv_reader``, ``tile_key_range``,
 ``variant_device_fns``, ``element_io``) and entries (``prefill_entry``,
 ``persistent_entry``) as the other paths; all fp32 math on CUDA cores
 (FMA), FlashAttention-2's loop order.  The simulator runs it (CI).
@@ -461,7 +461,7 @@ def cuda_core_tile(spec: P.KernelSpec):
     sigmoid = var.use_sigmoid
     causal = var.causal
     positional = spec.mode != "bsr"
-    key_range = P.tile_key_range(var, positional)
+    stage = P.tile_rows(spec, positional)
     # Only causal (or nothing) to apply: interior tiles are just scaled.
     plain = not (int(var.window_left) >= 0 or var.sink_size or var.has_alibi or var.has_soft_cap
                  or var.score_mod is not None or var.mask_mod is not None or sigmoid)
@@ -550,22 +550,8 @@ def cuda_core_tile(spec: P.KernelSpec):
                 else:
                     w0 = w1 = w2 = w3 = uint32(0)
                 unpack(w0, w1, w2, w3, s_q, r * QS + d)
-        for r in range(tid, T_q, NT):
-            if r < n_rows:
-                qi = qo_start + (row0 + r) // group
-                s_qpos[r] = row_pos[qi]
-                s_diag[r] = row_pos[qi] - row_kvoff[qi]
-                s_req[r] = row_req[qi]
-            else:
-                s_qpos[r] = 0
-                s_diag[r] = 2 ** 30
-                s_req[r] = 0
-        cuda.syncthreads()
-        if tid == 0:
-            lo, hi, sink_end = key_range(s_diag, s_qpos, n_rows, kv_begin, kv_end)
-            s_range[0] = lo
-            s_range[1] = hi
-            s_range[2] = sink_end
+        stage(tid, n_rows, qo_start, row0, row_pos, row_kvoff, row_req, kv_begin, kv_end,
+              s_qpos, s_diag, s_req, s_range)
         cuda.syncthreads()
         lo = s_range[0]
         hi = s_range[1]

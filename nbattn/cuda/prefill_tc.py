@@ -23,8 +23,8 @@ O and Q stay in registers.  Device functions are force-inlined at the LLVM
 level (``primitives.device_fn``) rather than by numba's IR inliner: the same
 code, a quarter of the compile time.
 
-Shared with the CUDA-core kernel: the key walk (``kv_reader``, ``tile_key_range``,
-``NO_KEY``; :func:`_tile_locator` answers as :func:`nbattn.cuda.prefill.key_locator`
+Shared with the CUDA-core kernel: the tile prologue (``tile_rows``), the key walk (``kv_reader``,
+``tile_key_range``, ``NO_KEY``; :func:`_tile_locator` answers as :func:`nbattn.cuda.prefill.key_locator`
 does, once per key and tile, with a shift for power-of-two blocks), element stores
 (:func:`nbattn.cuda.primitives.element_io`) and the variant
 (:func:`nbattn.cuda.variants.variant_device_fns`).
@@ -141,7 +141,7 @@ def mma_tile(spec: P.KernelSpec):
     sigmoid = var.use_sigmoid
     causal, window, sinks = var.causal, int(var.window_left), int(var.sink_size)
     positional = spec.mode != "bsr"
-    key_range = P.tile_key_range(var, positional)
+    stage = P.tile_rows(spec, positional)
     # Only causal (or nothing) to apply: interior 16-key steps need no per-element work.
     plain = not (window >= 0 or sinks or var.has_alibi or var.has_soft_cap or var.score_mod is not None
                  or var.mask_mod is not None or sigmoid)
@@ -228,22 +228,8 @@ def mma_tile(spec: P.KernelSpec):
             s_q[r, c * 4 + 1] = w1
             s_q[r, c * 4 + 2] = w2
             s_q[r, c * 4 + 3] = w3
-        for r in range(tid, T_q, NT):
-            if r < n_rows:
-                qi = qo_start + (row0 + r) // group
-                s_qpos[r] = row_pos[qi]
-                s_diag[r] = row_pos[qi] - row_kvoff[qi]
-                s_req[r] = row_req[qi]
-            else:
-                s_qpos[r] = 0
-                s_diag[r] = 2 ** 30
-                s_req[r] = 0
-        cuda.syncthreads()
-        if tid == 0:
-            lo, hi, sink_end = key_range(s_diag, s_qpos, n_rows, kv_begin, kv_end)
-            s_range[0] = lo
-            s_range[1] = hi
-            s_range[2] = sink_end
+        stage(tid, n_rows, qo_start, row0, row_pos, row_kvoff, row_req, kv_begin, kv_end,
+              s_qpos, s_diag, s_req, s_range)
         cuda.syncthreads()
         lo = s_range[0]
         hi = s_range[1]
@@ -640,7 +626,7 @@ def pipelined_tile(spec: P.KernelSpec):
     sigmoid = var.use_sigmoid
     causal = var.causal
     positional = spec.mode != "bsr"
-    key_range = P.tile_key_range(var, positional)
+    stage = P.tile_rows(spec, positional)
     plain = not (int(var.window_left) >= 0 or var.sink_size or var.has_alibi or var.has_soft_cap
                  or var.score_mod is not None or var.mask_mod is not None or sigmoid)
     scale = float32(var.scale(D))
@@ -740,22 +726,8 @@ def pipelined_tile(spec: P.KernelSpec):
             cp_async16(s_k + uint32(r * ROW + c * 16), gaddr(q, (qi, head0 + (row0 + rr) % group, c * 8)),
                        int32(16) if r < n_rows else int32(0))
         commit()
-        for r in range(tid, T_q, NT):
-            if r < n_rows:
-                qi = qo_start + (row0 + r) // group
-                s_qpos[r] = row_pos[qi]
-                s_diag[r] = row_pos[qi] - row_kvoff[qi]
-                s_req[r] = row_req[qi]
-            else:
-                s_qpos[r] = 0
-                s_diag[r] = 2 ** 30
-                s_req[r] = 0
-        cuda.syncthreads()
-        if tid == 0:
-            lo, hi, sink_end = key_range(s_diag, s_qpos, n_rows, kv_begin, kv_end)
-            s_range[0] = lo
-            s_range[1] = hi
-            s_range[2] = sink_end
+        stage(tid, n_rows, qo_start, row0, row_pos, row_kvoff, row_req, kv_begin, kv_end,
+              s_qpos, s_diag, s_req, s_range)
         wait_all()
         cuda.syncthreads()
         lo = s_range[0]
