@@ -29,7 +29,6 @@ import datetime
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -45,6 +44,8 @@ from nbattn import reference as R
 from nbattn.cuda import batch_decode_paged
 from nbattn.cuda import decode as DEC
 from nbattn.cuda import merge as MRG
+
+from _timing import graph_ms  # noqa: E402  (benchmarks/ is the script's folder)
 
 OUT = os.environ.get("OUT", "/tmp/nbattn_out")
 
@@ -263,45 +264,8 @@ def _as_f32(a: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------
 
 def bench(fn, iters=15, rep=10, graph=True):
-    """Median ms per call: CUDA events around graph replays of `rep` calls
-    (falls back to plain launches when capture fails)."""
-    fn()
-    torch.cuda.synchronize()
-    if not graph:
-        graph = None
-    try:
-        if graph is None:
-            raise StopIteration
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(rep):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
-    except StopIteration:
-        graph = None
-    except Exception as exc:  # noqa: BLE001
-        log("graph capture failed, timing plain launches:", repr(exc)[:120])
-        graph = None
-    times = []
-    for _ in range(iters):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        if graph is not None:
-            graph.replay()
-        else:
-            for _ in range(rep):
-                fn()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) / rep)
-    return statistics.median(times), graph is not None
+    """Median ms per call and whether it was graphed (:func:`_timing.graph_ms`)."""
+    return graph_ms(fn, iters, rep, graph, log=log)
 
 
 def copy_bandwidth() -> dict:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -40,66 +39,15 @@ from nbattn import layout as L
 from nbattn.cuda.cascade import cascade as cuda_cascade
 from nbattn.cuda import prefill as P
 
+from _timing import events_ms, graph_ms  # noqa: E402  (benchmarks/ is the script's folder)
+
 OUT = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
 DEV = "cuda"
-
-
-def events_ms(fn, reps: int, warm: int = 2) -> float:
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return float(np.median(times))
 
 
 def torch_stream():
     """torch's current stream as a numba stream (inside a graph capture: the capture stream)."""
     return cuda.external_stream(torch.cuda.current_stream().cuda_stream)
-
-
-def graph_ms(fn, iters: int = 15, rep: int = 10) -> tuple[float, bool]:
-    """(median ms per call, graphed): CUDA events around replays of a graph of
-    ``rep`` calls of ``fn`` (which launches on torch's current stream); plain
-    launches if the capture fails."""
-    fn()
-    torch.cuda.synchronize()
-    graph = None
-    try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(rep):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
-    except Exception as exc:  # noqa: BLE001
-        print(f"  graph capture failed, timing plain launches: {exc!r}"[:200], flush=True)
-        graph = None
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        if graph is not None:
-            graph.replay()
-        else:
-            for _ in range(rep):
-                fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / rep)
-    return statistics.median(times), graph is not None
 
 
 def copy_bandwidth() -> float:

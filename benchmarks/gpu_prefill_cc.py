@@ -27,7 +27,6 @@ import importlib.metadata
 import math
 import os
 import platform
-import statistics
 import time
 import traceback
 import zlib
@@ -38,6 +37,8 @@ from numba import cuda, float32
 
 import nbattn  # noqa: F401  (compat shim before numba.cuda kernels)
 from nbattn import layout as L
+
+from _timing import events_ms  # noqa: E402  (benchmarks/ is the script's folder)
 from nbattn import reference as R
 from nbattn.cuda import prefill as P
 from nbattn.cuda import prefill_cc as CC
@@ -59,21 +60,6 @@ def say(*a):
 
 def left() -> float:
     return BUDGET_S - (time.time() - T0)
-
-
-def events_ms(fn, reps: int, warm: int = 1) -> float:
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return float(statistics.median(times))
 
 
 def save():
@@ -126,7 +112,7 @@ def fp32_roof():
     run()
     torch.cuda.synchronize()
     compile_s = time.time() - t
-    ms = events_ms(run, 7)
+    ms = events_ms(run, 7, warm=1)
     flops = 2.0 * CHAINS * ROUNDS * ITERS * threads * blocks
     roof = flops / (ms * 1e-3) / 1e12
     assert torch.isfinite(out).all()
@@ -277,7 +263,7 @@ def time_single(n, causal, reps, label):
     run()
     torch.cuda.synchronize()
     written = bool(torch.isfinite(out).all())
-    ms = events_ms(run, reps)
+    ms = events_ms(run, reps, warm=1)
     tf = flops(n, n, 32, 128, causal) / (ms * 1e-3) / 1e12
     say(f"{label}: 1 x {n} x {n} {'causal' if causal else 'full  '} {ms:8.2f} ms {tf:6.2f} TFLOP/s "
         f"(compile {first:.1f} s, written {written}, tiles {launches[0][1]} x {launches[0][2]} threads)")

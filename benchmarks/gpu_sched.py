@@ -53,6 +53,8 @@ from nbattn.cuda.wrappers import (BatchDecodeWithPagedKVCacheWrapper,
                                   BatchPrefillWithPagedKVCacheWrapper, default_num_ctas)
 from nbattn.sched import plan as lpt_plan
 
+from _timing import graph_ms  # noqa: E402  (benchmarks/ is the script's folder)
+
 OUT = os.environ.get("OUT", "/tmp/nbattn_out")
 T0 = time.time()
 BUDGET_S = float(os.environ.get("NBATTN_BUDGET_S", "200"))
@@ -125,44 +127,17 @@ def compare(o, lse, ref, tol=3e-3) -> dict:
 # ---------------------------------------------------------------------------
 
 def bench(fn, iters=15, rep=10):
-    """Median microseconds per call: CUDA events around graph replays of `rep`
-    calls (GPU); one wall-clock call on the simulator."""
-    fn()
-    sync()
+    """Median microseconds per call and whether it was graphed: CUDA-graph
+    replays of `rep` calls (:func:`_timing.graph_ms`) on a GPU; one wall-clock
+    call on the simulator."""
     if SIMULATOR:
+        fn()
+        sync()
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e6, False
-    graph = None
-    try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        sync()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(rep):
-                fn()
-        graph.replay()
-        sync()
-    except Exception as exc:  # noqa: BLE001
-        log("graph capture failed, timing plain launches:", repr(exc)[:160])
-        graph = None
-    times = []
-    for _ in range(iters):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        if graph is not None:
-            graph.replay()
-        else:
-            for _ in range(rep):
-                fn()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3 / rep)
-    return statistics.median(times), graph is not None
+    ms, graphed = graph_ms(fn, iters, rep, log=log)
+    return ms * 1e3, graphed
 
 
 def copy_bandwidth() -> float | None:

@@ -115,7 +115,7 @@ def cmd_doctor(args) -> int:
 # bench
 # ---------------------------------------------------------------------------
 
-GPU_SUITES = ["gpu_decode.py", "gpu_prefill.py", "gpu_sched.py"]
+GPU_SUITES = ["gpu_decode.py", "gpu_prefill.py", "gpu_prefill_cc.py", "gpu_sched.py"]
 
 
 def bench_golden_cpu(batch=8, q_len=1024, kv_len=1024, heads=8, head_dim=128, repeats=3):

@@ -1,0 +1,73 @@
+"""CUDA-event timing shared by the GPU benchmark scripts.
+
+Two ways to time ``fn`` (which launches on torch's current stream):
+
+* :func:`events_ms`: events around each call after ``warm`` calls; the
+  median.  For work long enough that host launch gaps do not matter
+  (prefill, SDPA peers).
+* :func:`graph_ms`: ``fn`` called ``rep`` times inside one captured CUDA
+  graph, events around each replay, the median per call.  Launch gaps
+  vanish, so microsecond kernels (decode, cascade, merges) are timed as a
+  serving loop would run them; if capture fails it says so and times plain
+  launches instead (the second value is False then).
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def events_ms(fn, reps: int, warm: int = 2) -> float:
+    """Median milliseconds of single calls."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return float(statistics.median(times))
+
+
+def graph_ms(fn, iters: int = 15, rep: int = 10, graph: bool = True, log=print) -> tuple[float, bool]:
+    """(median milliseconds per call, graphed).  ``graph=False`` times plain
+    launches of ``rep`` calls (a graph's memcpy node can run on a copy engine,
+    so copy baselines are timed both ways)."""
+    fn()
+    torch.cuda.synchronize()
+    captured = None
+    if graph:
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):     # warm the side stream capture will use
+                fn()
+            torch.cuda.current_stream().wait_stream(s)
+            torch.cuda.synchronize()
+            captured = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(captured):
+                for _ in range(rep):
+                    fn()
+            captured.replay()
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001
+            log(f"graph capture failed, timing plain launches: {exc!r}"[:200])
+            captured = None
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        if captured is not None:
+            captured.replay()
+        else:
+            for _ in range(rep):
+                fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / rep)
+    return statistics.median(times), captured is not None
