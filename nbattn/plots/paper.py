@@ -148,7 +148,9 @@ def shared_prefix_figure(results_root=None, suffix_len: int = 128):
         ax.set_yscale("log")
         ax.set_xlabel("requests sharing the prefix (n)")
         ax.set_ylabel("speedup of prefix reuse (x)")
-        ax.set_ylim(0.8, None)
+        # measured slowdowns (speedup < 1: cascade overhead beats a short shared prefix) stay in view
+        lowest = min((v for pts in measured.values() for _, v in pts), default=1.0)
+        ax.set_ylim(min(0.8, 0.8 * lowest), None)
         ax.set_title("Shared prefix: traffic saved bounds the cascade speedup")
         ax.legend(loc="upper left")
         style.footer(fig, "model: SPEC 6 KV-token traffic; paper: SPEC 7 shared-prefix latencies")
@@ -213,12 +215,19 @@ def page_size_figure(results_root=None):
             style.note_no_measured(ax, "ours: prefill.json\n(metric tflops,\ncase page_size 0/1)",
                                    loc="center right")
 
+        # decode rows with page size 0/1: decode.json's, or prefill.json's App. B pair
+        # (page size 1 measured with the contiguous run as its same-run peer)
         series = defaultdict(list)
-        if decode is not None:
-            for r in decode.select("bw_fraction"):
+        shown = None
+        for suite in (decode, prefill):
+            for r in (suite.select("bw_fraction") if suite is not None else ()):
                 lay, kv = page_layout(r.case), _kv_len(r.case)
-                if lay in ("contiguous", "page 1") and kv is not None:
-                    series[(lay, _batch(r.case))].append((kv, r.value))
+                if lay not in ("contiguous", "page 1") or kv is None:
+                    continue
+                shown = shown or suite
+                series[(lay, _batch(r.case))].append((kv, r.value))
+                if lay == "page 1" and r.peers.get("contiguous") is not None:
+                    series[("contiguous", _batch(r.case))].append((kv, r.peers["contiguous"]))
         for (lay, batch), pts in sorted(series.items()):
             pts.sort()
             bx.plot([k for k, _ in pts], [v for _, v in pts], marker="o",
@@ -233,10 +242,10 @@ def page_size_figure(results_root=None):
         bx.set_title("Decode: paper reports about the same bandwidth")
         if series:
             bx.legend(loc="lower right")
-            bx.text(0.02, 0.02, f"ours: {_source(decode)}", transform=bx.transAxes, fontsize=7)
+            bx.text(0.02, 0.02, f"ours: {_source(shown)}", transform=bx.transAxes, fontsize=7)
         else:
             bx.set_xlim(512, 131072)
-            style.note_no_measured(bx, "ours: benchmarks/results/decode.json\n"
+            style.note_no_measured(bx, "ours: benchmarks/results/decode.json or prefill.json\n"
                                    "(metric bw_fraction, case page_size 0/1)", loc="lower center")
         style.footer(fig, "paper: SPEC 7 (App. B, FA2/FA3 templates, H100); "
                           "ours: measured only, never modelled")
