@@ -269,3 +269,21 @@ def test_gpu_pipelined_variants(d, dtype, layout, kw):
                                 kv_layout=layout, return_lse=lse, **kw)
     got = (got[0].float().cpu().numpy(), got[1].cpu().numpy()) if lse else got.float().cpu().numpy()
     check(got, ref, tol=2e-2)
+
+
+@pytest.mark.parametrize("tc", PATHS)
+@pytest.mark.parametrize("d", [16] if SIM else [64, 256])
+def test_heads_of_later_tiles_with_a_group_of_three(tc, d):
+    """A tile starts at fused row row0 of its request; with a group that does not
+    divide the tile height, row r's head is head0 + (row0 + r) % group, not
+    head0 + r % group.  ALiBi slopes and a head-dependent mask see the head, so
+    every tile after the first of a request checks it (the tensor-core tiles
+    had the second form until this test)."""
+    rng = np.random.default_rng(31 + d)
+    qo_lens = [7, 5] if SIM else [50, 30]          # 3 fused rows each: several tiles per request
+    kv_lens = [9, 12] if SIM else [90, 70]
+    q, cache, qo, ip, ix, lp = paged_case(rng, qo_lens, kv_lens, 4, hq=6, hk=2, d=d)
+    kw = dict(causal=True, pos_encoding_mode="ALIBI", mask_mod=lambda b, h, qi, kj: (kj + h) % 4 != 0)
+    got = P.batch_prefill_paged(q, cache, qo, ip, ix, lp, return_lse=True, tensor_cores=tc, **kw)
+    ref = R.batch_prefill_paged(q, cache, qo, ip, ix, lp, return_lse=True, **kw)
+    check(got, ref, tol=2e-2 if tc else 2e-3)

@@ -272,6 +272,39 @@ def tile_rows(spec: KernelSpec, positional: bool):
     return stage
 
 
+def tile_score(spec: KernelSpec, positional: bool):
+    """Device function ``(x, r, row_ok, t_local, s_qpos, s_diag, s_req, s_kpos, head0,
+    row0, slopes)``: the raw dot product ``x`` of the tile's fused row ``r`` and key
+    ``t_local`` as a base-2 logit (natural for sigmoid) with the variant applied
+    (SPEC 2), or -inf where the key is missing, the row is padding or the mask
+    drops it.  The row's query head is ``head0 + (row0 + r) % group``: a tile
+    starts at fused row ``row0`` of its request, which need not be a multiple of
+    the group.  The register-tiled and tensor-core tiles use it."""
+    group, var = spec.group, spec.variant
+    sigmoid = var.use_sigmoid
+    scale = float32(var.scale(spec.head_dim))
+    log2e = float32(LOG2E)
+    neg_inf = float32(-math.inf)
+    transform, keep = variant_device_fns(var)
+
+    @cuda.jit(device=True, inline=True)
+    def score(x, r, row_ok, t_local, s_qpos, s_diag, s_req, s_kpos, head0, row0, slopes):
+        pos = s_kpos[t_local]
+        if not row_ok or pos == NO_KEY:
+            return neg_inf
+        q_idx = s_qpos[r]
+        kv_idx = pos + (q_idx - s_diag[r] if positional else 0)
+        h = head0 + (row0 + r) % group
+        b = s_req[r]
+        if not keep(b, h, q_idx, kv_idx):
+            return neg_inf
+        s = transform(x * scale, b, h, q_idx, kv_idx, slopes[h])
+        if sigmoid:
+            return s
+        return s * log2e
+    return score
+
+
 def core_tile(spec: KernelSpec):
     """Scalar path: threads stride over the (row, key) and (row, dim) grids of
     a tile in shared memory.  Launch: grid (n_work, num_kv_heads), ``threads``."""

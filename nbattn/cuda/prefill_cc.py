@@ -6,8 +6,8 @@ attention of SPEC section 2 (scale, logits transform, mask, softmax or
 sigmoid, in that order) over one work item's keys, returning the state of
 SPEC section 3 (normalized output plus base-2 LSE; ``o = 0``, ``lse = -inf``
 for a row that kept no key; NaN LSE for sigmoid).  Same signature, work list,
-shared helpers (``tile_rows``, ``key_locator``, ``kv_reader``, ``tile_key_range``,
-``variant_device_fns``, ``element_io``) and entries (``prefill_entry``,
+shared helpers (``tile_rows``, ``tile_score``, ``key_locator``, ``kv_reader``,
+``tile_key_range``, ``element_io``) and entries (``prefill_entry``,
 ``persistent_entry``) as the other paths; all fp32 math on CUDA cores
 (FMA), FlashAttention-2's loop order.  The simulator runs it (CI).
 
@@ -91,7 +91,7 @@ from . import mma as _mma
 from . import prefill as P
 from .primitives import (SHARED_ALIGN, SIMULATOR, bf16x2_to_f32, device_fn, element_io, exp2f,
                          f16x2_to_f32, f32_as_u32, ld_v4, shfl_xor_f32, st_v4, u32_as_f32)
-from .variants import LOG2E, sigmoid_weight, variant_device_fns
+from .variants import LOG2E, sigmoid_weight
 
 __all__ = ["cuda_core_tiles", "cuda_core_tile", "covers", "ENABLED", "LANE_GRIDS", "POLICY", "UNROLL",
            "PREFETCH_MAX_CHUNKS"]
@@ -465,16 +465,12 @@ def cuda_core_tile(spec: P.KernelSpec):
     # Only causal (or nothing) to apply: interior tiles are just scaled.
     plain = not (int(var.window_left) >= 0 or var.sink_size or var.has_alibi or var.has_soft_cap
                  or var.score_mod is not None or var.mask_mod is not None or sigmoid)
-    scale = float32(var.scale(D))
     scale_log2 = float32(var.scale(D) * LOG2E)
-    log2e = float32(LOG2E)
     _, store, _ = element_io(spec.out_kind)
     kv = P.kv_reader(spec.mode, spec.kv_layout, load16)
     locate = P.key_locator(spec.mode)
-    transform, keep = variant_device_fns(var)
     unpack = _unpack_fn(spec.kind)
     NO_KEY = P.NO_KEY
-    neg_inf = float32(-math.inf)
     # Register prefetch of the next K/V tile overlaps its load with math but
     # holds 4*KPT words through S or P V; wide K/V tiles turn it off.
     prefetch = KPT <= PREFETCH_MAX_CHUNKS
@@ -482,23 +478,7 @@ def cuda_core_tile(spec: P.KernelSpec):
     Q_ITERS = -(-Q_CHUNKS // NT)
     SQ, SKV, SP = T_q * QS, T_k * KS, NW * T_k * WR
 
-    @device_fn
-    def score(x, r, row_ok, t_local, s_qpos, s_diag, s_req, s_kpos, head0, row0, slopes):
-        """Raw dot product x of fused row r and tile key t_local -> base-2 logit
-        (natural for sigmoid) with the variant applied, or -inf when dropped."""
-        pos = s_kpos[t_local]
-        if not row_ok or pos == NO_KEY:
-            return neg_inf
-        q_idx = s_qpos[r]
-        kv_idx = pos + (q_idx - s_diag[r] if positional else 0)
-        h = head0 + (row0 + r) % group
-        b = s_req[r]
-        if not keep(b, h, q_idx, kv_idx):
-            return neg_inf
-        s = transform(x * scale, b, h, q_idx, kv_idx, slopes[h])
-        if sigmoid:
-            return s
-        return s * log2e
+    score = P.tile_score(spec, positional)
 
     env = dict(score=score, locate=locate, kv=kv, unpack=unpack, store=store, NO_KEY=NO_KEY,
                group=group, bias=float32(var.sigmoid_bias))

@@ -26,8 +26,8 @@ code, a quarter of the compile time.
 Shared with the CUDA-core kernel: the tile prologue (``tile_rows``), the key walk (``kv_reader``,
 ``tile_key_range``, ``NO_KEY``; :func:`_tile_locator` answers as :func:`nbattn.cuda.prefill.key_locator`
 does, once per key and tile, with a shift for power-of-two blocks), element stores
-(:func:`nbattn.cuda.primitives.element_io`) and the variant
-(:func:`nbattn.cuda.variants.variant_device_fns`).
+(:func:`nbattn.cuda.primitives.element_io`) and the variant applied to a score
+(:func:`nbattn.cuda.prefill.tile_score`).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from numba import cuda, float32, int32, uint32, uint64
 from . import mma as _mma
 from . import prefill as P
 from .primitives import device_fn, element_io
-from .variants import LOG2E, sigmoid_weight, variant_device_fns
+from .variants import LOG2E, sigmoid_weight
 
 __all__ = ["tensor_core_tile", "tensor_core_tiles", "fast_path", "pipelined_tile", "mma_tile"]
 
@@ -145,14 +145,11 @@ def mma_tile(spec: P.KernelSpec):
     # Only causal (or nothing) to apply: interior 16-key steps need no per-element work.
     plain = not (window >= 0 or sinks or var.has_alibi or var.has_soft_cap or var.score_mod is not None
                  or var.mask_mod is not None or sigmoid)
-    scale = float32(var.scale(D))
     scale_log2 = float32(var.scale(D) * LOG2E)
-    log2e = float32(LOG2E)
     _, store, _ = element_io(spec.out_kind)
     vec = P.kv_reader(spec.mode, spec.kv_layout, _mma.load_u32x4)  # 16 B: eight 2-byte elements from d on
     loc = _tile_locator(spec.mode)
     assert T_k <= NT
-    transform, keep = variant_device_fns(var)
     bias = float32(var.sigmoid_bias)
     NO_KEY = P.NO_KEY
     mma = _mma.mma_bf16 if spec.kind == "bf16" else _mma.mma_f16
@@ -169,22 +166,7 @@ def mma_tile(spec: P.KernelSpec):
     hi16 = uint32(0xFFFF0000)
     sh16 = uint32(16)
 
-    @device_fn
-    def score(x, r, s_qpos, s_diag, s_req, s_kpos, row_ok, b_head0, t_local, slopes):
-        """Scaled score of fused row r and tile key t_local -> log2-domain logit or -inf."""
-        pos = s_kpos[t_local]
-        if not row_ok or pos == NO_KEY:
-            return neg_inf
-        q_idx = s_qpos[r]
-        kv_idx = pos + (q_idx - s_diag[r] if positional else 0)
-        h = b_head0 + r % group
-        b = s_req[r]
-        if not keep(b, h, q_idx, kv_idx):
-            return neg_inf
-        s = transform(x * scale, b, h, q_idx, kv_idx, slopes[h])
-        if sigmoid:
-            return s
-        return s * log2e
+    score = P.tile_score(spec, positional)
 
     @device_fn
     def tile(wi, q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
@@ -311,14 +293,14 @@ def mma_tile(spec: P.KernelSpec):
                     y2 *= scale_log2
                     y3 *= scale_log2
                 else:
-                    x0 = score(x0, r_lo, s_qpos, s_diag, s_req, s_kpos, ok_lo, head0, kt, slopes)
-                    x1 = score(x1, r_lo, s_qpos, s_diag, s_req, s_kpos, ok_lo, head0, kt + 1, slopes)
-                    x2 = score(x2, r_hi, s_qpos, s_diag, s_req, s_kpos, ok_hi, head0, kt, slopes)
-                    x3 = score(x3, r_hi, s_qpos, s_diag, s_req, s_kpos, ok_hi, head0, kt + 1, slopes)
-                    y0 = score(y0, r_lo, s_qpos, s_diag, s_req, s_kpos, ok_lo, head0, kt + 8, slopes)
-                    y1 = score(y1, r_lo, s_qpos, s_diag, s_req, s_kpos, ok_lo, head0, kt + 9, slopes)
-                    y2 = score(y2, r_hi, s_qpos, s_diag, s_req, s_kpos, ok_hi, head0, kt + 8, slopes)
-                    y3 = score(y3, r_hi, s_qpos, s_diag, s_req, s_kpos, ok_hi, head0, kt + 9, slopes)
+                    x0 = score(x0, r_lo, ok_lo, kt, s_qpos, s_diag, s_req, s_kpos, head0, row0, slopes)
+                    x1 = score(x1, r_lo, ok_lo, kt + 1, s_qpos, s_diag, s_req, s_kpos, head0, row0, slopes)
+                    x2 = score(x2, r_hi, ok_hi, kt, s_qpos, s_diag, s_req, s_kpos, head0, row0, slopes)
+                    x3 = score(x3, r_hi, ok_hi, kt + 1, s_qpos, s_diag, s_req, s_kpos, head0, row0, slopes)
+                    y0 = score(y0, r_lo, ok_lo, kt + 8, s_qpos, s_diag, s_req, s_kpos, head0, row0, slopes)
+                    y1 = score(y1, r_lo, ok_lo, kt + 9, s_qpos, s_diag, s_req, s_kpos, head0, row0, slopes)
+                    y2 = score(y2, r_hi, ok_hi, kt + 8, s_qpos, s_diag, s_req, s_kpos, head0, row0, slopes)
+                    y3 = score(y3, r_hi, ok_hi, kt + 9, s_qpos, s_diag, s_req, s_kpos, head0, row0, slopes)
                 if sigmoid:
                     alpha_lo = float32(1.0)
                     alpha_hi = float32(1.0)
@@ -466,15 +448,16 @@ def _fast_fragments(D: int, T_k: int, ROW: int, mma, pack, score, sigmoid: bool,
     L.append("    " + ", ".join(S) + ", = s")
     L.append("    return " + tup([f"{x} * f" for x in S]))
 
-    L.append("def masked(s, r_lo, r_hi, ok_lo, ok_hi, tq, s_qpos, s_diag, s_req, s_kpos, kbase, head0, slopes):")
+    L.append("def masked(s, r_lo, r_hi, ok_lo, ok_hi, tq, s_qpos, s_diag, s_req, s_kpos, kbase, head0, row0, "
+             "slopes):")
     L.append("    " + ", ".join(S) + ", = s")
     L.append("    kt = kbase + 2 * tq")
     out = []
     for j in range(NTK):
         for c in range(4):
             r, ok = ("r_lo", "ok_lo") if c < 2 else ("r_hi", "ok_hi")
-            out.append(f"score(s{4 * j + c}, {r}, s_qpos, s_diag, s_req, s_kpos, {ok}, head0, "
-                       f"kt + {8 * j + (c & 1)}, slopes)")
+            out.append(f"score(s{4 * j + c}, {r}, {ok}, kt + {8 * j + (c & 1)}, s_qpos, s_diag, s_req, "
+                       f"s_kpos, head0, row0, slopes)")
     L.append("    return (" + ",\n            ".join(out) + ",)")
 
     L.append("def softmax(s, m_lo, m_hi, l_lo, l_hi):")
@@ -629,14 +612,11 @@ def pipelined_tile(spec: P.KernelSpec):
     stage = P.tile_rows(spec, positional)
     plain = not (int(var.window_left) >= 0 or var.sink_size or var.has_alibi or var.has_soft_cap
                  or var.score_mod is not None or var.mask_mod is not None or sigmoid)
-    scale = float32(var.scale(D))
     scale_log2 = float32(var.scale(D) * LOG2E)
-    log2e = float32(LOG2E)
     _, store, _ = element_io(spec.out_kind)
     addr_of = P.kv_reader(spec.mode, spec.kv_layout, _mma.global_addr)
     gaddr = _mma.global_addr
     loc = _tile_locator(spec.mode)
-    transform, keep = variant_device_fns(var)
     NO_KEY = P.NO_KEY
     mma = _mma.mma_bf16 if spec.kind == "bf16" else _mma.mma_f16
     pack = _mma.pack_bf16x2 if spec.kind == "bf16" else _mma.pack_f16x2
@@ -654,21 +634,7 @@ def pipelined_tile(spec: P.KernelSpec):
     NDT = D // 8
     align_mask = uint32(0xFFFFFFF0)
 
-    @device_fn
-    def score(x, r, s_qpos, s_diag, s_req, s_kpos, row_ok, b_head0, t_local, slopes):
-        pos = s_kpos[t_local]
-        if not row_ok or pos == NO_KEY:
-            return neg_inf
-        q_idx = s_qpos[r]
-        kv_idx = pos + (q_idx - s_diag[r] if positional else 0)
-        h = b_head0 + r % group
-        b = s_req[r]
-        if not keep(b, h, q_idx, kv_idx):
-            return neg_inf
-        s = transform(x * scale, b, h, q_idx, kv_idx, slopes[h])
-        if sigmoid:
-            return s
-        return s * log2e
+    score = P.tile_score(spec, positional)
 
     fr = _fast_fragments(D, T_k, ROW, mma, pack, score, sigmoid, float32(var.sigmoid_bias))
     o_zero, q_frags, qk, scaled = fr["o_zero"], fr["q_frags"], fr["qk"], fr["scaled"]
@@ -788,7 +754,8 @@ def pipelined_tile(spec: P.KernelSpec):
             if plain and positional and warp_full and last < hi and (not causal or last <= warp_diag):
                 s = scaled(s, scale_log2)
             else:
-                s = masked(s, r_lo, r_hi, ok_lo, ok_hi, tq, s_qpos, s_diag, s_req, s_kpos, base, head0, slopes)
+                s = masked(s, r_lo, r_hi, ok_lo, ok_hi, tq, s_qpos, s_diag, s_req, s_kpos, base, head0, row0,
+                           slopes)
             p, m_lo, m_hi, l_lo, l_hi, alpha_lo, alpha_hi = softmax(s, m_lo, m_hi, l_lo, l_hi)
             if tid < T_k and t1 < hi:
                 put(s_kaddr, s_vaddr, s_kpos, k_src, v_src, page, slot, pos, t, hi, kv_head, nbase + jk)
