@@ -124,6 +124,58 @@ def tensor_core_tile(spec: P.KernelSpec):
     return pipelined_tile(spec) if fast_path(spec.head_dim) else mma_tile(spec)
 
 
+def _row_writer(spec: P.KernelSpec):
+    """Device function ``(o, m_lo, m_hi, l_lo, l_hi, ok_lo, ok_hi, r_lo, r_hi, tq, qo_start,
+    row0, head0, out_shift, out, lse)``: the end of both tensor-core tiles.  A lane's
+    accumulator fragments hold rows ``r_lo`` (C elements 0, 1) and ``r_hi`` (2, 3)
+    at columns ``8 nt + 2 tq`` (+1); the row sums are spread over the lane's quad,
+    so they are added up by shuffles first, then each row is normalized and
+    written with its base-2 LSE (SPEC 3: o = 0 and -inf for a row that kept no
+    key, NaN LSE for sigmoid, whose rows are not normalized)."""
+    NDT = spec.head_dim // 8
+    group, sigmoid = spec.group, spec.variant.use_sigmoid
+    _, store, _ = element_io(spec.out_kind)
+    neg_inf = float32(-math.inf)
+
+    @device_fn
+    def write_rows(o, m_lo, m_hi, l_lo, l_hi, ok_lo, ok_hi, r_lo, r_hi, tq, qo_start, row0, head0, out_shift,
+                   out, lse):
+        if not sigmoid:
+            l_lo += cuda.shfl_xor_sync(0xFFFFFFFF, l_lo, 1)
+            l_lo += cuda.shfl_xor_sync(0xFFFFFFFF, l_lo, 2)
+            l_hi += cuda.shfl_xor_sync(0xFFFFFFFF, l_hi, 1)
+            l_hi += cuda.shfl_xor_sync(0xFFFFFFFF, l_hi, 2)
+            inv_lo = float32(1.0) / l_lo if l_lo > 0 else float32(0.0)
+            inv_hi = float32(1.0) / l_hi if l_hi > 0 else float32(0.0)
+        else:
+            inv_lo = float32(1.0)
+            inv_hi = float32(1.0)
+        if ok_lo:
+            qi = qo_start + (row0 + r_lo) // group
+            h = head0 + (row0 + r_lo) % group
+            for nt in range(NDT):
+                store(out, (qi + out_shift, h, nt * 8 + 2 * tq), o[nt * 4] * inv_lo)
+                store(out, (qi + out_shift, h, nt * 8 + 2 * tq + 1), o[nt * 4 + 1] * inv_lo)
+            if tq == 0:
+                if sigmoid:
+                    lse[qi + out_shift, h] = math.nan
+                else:
+                    lse[qi + out_shift, h] = m_lo + math.log2(l_lo) if l_lo > 0 else neg_inf
+        if ok_hi:
+            qi = qo_start + (row0 + r_hi) // group
+            h = head0 + (row0 + r_hi) % group
+            for nt in range(NDT):
+                store(out, (qi + out_shift, h, nt * 8 + 2 * tq), o[nt * 4 + 2] * inv_hi)
+                store(out, (qi + out_shift, h, nt * 8 + 2 * tq + 1), o[nt * 4 + 3] * inv_hi)
+            if tq == 0:
+                if sigmoid:
+                    lse[qi + out_shift, h] = math.nan
+                else:
+                    lse[qi + out_shift, h] = m_hi + math.log2(l_hi) if l_hi > 0 else neg_inf
+
+    return write_rows
+
+
 def mma_tile(spec: P.KernelSpec):
     """mma.sync path without cp.async/ldmatrix (head_dim other than 64/128).  Launch: grid (n_work, num_kv_heads), T_q/16 warps.
 
@@ -142,11 +194,11 @@ def mma_tile(spec: P.KernelSpec):
     causal, window, sinks = var.causal, int(var.window_left), int(var.sink_size)
     positional = spec.mode != "bsr"
     stage = P.tile_rows(spec, positional)
+    write_rows = _row_writer(spec)
     # Only causal (or nothing) to apply: interior 16-key steps need no per-element work.
     plain = not (window >= 0 or sinks or var.has_alibi or var.has_soft_cap or var.score_mod is not None
                  or var.mask_mod is not None or sigmoid)
     scale_log2 = float32(var.scale(D) * LOG2E)
-    _, store, _ = element_io(spec.out_kind)
     vec = P.kv_reader(spec.mode, spec.kv_layout, _mma.load_u32x4)  # 16 B: eight 2-byte elements from d on
     loc = _tile_locator(spec.mode)
     assert T_k <= NT
@@ -161,7 +213,6 @@ def mma_tile(spec: P.KernelSpec):
     neg_inf = float32(-math.inf)
     W = D // 2 + 4              # padded row of packed pairs (Q, K)
     WV = T_k // 2 + 4           # padded row of V^T (pairs along keys)
-    NDT = D // 8                # n-tiles of the output
     lo16 = uint32(0xFFFF)
     hi16 = uint32(0xFFFF0000)
     sh16 = uint32(16)
@@ -346,39 +397,8 @@ def mma_tile(spec: P.KernelSpec):
                 o = pv(o, p0, p1, p2, p3, s_vt, k0 // 2 + tq, g, alpha_lo, alpha_hi)
             cuda.syncthreads()
 
-        # Row sums live spread over the quad: add them up, normalize, write.
-        if not sigmoid:
-            l_lo += cuda.shfl_xor_sync(0xFFFFFFFF, l_lo, 1)
-            l_lo += cuda.shfl_xor_sync(0xFFFFFFFF, l_lo, 2)
-            l_hi += cuda.shfl_xor_sync(0xFFFFFFFF, l_hi, 1)
-            l_hi += cuda.shfl_xor_sync(0xFFFFFFFF, l_hi, 2)
-            inv_lo = float32(1.0) / l_lo if l_lo > 0 else float32(0.0)
-            inv_hi = float32(1.0) / l_hi if l_hi > 0 else float32(0.0)
-        else:
-            inv_lo = float32(1.0)
-            inv_hi = float32(1.0)
-        if ok_lo:
-            qi = qo_start + (row0 + r_lo) // group
-            h = head0 + (row0 + r_lo) % group
-            for nt in range(NDT):
-                store(out, (qi + out_shift, h, nt * 8 + 2 * tq), o[nt * 4] * inv_lo)
-                store(out, (qi + out_shift, h, nt * 8 + 2 * tq + 1), o[nt * 4 + 1] * inv_lo)
-            if tq == 0:
-                if sigmoid:
-                    lse[qi + out_shift, h] = math.nan
-                else:
-                    lse[qi + out_shift, h] = m_lo + math.log2(l_lo) if l_lo > 0 else neg_inf
-        if ok_hi:
-            qi = qo_start + (row0 + r_hi) // group
-            h = head0 + (row0 + r_hi) % group
-            for nt in range(NDT):
-                store(out, (qi + out_shift, h, nt * 8 + 2 * tq), o[nt * 4 + 2] * inv_hi)
-                store(out, (qi + out_shift, h, nt * 8 + 2 * tq + 1), o[nt * 4 + 3] * inv_hi)
-            if tq == 0:
-                if sigmoid:
-                    lse[qi + out_shift, h] = math.nan
-                else:
-                    lse[qi + out_shift, h] = m_hi + math.log2(l_hi) if l_hi > 0 else neg_inf
+        write_rows(o, m_lo, m_hi, l_lo, l_hi, ok_lo, ok_hi, r_lo, r_hi, tq, qo_start, row0, head0, out_shift,
+                   out, lse)
 
     return tile
 
@@ -610,10 +630,10 @@ def pipelined_tile(spec: P.KernelSpec):
     causal = var.causal
     positional = spec.mode != "bsr"
     stage = P.tile_rows(spec, positional)
+    write_rows = _row_writer(spec)
     plain = not (int(var.window_left) >= 0 or var.sink_size or var.has_alibi or var.has_soft_cap
                  or var.score_mod is not None or var.mask_mod is not None or sigmoid)
     scale_log2 = float32(var.scale(D) * LOG2E)
-    _, store, _ = element_io(spec.out_kind)
     addr_of = P.kv_reader(spec.mode, spec.kv_layout, _mma.global_addr)
     gaddr = _mma.global_addr
     loc = _tile_locator(spec.mode)
@@ -631,7 +651,6 @@ def pipelined_tile(spec: P.KernelSpec):
     Q_ITERS = T_q * CH // NT
     assert NT % CH == 0 and NT % T_k == 0
     LOCS = 2 * T_k                   # key locations of two tiles
-    NDT = D // 8
     align_mask = uint32(0xFFFFFFF0)
 
     score = P.tile_score(spec, positional)
@@ -770,37 +789,7 @@ def pipelined_tile(spec: P.KernelSpec):
             t0 = t1
             base = nbase
 
-        if not sigmoid:
-            l_lo += cuda.shfl_xor_sync(0xFFFFFFFF, l_lo, 1)
-            l_lo += cuda.shfl_xor_sync(0xFFFFFFFF, l_lo, 2)
-            l_hi += cuda.shfl_xor_sync(0xFFFFFFFF, l_hi, 1)
-            l_hi += cuda.shfl_xor_sync(0xFFFFFFFF, l_hi, 2)
-            inv_lo = float32(1.0) / l_lo if l_lo > 0 else float32(0.0)
-            inv_hi = float32(1.0) / l_hi if l_hi > 0 else float32(0.0)
-        else:
-            inv_lo = float32(1.0)
-            inv_hi = float32(1.0)
-        if ok_lo:
-            qi = qo_start + (row0 + r_lo) // group
-            h = head0 + (row0 + r_lo) % group
-            for nt in range(NDT):
-                store(out, (qi + out_shift, h, nt * 8 + 2 * tq), o[nt * 4] * inv_lo)
-                store(out, (qi + out_shift, h, nt * 8 + 2 * tq + 1), o[nt * 4 + 1] * inv_lo)
-            if tq == 0:
-                if sigmoid:
-                    lse[qi + out_shift, h] = math.nan
-                else:
-                    lse[qi + out_shift, h] = m_lo + math.log2(l_lo) if l_lo > 0 else neg_inf
-        if ok_hi:
-            qi = qo_start + (row0 + r_hi) // group
-            h = head0 + (row0 + r_hi) % group
-            for nt in range(NDT):
-                store(out, (qi + out_shift, h, nt * 8 + 2 * tq), o[nt * 4 + 2] * inv_hi)
-                store(out, (qi + out_shift, h, nt * 8 + 2 * tq + 1), o[nt * 4 + 3] * inv_hi)
-            if tq == 0:
-                if sigmoid:
-                    lse[qi + out_shift, h] = math.nan
-                else:
-                    lse[qi + out_shift, h] = m_hi + math.log2(l_hi) if l_hi > 0 else neg_inf
+        write_rows(o, m_lo, m_hi, l_lo, l_hi, ok_lo, ok_hi, r_lo, r_hi, tq, qo_start, row0, head0, out_shift,
+                   out, lse)
 
     return tile
