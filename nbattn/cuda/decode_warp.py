@@ -84,6 +84,17 @@ def warp_geometry(code: str, head_dim: int, heads: int, nwarps: int, unroll: int
     return nx, tw, nwarps * tw, nwarps * tw * unroll
 
 
+@device_fn
+def page_slot(pos, page_size, ps_shift):
+    """(page index, slot in the page) of a request's key position; power-of-two
+    pages (``ps_shift >= 0``, the common case) avoid an integer division per token."""
+    if ps_shift >= 0:
+        pi = uint32(pos) >> uint32(ps_shift)
+        return pi, uint32(pos) & uint32(page_size - 1)
+    pi = uint32(pos) // uint32(page_size)
+    return pi, uint32(pos) - pi * uint32(page_size)
+
+
 def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
     """Compile the warp-path kernel for a :class:`~nbattn.cuda.decode.DecodeConfig`.
 
@@ -114,15 +125,6 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
     PLAIN = not SIGMOID and not ALIBI and not var.has_soft_cap and var.score_mod is None
     _, store_elem, unpack4 = element_io(cfg.code)
     transform, keep = variant_device_fns(var)
-
-    @device_fn
-    def page_slot(pos, page_size, ps_shift):
-        # power-of-two pages (the common case) avoid an integer division per token
-        if ps_shift >= 0:
-            pi = uint32(pos) >> uint32(ps_shift)
-            return pi, uint32(pos) & uint32(page_size - 1)
-        pi = uint32(pos) // uint32(page_size)
-        return pi, uint32(pos) - pi * uint32(page_size)
 
     def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, ps_shift, num_kv_heads,
                num_qo_heads, n_head_blocks, cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
@@ -384,14 +386,6 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     mma = MMA.mma_f16 if cfg.code == "f16" else MMA.mma_bf16
     pack = MMA.pack_f16x2 if cfg.code == "f16" else MMA.pack_bf16x2
     movt = MMA.movmatrix_t
-
-    @device_fn
-    def page_slot(pos, page_size, ps_shift):
-        if ps_shift >= 0:
-            pi = uint32(pos) >> uint32(ps_shift)
-            return pi, uint32(pos) & uint32(page_size - 1)
-        pi = uint32(pos) // uint32(page_size)
-        return pi, uint32(pos) - pi * uint32(page_size)
 
     def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, ps_shift, num_kv_heads,
                num_qo_heads, n_head_blocks, cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
