@@ -239,6 +239,22 @@ def tile_key_range(var: Variant, positional: bool):
     return key_range
 
 
+def tile_item(spec: KernelSpec):
+    """Device function ``(work, wi) -> (qo_start, row0, n_rows, kv_ptr, kv_base,
+    kv_begin, kv_end, out_shift)``: row ``wi`` of a work list (:func:`build_work`'s
+    columns) as every prefill tile reads it; ``n_rows`` counts the tile's real
+    fused rows (at most ``T_q``), ``out_shift`` moves a split tile's rows to its
+    partial-state slot."""
+    T_q, group = spec.tile_q, spec.group
+
+    @cuda.jit(device=True, inline=True)
+    def item(work, wi):
+        qo_start, qo_len, row0 = work[wi, 0], work[wi, 1], work[wi, 2]
+        n_rows = min(T_q, qo_len * group - row0)
+        return qo_start, row0, n_rows, work[wi, 3], work[wi, 4], work[wi, 5], work[wi, 6], work[wi, 7] - qo_start
+    return item
+
+
 def tile_rows(spec: KernelSpec, positional: bool):
     """Device function ``(tid, n_rows, qo_start, row0, row_pos, row_kvoff, row_req,
     kv_begin, kv_end, s_qpos, s_diag, s_req, s_range)`` every prefill tile starts
@@ -313,6 +329,7 @@ def core_tile(spec: KernelSpec):
     sigmoid = var.use_sigmoid
     positional = spec.mode != "bsr"       # key positions grow with t: tile ranges can be cut
     stage = tile_rows(spec, positional)
+    item = tile_item(spec)
     scale = float32(var.scale(D))
     load, _, _ = element_io(spec.kind)
     _, store, _ = element_io(spec.out_kind)
@@ -329,10 +346,7 @@ def core_tile(spec: KernelSpec):
              block, n_keys, out, lse):
         kv_head = cuda.blockIdx.y
         tid = cuda.threadIdx.x
-        qo_start, qo_len, row0 = work[w, 0], work[w, 1], work[w, 2]
-        kv_ptr, kv_base, kv_begin, kv_end = work[w, 3], work[w, 4], work[w, 5], work[w, 6]
-        out_shift = work[w, 7] - qo_start       # partial states land in their own rows
-        n_rows = min(T_q, qo_len * group - row0)
+        qo_start, row0, n_rows, kv_ptr, kv_base, kv_begin, kv_end, out_shift = item(work, w)
 
         s_q = cuda.shared.array((T_q, D), store_dtype)
         s_o = cuda.shared.array((T_q, D), float32)

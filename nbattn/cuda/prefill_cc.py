@@ -462,6 +462,7 @@ def cuda_core_tile(spec: P.KernelSpec):
     causal = var.causal
     positional = spec.mode != "bsr"
     stage = P.tile_rows(spec, positional)
+    item = P.tile_item(spec)
     # Only causal (or nothing) to apply: interior tiles are just scaled.
     plain = not (int(var.window_left) >= 0 or var.sink_size or var.has_alibi or var.has_soft_cap
                  or var.score_mod is not None or var.mask_mod is not None or sigmoid)
@@ -504,10 +505,7 @@ def cuda_core_tile(spec: P.KernelSpec):
         lane = tid % WARP
         rg = lane // CG
         cg = lane % CG
-        qo_start, qo_len, row0 = work[wi, 0], work[wi, 1], work[wi, 2]
-        kv_ptr, kv_base, kv_begin, kv_end = work[wi, 3], work[wi, 4], work[wi, 5], work[wi, 6]
-        out_shift = work[wi, 7] - qo_start       # partial states land in their own rows
-        n_rows = min(T_q, qo_len * group - row0)
+        qo_start, row0, n_rows, kv_ptr, kv_base, kv_begin, kv_end, out_shift = item(work, wi)
         head0 = kv_head * group
 
         s_q = cuda.shared.array(SQ, float32, alignment=SHARED_ALIGN)

@@ -194,6 +194,7 @@ def mma_tile(spec: P.KernelSpec):
     causal, window, sinks = var.causal, int(var.window_left), int(var.sink_size)
     positional = spec.mode != "bsr"
     stage = P.tile_rows(spec, positional)
+    item = P.tile_item(spec)
     write_rows = _row_writer(spec)
     # Only causal (or nothing) to apply: interior 16-key steps need no per-element work.
     plain = not (window >= 0 or sinks or var.has_alibi or var.has_soft_cap or var.score_mod is not None
@@ -228,10 +229,7 @@ def mma_tile(spec: P.KernelSpec):
         lane = tid % 32
         g = lane // 4
         tq = lane % 4
-        qo_start, qo_len, row0 = work[wi, 0], work[wi, 1], work[wi, 2]
-        kv_ptr, kv_base, kv_begin, kv_end = work[wi, 3], work[wi, 4], work[wi, 5], work[wi, 6]
-        out_shift = work[wi, 7] - qo_start
-        n_rows = min(T_q, qo_len * group - row0)
+        qo_start, row0, n_rows, kv_ptr, kv_base, kv_begin, kv_end, out_shift = item(work, wi)
         head0 = kv_head * group
 
         s_q = cuda.shared.array((T_q, W), uint32)
@@ -630,6 +628,7 @@ def pipelined_tile(spec: P.KernelSpec):
     causal = var.causal
     positional = spec.mode != "bsr"
     stage = P.tile_rows(spec, positional)
+    item = P.tile_item(spec)
     write_rows = _row_writer(spec)
     plain = not (int(var.window_left) >= 0 or var.sink_size or var.has_alibi or var.has_soft_cap
                  or var.score_mod is not None or var.mask_mod is not None or sigmoid)
@@ -683,10 +682,7 @@ def pipelined_tile(spec: P.KernelSpec):
         lane = tid % 32
         g = lane // 4
         tq = lane % 4
-        qo_start, qo_len, row0 = work[wi, 0], work[wi, 1], work[wi, 2]
-        kv_ptr, kv_base, kv_begin, kv_end = work[wi, 3], work[wi, 4], work[wi, 5], work[wi, 6]
-        out_shift = work[wi, 7] - qo_start
-        n_rows = min(T_q, qo_len * group - row0)
+        qo_start, row0, n_rows, kv_ptr, kv_base, kv_begin, kv_end, out_shift = item(work, wi)
         head0 = kv_head * group
 
         buf = cuda.shared.array(BUF_WORDS, uint32)
