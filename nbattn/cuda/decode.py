@@ -265,14 +265,8 @@ def _build(cfg: DecodeConfig):
         hkv = int64(num_kv_heads)
 
         for item in range(cta_indptr[cuda.blockIdx.x], cta_indptr[cuda.blockIdx.x + 1]):
-            r = w_request[item]
-            kv_start = w_kv_start[item]
-            kv_end = w_kv_end[item]
-            slot = w_out_slot[item]
-            page_base = kv_indptr[r]
-            n_pages = kv_indptr[r + 1] - page_base
-            kv_len = (n_pages - 1) * page_size + kv_last[r] if n_pages > 0 else 0
-            q_idx = kv_len - 1
+            r, kv_start, kv_end, slot, page_base, q_idx = WARP.work_item(
+                item, w_request, w_kv_start, w_kv_end, w_out_slot, kv_indptr, kv_last, page_size)
 
             # q chunk of every head of the block, in registers
             for g in range(HG):

@@ -95,6 +95,18 @@ def page_slot(pos, page_size, ps_shift):
     return pi, uint32(pos) - pi * uint32(page_size)
 
 
+@device_fn
+def work_item(item, w_request, w_kv_start, w_kv_end, w_out_slot, kv_indptr, kv_last, page_size):
+    """Work item ``item`` of a decode work list (module doc of :mod:`nbattn.cuda.decode`):
+    ``(request, kv_start, kv_end, out_slot, first page index, query position)``; the
+    query sits at its request's last key, whatever chunk the item covers."""
+    r = w_request[item]
+    page_base = int64(kv_indptr[r])
+    n_pages = kv_indptr[r + 1] - kv_indptr[r]
+    kv_len = (n_pages - 1) * page_size + kv_last[r] if n_pages > 0 else 0
+    return r, w_kv_start[item], w_kv_end[item], w_out_slot[item], page_base, kv_len - 1
+
+
 def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
     """Compile the warp-path kernel for a :class:`~nbattn.cuda.decode.DecodeConfig`.
 
@@ -167,14 +179,8 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
         slope = slopes[h_mine] if ALIBI else float32(0.0)
 
         for item in range(cta_indptr[cta], cta_indptr[cta + 1]):
-            r = w_request[item]
-            kv_start = w_kv_start[item]
-            kv_end = w_kv_end[item]
-            slot = w_out_slot[item]
-            page_base = int64(kv_indptr[r])
-            n_pages = kv_indptr[r + 1] - kv_indptr[r]
-            kv_len = (n_pages - 1) * page_size + kv_last[r] if n_pages > 0 else 0
-            q_idx = kv_len - 1
+            r, kv_start, kv_end, slot, page_base, q_idx = work_item(
+                item, w_request, w_kv_start, w_kv_end, w_out_slot, kv_indptr, kv_last, page_size)
 
             for g in range(HP):
                 for e in range(VEC):
@@ -424,14 +430,8 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
         zero = float32(0.0)
 
         for item in range(cta_indptr[cta], cta_indptr[cta + 1]):
-            r = w_request[item]
-            kv_start = w_kv_start[item]
-            kv_end = w_kv_end[item]
-            slot = w_out_slot[item]
-            page_base = int64(kv_indptr[r])
-            n_pages = kv_indptr[r + 1] - kv_indptr[r]
-            kv_len = (n_pages - 1) * page_size + kv_last[r] if n_pages > 0 else 0
-            q_idx = kv_len - 1
+            r, kv_start, kv_end, slot, page_base, q_idx = work_item(
+                item, w_request, w_kv_start, w_kv_end, w_out_slot, kv_indptr, kv_last, page_size)
 
             for j in range(NJ):
                 w0 = w1 = w2 = w3 = uint32(0)
