@@ -107,6 +107,49 @@ def work_item(item, w_request, w_kv_start, w_kv_end, w_out_slot, kv_indptr, kv_l
     return r, w_kv_start[item], w_kv_end[item], w_out_slot[item], page_base, kv_len - 1
 
 
+def make_state_writer(HG: int, D: int, NT: int, ROWS: int, STRIDE: int, sigmoid: bool, store_elem):
+    """Device function ``(tid, r, slot, h0, num_qo_heads, st_acc, st_m, st_l, out, lse,
+    part_o, part_lse)``, the end of both decode kernels: the ``ROWS`` streams of
+    a CTA left their states in shared memory (stream ``y``, head ``g`` at
+    ``y * STRIDE + g``: accumulator ``st_acc[.. * D + dim]``, max ``st_m``, mass
+    ``st_l``); fold them with the SPEC 3 rule (sigmoid states just add) and
+    write the final row (``slot < 0``) or the partial state of slot ``slot``."""
+
+    @device_fn
+    def write_states(tid, r, slot, h0, num_qo_heads, st_acc, st_m, st_l, out, lse, part_o, part_lse):
+        for i in range(tid, HG * D, NT):
+            g = i // D
+            dd = i - g * D
+            h = h0 + g
+            o = float32(0.0)
+            row_lse = float32(math.nan)
+            if sigmoid:
+                for y in range(ROWS):
+                    o += st_acc[(y * STRIDE + g) * D + dd]
+            else:
+                mm = NEG_INF
+                for y in range(ROWS):
+                    mm = max(mm, st_m[y * STRIDE + g])
+                row_lse = NEG_INF
+                if mm != NEG_INF:
+                    tot = float32(0.0)
+                    for y in range(ROWS):
+                        wy = exp2f(st_m[y * STRIDE + g] - mm)
+                        tot += wy * st_l[y * STRIDE + g]
+                        o += wy * st_acc[(y * STRIDE + g) * D + dd]
+                    o = o / tot
+                    row_lse = mm + math.log2(tot)
+            if slot < 0:
+                store_elem(out, (int64(r) * num_qo_heads + h) * D + dd, o)
+                if dd == 0:
+                    lse[int64(r) * num_qo_heads + h] = row_lse
+            else:
+                part_o[(int64(slot) * num_qo_heads + h) * D + dd] = o
+                if dd == 0:
+                    part_lse[int64(slot) * num_qo_heads + h] = row_lse
+    return write_states
+
+
 def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
     """Compile the warp-path kernel for a :class:`~nbattn.cuda.decode.DecodeConfig`.
 
@@ -137,6 +180,7 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
     PLAIN = not SIGMOID and not ALIBI and not var.has_soft_cap and var.score_mod is None
     _, store_elem, unpack4 = element_io(cfg.code)
     transform, keep = variant_device_fns(var)
+    write_states = make_state_writer(HG, D, NT, R, HG, SIGMOID, store_elem)
 
     def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, ps_shift, num_kv_heads,
                num_qo_heads, n_head_blocks, cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
@@ -296,36 +340,8 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
                 st_m[row * HG + mine] = m_mine
                 st_l[row * HG + mine] = l_mine
             cuda.syncthreads()
-            for i in range(tid, HG * D, NT):
-                g = i // D
-                dd = i - g * D
-                h = h0 + g
-                o = float32(0.0)
-                row_lse = float32(math.nan)
-                if SIGMOID:
-                    for y in range(R):
-                        o += st_acc[(y * HG + g) * D + dd]
-                else:
-                    mm = NEG_INF
-                    for y in range(R):
-                        mm = max(mm, st_m[y * HG + g])
-                    row_lse = NEG_INF
-                    if mm != NEG_INF:
-                        tot = float32(0.0)
-                        for y in range(R):
-                            wy = exp2f(st_m[y * HG + g] - mm)
-                            tot += wy * st_l[y * HG + g]
-                            o += wy * st_acc[(y * HG + g) * D + dd]
-                        o = o / tot
-                        row_lse = mm + math.log2(tot)
-                if slot < 0:
-                    store_elem(out, (int64(r) * num_qo_heads + h) * D + dd, o)
-                    if dd == 0:
-                        lse[int64(r) * num_qo_heads + h] = row_lse
-                else:
-                    part_o[(int64(slot) * num_qo_heads + h) * D + dd] = o
-                    if dd == 0:
-                        part_lse[int64(slot) * num_qo_heads + h] = row_lse
+            write_states(tid, r, slot, h0, num_qo_heads, st_acc, st_m, st_l, out, lse, part_o,
+                         part_lse)
             cuda.syncthreads()   # the next item overwrites st_*
 
     if SIMULATOR:                 # the simulator refuses launch bounds
@@ -389,6 +405,7 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     MASKED = var.window_left >= 0 or var.mask_mod is not None
     _, store_elem, _ = element_io(cfg.code)
     transform, keep = variant_device_fns(var)
+    write_states = make_state_writer(HG, D, NT, NW, 8, False, store_elem)
     mma = MMA.mma_f16 if cfg.code == "f16" else MMA.mma_bf16
     pack = MMA.pack_f16x2 if cfg.code == "f16" else MMA.pack_bf16x2
     movt = MMA.movmatrix_t
@@ -550,31 +567,8 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                 st_m[warp * 8 + g] = m_row
                 st_l[warp * 8 + g] = l_row
             cuda.syncthreads()
-            for i in range(tid, HG * D, NT):
-                hh = i // D
-                dd = i - hh * D
-                h = h0 + hh
-                o = float32(0.0)
-                mm = NEG_INF
-                for y in range(NW):
-                    mm = max(mm, st_m[y * 8 + hh])
-                row_lse = NEG_INF
-                if mm != NEG_INF:
-                    tot = float32(0.0)
-                    for y in range(NW):
-                        wy = exp2f(st_m[y * 8 + hh] - mm)
-                        tot += wy * st_l[y * 8 + hh]
-                        o += wy * st_acc[(y * 8 + hh) * D + dd]
-                    o = o / tot
-                    row_lse = mm + math.log2(tot)
-                if slot < 0:
-                    store_elem(out, (int64(r) * num_qo_heads + h) * D + dd, o)
-                    if dd == 0:
-                        lse[int64(r) * num_qo_heads + h] = row_lse
-                else:
-                    part_o[(int64(slot) * num_qo_heads + h) * D + dd] = o
-                    if dd == 0:
-                        part_lse[int64(slot) * num_qo_heads + h] = row_lse
+            write_states(tid, r, slot, h0, num_qo_heads, st_acc, st_m, st_l, out, lse, part_o,
+                         part_lse)
             cuda.syncthreads()
 
     return jit_kernel(kernel, launch_bounds=(NT, min_blocks))
