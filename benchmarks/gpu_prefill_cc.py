@@ -273,7 +273,8 @@ def time_single(n, causal, reps, label):
 def main():
     os.makedirs(OUT, exist_ok=True)
     say("device", torch.cuda.get_device_name(), "| lane grids", CC.LANE_GRIDS, "policy", CC.POLICY,
-        "unroll", CC.UNROLL, "| tiles d128 f16", CC.cuda_core_tiles(128, "f16"))
+        "unroll", CC.UNROLL, "min_blocks", CC.MIN_BLOCKS, "longest_first", P.LONGEST_FIRST,
+        "| tiles d128 f16", CC.cuda_core_tiles(128, "f16"))
     roof, sgemm = fp32_roof()
     save()
 
@@ -341,20 +342,36 @@ def main():
             say("core_tile comparison failed:\n" + traceback.format_exc()[-1500:])
         save()
 
-    # An alternative tile shape (ALT_POLICY, prefill_cc.POLICY values): by default "keys", 32 rows x 32
-    # keys, 2 warps (more FMAs per shared load in Q K^T); "wide" is the 2 x 16-lane shape.
-    saved = CC.POLICY
-    if left() > 40 and os.environ.get("ALT", "1") == "1":
+    # Alternatives beside the default, each at 8k x 8k full and causal (ALTS: ';'-separated
+    # settings of prefill_cc.POLICY / MIN_BLOCKS and prefill.LONGEST_FIRST, e.g.
+    # "min_blocks=none;policy=wide;longest_first=0").  Kernels are rebuilt for each.
+    alts = [a for a in os.environ.get("ALTS", "min_blocks=none;longest_first=0;policy=wide").split(";") if a]
+    for alt in alts:
+        if left() < 40:
+            say("skipping the remaining alternatives (time)")
+            break
+        key, val = alt.split("=")
+        saved = (CC.POLICY, CC.MIN_BLOCKS, P.LONGEST_FIRST)
         try:
-            CC.POLICY = os.environ.get("ALT_POLICY", "keys")
-            tf_alt, ms_alt, _, _ = time_single(8192, False, 5, f"cuda-core tiled policy={CC.POLICY}")
-            RECORDS.append(dict(case=dict(target, causal=False, path="cuda_cores_tiled_alt"), metric="tflops",
-                                value=tf_alt, unit="TFLOP/s", peers={"fp32_fma_roof": roof}, ms=ms_alt,
-                                policy=CC.POLICY, tiles=list(CC.cuda_core_tiles(128, "f16"))))
+            if key == "policy":
+                CC.POLICY = val
+            elif key == "min_blocks":
+                CC.MIN_BLOCKS = None if val == "none" else int(val)
+            elif key == "longest_first":
+                P.LONGEST_FIRST = val == "1"
+            P._KERNELS.clear()
+            for causal in ((True,) if key == "longest_first" else (False, True)):
+                tf_alt, ms_alt, _, w_alt = time_single(8192, causal, 5, f"cuda-core tiled {alt}")
+                RECORDS.append(dict(case=dict(target, causal=causal, path="cuda_cores_tiled_alt", alt=alt),
+                                    metric="tflops", value=tf_alt, unit="TFLOP/s",
+                                    peers={"fp32_fma_roof": roof,
+                                           **({"default": timed[causal]} if causal in timed else {})}, ms=ms_alt,
+                                    all_written=w_alt, tiles=list(CC.cuda_core_tiles(128, "f16"))))
         except Exception:  # noqa: BLE001
-            say("alternative shape failed:\n" + traceback.format_exc()[-1500:])
+            say(f"alternative {alt} failed:\n" + traceback.format_exc()[-1500:])
         finally:
-            CC.POLICY = saved
+            CC.POLICY, CC.MIN_BLOCKS, P.LONGEST_FIRST = saved
+            P._KERNELS.clear()
         save()
 
     oks = [r for r in RECORDS if r["metric"] == "ok"]

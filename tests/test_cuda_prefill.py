@@ -13,6 +13,7 @@ from nbattn import _compat
 from nbattn import layout as L
 from nbattn import reference as R
 from nbattn.cuda import prefill as P
+from nbattn.variants import Variant
 
 SIM = _compat.simulator_enabled()
 # tensor_cores off / on; NBATTN_TEST_PATHS=tc runs only the tensor-core path (a short GPU session)
@@ -287,3 +288,26 @@ def test_heads_of_later_tiles_with_a_group_of_three(tc, d):
     got = P.batch_prefill_paged(q, cache, qo, ip, ix, lp, return_lse=True, tensor_cores=tc, **kw)
     ref = R.batch_prefill_paged(q, cache, qo, ip, ix, lp, return_lse=True, **kw)
     check(got, ref, tol=2e-2 if tc else 2e-3)
+
+
+def test_causal_work_starts_longest_first():
+    """Causal query tiles launch most-keys-first (a permutation of build_work's
+    rows, stable among equals); other masks keep build_work's order."""
+    rng = np.random.default_rng()
+    qo_lens = rng.integers(1, 40, size=5)
+    kv_lens = qo_lens + rng.integers(0, 30, size=5)
+    qo = L.RaggedQ.validate(np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32))
+    spec = P.make_spec("paged", "NHD", "f16", 16, 8, 2, Variant(causal=True), False)
+    work = P.build_work(qo.qo_indptr[:-1], qo.lengths, np.zeros(5, np.int32), np.zeros(5, np.int32),
+                        kv_lens, spec.group, spec.tile_q)
+    pos, kvoff, _ = P.request_rows(qo, kv_lens)
+    order = P.longest_first(spec, work, pos, kvoff)
+    assert sorted(map(tuple, order)) == sorted(map(tuple, work))
+    # brute force: keys the tile's last fused row sees
+    keys = []
+    for qo_start, qo_len, row0, *_ in order:
+        qi = min(qo_len - 1, (row0 + spec.tile_q - 1) // spec.group)
+        keys.append(int(pos[qo_start + qi]) + 1)
+    assert keys == sorted(keys, reverse=True)
+    plain = P.make_spec("paged", "NHD", "f16", 16, 8, 2, Variant(), False)
+    assert P.longest_first(plain, work, pos, kvoff) is work

@@ -137,6 +137,8 @@ def jit_kernel(fn, **kw):
     dispatcher = cuda.jit(fn, **kw)
     key = stable_key(fn)
     if key is not None:
+        # launch bounds change the machine code but are not in the function's closure
+        key = hashlib.sha256((key + repr(sorted(kw.items()))).encode()).hexdigest()
         try:
             dispatcher._cache = _keyed_cache(dispatcher.py_func, key)
         except Exception as exc:  # pragma: no cover - numba-cuda internals moved

@@ -489,17 +489,22 @@ def core_tile(spec: KernelSpec):
     return tile
 
 
-def prefill_entry(tile):
+def _jit_entry(kernel, bounds):
+    return jit_kernel(kernel) if bounds is None else jit_kernel(kernel, launch_bounds=bounds)
+
+
+def prefill_entry(tile, bounds=None):
     """The ``__global__`` function around a kernel build's per-row body
-    ``tile(w, ...)``: one work row per CTA, ``grid = (rows, num_kv_heads)``."""
+    ``tile(w, ...)``: one work row per CTA, ``grid = (rows, num_kv_heads)``;
+    ``bounds`` = (threads, CTAs per SM) launch bounds, or None."""
     def kernel(q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
                block, n_keys, out, lse):
         tile(cuda.blockIdx.x, q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req,
              slopes, block, n_keys, out, lse)
-    return jit_kernel(kernel)
+    return _jit_entry(kernel, bounds)
 
 
-def persistent_entry(tile):
+def persistent_entry(tile, bounds=None):
     """A fixed grid of C CTAs per KV head walking work queues (SPEC section 5).
 
     ``grid = (C, num_kv_heads)``; CTA ``c`` runs rows ``cta_indptr[c] :
@@ -514,7 +519,7 @@ def persistent_entry(tile):
             tile(w, q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
                  block, n_keys, out, lse)
             cuda.syncthreads()          # the next row overwrites the shared tiles
-    return jit_kernel(kernel)
+    return _jit_entry(kernel, bounds)
 
 
 _KERNELS: dict = {}
@@ -539,7 +544,7 @@ def get_kernel(spec: KernelSpec):
     """Compiled-kernel cache keyed by the spec (a Variant with user functions hashes by identity)."""
     kern = _KERNELS.get(spec)
     if kern is None:
-        kern = prefill_entry(get_tile(spec))
+        kern = prefill_entry(get_tile(spec), CC.launch_bounds(spec))
         _KERNELS[spec] = kern
     return kern
 
@@ -549,7 +554,7 @@ def get_persistent_kernel(spec: KernelSpec):
     key = ("persistent", spec)
     kern = _KERNELS.get(key)
     if kern is None:
-        kern = persistent_entry(get_tile(spec))
+        kern = persistent_entry(get_tile(spec), CC.launch_bounds(spec))
         _KERNELS[key] = kern
     return kern
 
@@ -616,12 +621,36 @@ def launch(spec: KernelSpec, q, k_src, v_src, kv_indices: np.ndarray, work: np.n
     if len(work) == 0:
         return
     kernel = get_kernel(spec)
+    work = longest_first(spec, work, row_pos, row_kvoff)
     slopes = alibi_slopes(spec.num_qo_heads) if spec.variant.has_alibi else np.zeros(spec.num_qo_heads, np.float32)
     idx = kv_indices if len(kv_indices) else np.zeros(1, np.int32)
     meta = [A.device_meta(x, x, stream) for x in (idx, work, row_pos, row_kvoff, row_req)]
     args = (q, k_src, v_src, *meta, cuda.to_device(slopes, stream=stream), np.int32(block), np.int32(n_keys),
             out, lse)
     enqueue(kernel, (len(work), num_kv_heads), spec.threads, stream, args)
+
+
+# Benchmarks switch the order off to time build_work's own order.
+LONGEST_FIRST = True
+
+
+def longest_first(spec: KernelSpec, work: np.ndarray, row_pos, row_kvoff) -> np.ndarray:
+    """Causal work rows in launch order, most keys first (stable).
+
+    CTAs start in ``blockIdx.x`` order, and :func:`build_work` lists a causal
+    request's query tiles shortest first, so the longest tiles would start
+    last and run alone at the end of the grid; starting them first is the LPT
+    rule of SPEC section 5.  Rows are independent, so the order changes no
+    result.  Other masks keep the list's order."""
+    if not (LONGEST_FIRST and spec.variant.causal) or spec.mode == "bsr" or len(work) < 2:
+        return work
+    if not (isinstance(row_pos, np.ndarray) and isinstance(row_kvoff, np.ndarray)):
+        return work
+    qo_start, qo_len, row0 = (work[:, i].astype(np.int64) for i in range(3))
+    last_q = qo_start + np.minimum(qo_len - 1, (row0 + spec.tile_q - 1) // spec.group)
+    last_key = row_pos[last_q].astype(np.int64) - row_kvoff[last_q] + 1     # keys the tile's last row sees
+    keys = np.clip(np.minimum(work[:, 6], last_key) - work[:, 5], 0, None)
+    return work[np.argsort(-keys, kind="stable")]
 
 
 _RECORDING: list | None = None

@@ -93,8 +93,8 @@ from .primitives import (SHARED_ALIGN, SIMULATOR, bf16x2_to_f32, device_fn, elem
                          f16x2_to_f32, f32_as_u32, ld_v4, shfl_xor_f32, st_v4, u32_as_f32)
 from .variants import LOG2E, sigmoid_weight
 
-__all__ = ["cuda_core_tiles", "cuda_core_tile", "covers", "ENABLED", "LANE_GRIDS", "POLICY", "UNROLL",
-           "PREFETCH_MAX_CHUNKS"]
+__all__ = ["cuda_core_tiles", "cuda_core_tile", "covers", "launch_bounds", "ENABLED", "LANE_GRIDS", "POLICY",
+           "UNROLL", "PREFETCH_MAX_CHUNKS", "MIN_BLOCKS"]
 
 # Lane grids (RG x CG lanes per warp) a tile can take, and rows per lane.
 # GPU: 32-lane warps of 4 x 8 lanes (16 rows per warp, 16 dims of O per
@@ -113,6 +113,11 @@ UNROLL = (8, 4)
 PREFETCH_MAX_CHUNKS = 4
 # Benchmarks switch the path off to time the scalar core_tile on the same build route.
 ENABLED = True
+# CTAs per SM asked of ptxas as launch bounds (None: no bound).  The "rows"
+# shape needs 172 registers, so only two 128-thread CTAs fit an SM's 64K
+# registers; a bound of three caps it at 168 (ptxas, sm_90: 8 bytes spilled,
+# outside the key loop) and lets a third CTA's warps hide shared-load latency.
+MIN_BLOCKS = 3
 
 ELEMS_PER_16B = {"f16": 8, "bf16": 8, "f32": 4}
 
@@ -183,6 +188,13 @@ def _shape_of(spec):
 def covers(spec) -> bool:
     """True when ``spec`` was sized for this tile (``kernel_tiles`` chose it)."""
     return _shape_of(spec) is not None
+
+
+def launch_bounds(spec):
+    """``(threads, MIN_BLOCKS)`` for a spec this tile covers, else None."""
+    if MIN_BLOCKS is None or not covers(spec):
+        return None
+    return spec.threads, MIN_BLOCKS
 
 
 for _d in (32, 64, 96, 128, 256):
