@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The next device session, in priority order: what changed after the last GPU runs
-# (session 3 ended with these untested on a GPU) first, then the re-measurements the
-# committed result files need.
-#   t_heads     the group-of-3 head test (tensor-core tiles' head fix) + the prefill GPU tests
-#   decode      benchmarks/gpu_decode.py on the final code (merge launch at batch 1,
-#               split_runner, 8-warp small-batch shape)           -> $OUT/decode*.json
-#   prefill_cc  benchmarks/gpu_prefill_cc.py with the 'wide' lane shape beside the default
-#                                                                  -> $OUT/prefill_cuda_core.json
-#   prefill     benchmarks/gpu_prefill.py (cascade at the committed CTAs/SM default,
-#               flat decode through split_runner, _timing helpers) -> $OUT/prefill.json, cascade.json
+# One device session after CPU-side changes, in priority order (a time-out keeps the
+# earlier steps' files):
+#   t_gpu       GPU tests of the merge (one-round form), decode, sparse/cascade and the
+#               prefill launch order
+#   decode_b1   benchmarks/gpu_decode_b1.py: batch-1 split decode taken apart
+#               (kernel, merge forms, totals)                      -> $OUT/decode_b1.json
+#   decode      benchmarks/gpu_decode.py, quick                     -> $OUT/decode*.json
+#   prefill     benchmarks/gpu_prefill.py (tensor-core prefill with longest-first
+#               causal order, page size, cascade with the one-round merge)
+#                                                                  -> $OUT/prefill.json, cascade.json
 # Usage on the device:  bash benchmarks/gpu_verify.sh   (OUT set by the device tool)
 set -u
 export PYTHONPATH=$PWD
@@ -20,10 +20,10 @@ step() {
     echo "== $name ($(date +%T))"
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "rc=$?" >> "$OUT/$name.log"
-    grep -E "passed|failed|error|rc=|TFLOP|speedup|correctness|total" "$OUT/$name.log" | tail -10
+    grep -E "passed|failed|error|rc=|TFLOP|speedup|correctness|total| us " "$OUT/$name.log" | tail -14
 }
-step t_heads 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_prefill.py \
-    -k "group_of_three or gpu_pipelined"
-step decode 240 env NBATTN_BUDGET_S=220 NBATTN_QUICK=1 python3 benchmarks/gpu_decode.py
-step prefill_cc 200 env BUDGET_S=180 ALT=1 ALT_POLICY=wide python3 benchmarks/gpu_prefill_cc.py
+step t_gpu 240 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_merge.py tests/test_cuda_decode.py \
+    tests/test_cuda_sparse_cascade.py "tests/test_cuda_prefill.py::test_causal_work_starts_longest_first"
+step decode_b1 150 python3 benchmarks/gpu_decode_b1.py
+step decode 230 env NBATTN_BUDGET_S=200 NBATTN_QUICK=1 python3 benchmarks/gpu_decode.py
 step prefill 300 python3 benchmarks/gpu_prefill.py

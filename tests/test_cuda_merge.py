@@ -98,12 +98,16 @@ def test_merge_errors_name_the_argument():
         C.merge_state_in_place(v, s, v, s, mask=np.ones(2, bool))
 
 
-@pytest.mark.parametrize("n_parts,head_dim", [(37, 8), (3, 12), (1, 8)])
-def test_merge_partials_matches_fold_and_is_deterministic(n_parts, head_dim):
+@pytest.mark.parametrize("n_parts,head_dim,few", [(37, 8, False), (3, 12, False), (1, 8, False),
+                                                  (32, 8, True), (9, 12, True), (1, 8, True)])
+def test_merge_partials_matches_fold_and_is_deterministic(n_parts, head_dim, few, monkeypatch):
     """run_merge_partials (two passes: LSE tree, then weighted sums over partial
-    streams) equals the golden left fold, keeps the empty-state rule, and gives
-    bitwise the same output when run again."""
+    streams; or, told at most 32 partials a merge, the one-round warp form)
+    equals the golden left fold, keeps the empty-state rule, and gives bitwise
+    the same output when run again."""
+    from nbattn.cuda import merge
     from nbattn.cuda.merge import MergeMap, run_merge_partials
+    monkeypatch.setattr(merge, "FEW_FORM", few)
     rng = np.random.default_rng([24, n_parts, head_dim])
     rows, heads = 3, 2
     v, s = states(rng, (rows * n_parts, heads), empty_frac=0.3)
@@ -119,7 +123,7 @@ def test_merge_partials_matches_fold_and_is_deterministic(n_parts, head_dim):
     for _ in range(2):
         o, lse = cuda.to_device(np.full((rows, heads, head_dim), np.nan, np.float32)), \
             cuda.to_device(np.full((rows, heads), np.nan, np.float32))
-        run_merge_partials(po, pl, mmap, o, lse, code="f32")
+        run_merge_partials(po, pl, mmap, o, lse, code="f32", max_partials=n_parts if few else None)
         outs.append((o.copy_to_host(), lse.copy_to_host()))
     ro, rlse = R.merge_states(v.reshape(rows, n_parts, heads, head_dim), s.reshape(rows, n_parts, heads))
     (o, lse), (o2, lse2) = outs

@@ -106,9 +106,11 @@ def cascade(q, levels, paged_kv_cache, *, kv_layout: str = "NHD", return_lse: bo
         for pkv, work, kvoff, blocks in plans:
             _launch(spec, blocks, dq, cache, pkv.paged_kv_indices, work, row_pos, kvoff, row_req,
                     dims.page_size, dims.num_kv_heads, states_o, states_lse, stream)
-        merge_map = M.MergeMap(*(A.device_meta(x, x, stream) for x in _merge_map(states, rows)))
+        host_map = _merge_map(states, rows)
+        merge_map = M.MergeMap(*(A.device_meta(x, x, stream) for x in host_map))
         kernel, grid, threads, args = M.merge_partials_launch(
-            states_o, states_lse, merge_map, outs.d_out, outs.d_lse, code=kind, use_sigmoid=var.use_sigmoid)
+            states_o, states_lse, merge_map, outs.d_out, outs.d_lse, code=kind, use_sigmoid=var.use_sigmoid,
+            max_partials=int(np.diff(host_map[0]).max()))
         P.enqueue(kernel, grid, threads, stream, args)
     return outs.finish()
 

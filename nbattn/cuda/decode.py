@@ -625,11 +625,12 @@ def split_runner(p: DecodeProblem, kv_chunk_size: int | None) -> Callable[[], No
     if n_slots == 0:
         return lambda: run_decode_work(p, work, po, pl)
     mmap = MergeMap(*_upload(p.stream, m_indptr, m_row, m_slots))
+    most = int(np.diff(m_indptr).max())
 
     def run() -> None:
         run_decode_work(p, work, po, pl)
         run_merge_partials(po, pl, mmap, p.out_dev, p.lse_dev, code=p.code,
-                           use_sigmoid=p.variant.use_sigmoid, stream=p.stream)
+                           use_sigmoid=p.variant.use_sigmoid, max_partials=most, stream=p.stream)
     return run
 
 

@@ -27,7 +27,7 @@ Internal entry point for split-KV runs (decode now; the scheduler's run() and
 the prefill/cascade kernels later):
     MergeMap(merge_indptr, merge_row, merge_slots)   device int32 arrays (CSR)
     run_merge_partials(partial_o, partial_lse, merge_map, out, lse, *, code,
-                       use_sigmoid=False, stream=0)
+                       use_sigmoid=False, max_partials=None, stream=0)
         out[merge_row[m], h, :] / lse[merge_row[m], h] <- fold over slots
         merge_slots[merge_indptr[m]:merge_indptr[m+1]] of partial_o[slot, h, :]
         (float32 [slots, H, D]) and partial_lse[slot, h] (float32 [slots, H]);
@@ -57,7 +57,7 @@ from ..layout import LayoutError, dtype_of, to_numpy
 from ..reference.state import AttentionState
 from . import _arrays as A
 from ._driver import jit_kernel
-from .primitives import SIMULATOR, device_fn, element_io, ld_v4
+from .primitives import SIMULATOR, device_fn, element_io, ld_v4, shfl_idx_f32, shfl_xor_f32
 
 __all__ = ["merge_state", "merge_states", "merge_state_in_place", "MergeMap", "run_merge_partials",
            "merge_partials_launch", "run_merge_tiles", "tile_merge_kernel", "merge_weights"]
@@ -241,28 +241,145 @@ def _partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, thre
     return _kernels[key]
 
 
+# Most partials per merge the one-round form (:func:`_few_partials_kernel`) takes: one per lane.
+FEW_PARTIALS = 32
+# Whether callers' max_partials may pick that form.  Off in the simulator, where each of its
+# 32-lane warps is 32 Python threads and every shuffle two block barriers (minutes per decode
+# test); tests/test_cuda_merge.py turns it on to check the form there.
+FEW_FORM = not SIMULATOR
+
+
+def _few_partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, streams: int, cap: int):
+    """:func:`_partials_kernel` for merges of at most ``cap <= FEW_PARTIALS`` partials,
+    shaped for latency (batch-1 split decode, the cascade's few levels): the
+    launch sits between the decode kernel and the answer, so what counts is the
+    chain of dependent loads, not bandwidth.
+
+    One CTA per (merge, head), ``streams`` warps.  Every warp reads the LSEs
+    itself, lane ``j`` the LSE of partial ``j``, and gets the row's max and mass
+    by xor shuffles: no shared-memory tree, no barrier.  Warp ``ks`` then sums
+    partials ``ks, ks + streams, ...`` (all their loads issued before the first
+    is used; each weight comes from the lane that read its LSE), and the
+    streams' sums meet in shared memory, added in stream order.  Chain: merge
+    bounds, slots, then the LSE and output loads side by side -- three rounds.
+    Orders are fixed by the thread layout: equal inputs give bitwise equal
+    outputs; a row whose partials are all empty gets o = 0, LSE = -inf."""
+    key = ("few", code, head_dim, use_sigmoid, vec, streams, cap)
+    if key in _kernels:
+        return _kernels[key]
+    D, VW, KS, SIGMOID = head_dim, vec, streams, use_sigmoid
+    DL = D // VW                       # vectors per row
+    XPL = -(-DL // 32)                 # vectors per lane
+    PPS = -(-cap // KS)                # most partials per stream
+    NB = 32 * KS
+    RED, OV, ACC = KS * D, PPS * XPL * VW, XPL * VW     # array sizes must be plain constants
+    _, store_elem, _ = element_io(code)
+
+    @device_fn
+    def load_vec(part, i, dst, off):
+        if VW == 4:
+            a, b, c, d = ld_v4(part, i)
+            dst[off] = a
+            dst[off + 1] = b
+            dst[off + 2] = c
+            dst[off + 3] = d
+        else:
+            dst[off] = part[i]
+
+    def kernel(part_o, part_lse, merge_indptr, merge_row, merge_slots, out, lse, num_heads):
+        red = cuda.shared.array(RED, np.float32)
+        ov = cuda.local.array(OV, np.float32)
+        acc = cuda.local.array(ACC, np.float32)
+        m = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        ks = tid // 32
+        row = merge_row[m]
+        first = merge_indptr[m]
+        n = merge_indptr[m + 1] - first
+
+        # outputs of my stream's partials, loads in flight together with the LSEs
+        for i in range(PPS):
+            j = ks + KS * i
+            slot = int64(merge_slots[first + j]) if j < n else int64(0)
+            for xi in range(XPL):
+                x = lane + 32 * xi
+                for e in range(VW):
+                    ov[(i * XPL + xi) * VW + e] = 0.0
+                if j < n and x < DL:
+                    load_vec(part_o, (slot * num_heads + h) * D + x * VW, ov, (i * XPL + xi) * VW)
+        lk = NEG_INF
+        if lane < n:
+            lk = part_lse[int64(merge_slots[first + lane]) * num_heads + h]
+        mx = lk
+        for b in range(5):
+            mx = max(mx, shfl_xor_f32(mx, 1 << b))
+        mass = float32(0.0) if lk == NEG_INF else float32(math.exp2(lk - mx))
+        for b in range(5):
+            mass += shfl_xor_f32(mass, 1 << b)
+        inv = float32(0.0) if mx == NEG_INF else float32(1.0) / mass
+
+        for e in range(ACC):
+            acc[e] = 0.0
+        for i in range(PPS):
+            lj = shfl_idx_f32(lk, (ks + KS * i) % 32)      # every lane calls it (simulator: block-wide)
+            w = float32(1.0) if SIGMOID else (float32(0.0) if lj == NEG_INF
+                                             else float32(math.exp2(lj - mx)) * inv)
+            if ks + KS * i < n:
+                for e in range(ACC):
+                    acc[e] += w * ov[i * ACC + e]
+        for xi in range(XPL):
+            x = lane + 32 * xi
+            if x < DL:
+                for e in range(VW):
+                    red[ks * D + x * VW + e] = acc[xi * VW + e]
+        cuda.syncthreads()
+        for d in range(tid, D, NB):
+            o = float32(0.0)
+            for j in range(KS):
+                o += red[j * D + d]
+            store_elem(out, (int64(row) * num_heads + h) * D + d, o)
+        if tid == 0:
+            if SIGMOID:
+                lse[int64(row) * num_heads + h] = float32(math.nan)
+            else:
+                lse[int64(row) * num_heads + h] = NEG_INF if mx == NEG_INF else mx + math.log2(mass)
+
+    _kernels[key] = _jit(kernel)
+    return _kernels[key]
+
+
 def merge_partials_launch(partial_o, partial_lse, merge_map: MergeMap, out, lse, *, code: str,
-                          use_sigmoid: bool = False):
+                          use_sigmoid: bool = False, max_partials: int | None = None):
     """``(kernel, grid, threads, args)`` of :func:`run_merge_partials`; None when
-    there is nothing to merge."""
+    there is nothing to merge.  ``max_partials`` (the most partials any merge
+    has, when the caller knows it) picks the one-round form for up to
+    ``FEW_PARTIALS``."""
     m = int(merge_map.merge_row.shape[0])
     if m == 0:
         return None
     num_heads, head_dim = int(partial_o.shape[1]), int(partial_o.shape[2])
     po = A.flat(partial_o)
     vec = 4 if head_dim % 4 == 0 and (SIMULATOR or po.__cuda_array_interface__["data"][0] % 16 == 0) else 1
-    nb = _partials_threads(int(partial_o.shape[0]) / m)
-    k = _partials_kernel(code, head_dim, bool(use_sigmoid), vec, nb)
+    if FEW_FORM and max_partials is not None and max_partials <= FEW_PARTIALS:
+        cap = 1 << max(1, int(max_partials) - 1).bit_length()     # builds for 2, 4, ..., 32
+        streams = 1 if cap <= 2 else (2 if cap <= 4 else 4)
+        k = _few_partials_kernel(code, head_dim, bool(use_sigmoid), vec, streams, cap)
+        nb = 32 * streams
+    else:
+        nb = _partials_threads(int(partial_o.shape[0]) / m)
+        k = _partials_kernel(code, head_dim, bool(use_sigmoid), vec, nb)
     return k, (m, num_heads), nb, (
         po, A.flat(partial_lse), merge_map.merge_indptr, merge_map.merge_row,
         merge_map.merge_slots, A.flat(out), A.flat(lse), num_heads)
 
 
 def run_merge_partials(partial_o, partial_lse, merge_map: MergeMap, out, lse, *, code: str,
-                       use_sigmoid: bool = False, stream=0) -> None:
+                       use_sigmoid: bool = False, max_partials: int | None = None, stream=0) -> None:
     """Fold partial slots into final rows (see module doc). Asynchronous on ``stream``."""
     launch = merge_partials_launch(partial_o, partial_lse, merge_map, out, lse, code=code,
-                                   use_sigmoid=use_sigmoid)
+                                   use_sigmoid=use_sigmoid, max_partials=max_partials)
     if launch is not None:
         kernel, grid, threads, args = launch
         kernel[grid, threads, stream](*args)

@@ -1,0 +1,113 @@
+"""Batch-1 split decode on the GPU, taken apart: where the microseconds go.
+
+    PYTHONPATH=$PWD python3 benchmarks/gpu_decode_b1.py      (writes $OUT/decode_b1.json)
+
+Shape of issue 3's batch-1 target: 1 x 32k keys, fp16, head_dim 128, 32 query
+heads, 8 or 4 KV heads, page size 16, the default path and chunk
+(``decode.choose_chunk``).  All times are CUDA-graph replays (``_timing.graph_ms``)
+in one process, beside the device copy bandwidth measured first:
+
+* ``total``: decode kernel + merge launch, as ``batch_decode_paged`` runs them,
+  with the one-round merge (``merge.FEW_FORM``) and with the two-pass merge;
+* ``kernel``: the decode kernel alone (partials written, no merge);
+* ``merge``: each merge form alone, over the partials the kernel wrote.
+
+The default total's output is checked against torch math on the same pages,
+and the two merge forms' outputs against each other.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+
+import numpy as np
+import torch
+from numba import cuda
+
+sys.path.insert(0, os.path.dirname(__file__))
+import gpu_decode as G  # noqa: E402  (copy bandwidth, inputs, timing, dense check)
+from nbattn.cuda import decode as DEC  # noqa: E402
+from nbattn.cuda import merge as MRG  # noqa: E402
+from nbattn.perf import results  # noqa: E402
+
+OUT = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+
+
+def on_torch_stream(p, fn):
+    def run():
+        p.stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+        fn()
+    return run
+
+
+def case(hkv: int, copy_bw: float) -> list:
+    hq, d, ps, L = 32, 128, 16, 32768
+    q, cache, indptr, indices, last = G.make_case_fast(np.array([L]), ps, hkv, d)
+    meta = [torch.from_numpy(a).cuda() for a in (indptr, indices, last)]
+    nbytes = 2 * d * (hq * 2 + 2 * L * hkv)
+    p = DEC.prepare_decode(q, cache, *meta, return_lse=True)
+    chunk = DEC.choose_chunk(p)
+    cfg = p.config()
+    (cta_indptr, req, ks, ke, slot, m_indptr, m_row, m_slots, n_slots) = DEC.split_work(p.kv_lens, chunk)
+    work = DEC.WorkList(*DEC._upload(p.stream, cta_indptr, req, ks, ke, slot))
+    po = cuda.device_array((n_slots, hq, d), np.float32)
+    pl = cuda.device_array((n_slots, hq), np.float32)
+    mmap = MRG.MergeMap(*DEC._upload(p.stream, m_indptr, m_row, m_slots))
+    most = int(np.diff(m_indptr).max())
+    base = dict(batch=1, kv_len=L, num_qo_heads=hq, num_kv_heads=hkv, group=hq // hkv, head_dim=d,
+                page_size=ps, dtype="f16", path=cfg.path, kv_chunk=chunk, partials=most,
+                warps=cfg.nthreads // 32, min_blocks=cfg.min_blocks)
+    recs, outs = [], {}
+
+    def timed(part, fn, **extra):
+        ms, graphed = G.bench(on_torch_stream(p, fn))
+        us = ms * 1e3
+        frac = nbytes / (ms * 1e-3) / 1e9 / copy_bw
+        recs.append(dict(case=dict(base, part=part, **extra), metric="latency_us", value=us, unit="us",
+                         peers={}, graphed=graphed, bw_fraction=frac))
+        G.log(f"hkv={hkv} {part:22s} {us:7.2f} us  ({frac:.3f} of copy bw) chunk {chunk} partials {most}")
+        return us
+
+    for few in (True, False):
+        MRG.FEW_FORM = few
+        run = DEC.split_runner(p, chunk)
+        timed("total", run, merge="one_round" if few else "two_pass")
+        p.out_user.fill_(float("nan"))          # poisoned: the check below sees every element written
+        on_torch_stream(p, run)()
+        torch.cuda.synchronize()
+        outs[few] = p.out_user.float().clone()
+    MRG.FEW_FORM = True
+    err = G.dense_check(p, q, cache, indptr, indices, 1, L, hkv, ps, d, rows=1)
+    same = float((outs[True] - outs[False]).abs().max())
+    recs.append(dict(case=dict(base, part="check"), metric="max_abs_err_vs_torch", value=err, unit="",
+                     peers={"two_pass_vs_one_round_max_abs_diff": same}))
+    G.log(f"hkv={hkv} check: max|err| vs torch {err:.2e}, one-round vs two-pass merge {same:.2e}")
+    timed("kernel", lambda: DEC.run_decode_work(p, work, po, pl))
+    for few in (True, False):
+        MRG.FEW_FORM = few
+        timed("merge", lambda: MRG.run_merge_partials(po, pl, mmap, p.out_dev, p.lse_dev, code=p.code,
+                                                      max_partials=most, stream=p.stream),
+              merge="one_round" if few else "two_pass")
+    MRG.FEW_FORM = True
+    return recs
+
+
+def main():
+    os.makedirs(OUT, exist_ok=True)
+    bw = G.copy_bandwidth()
+    copy_bw = max(bw.values())
+    G.log("copy bandwidth GB/s", {k: round(v) for k, v in bw.items()})
+    recs = []
+    for hkv in (8, 4):
+        recs += case(hkv, copy_bw)
+    results.write_suite(
+        "decode_b1", recs, gpu=torch.cuda.get_device_name(),
+        command="PYTHONPATH=$PWD python3 benchmarks/gpu_decode_b1.py",
+        versions={"torch": torch.__version__, "numpy": np.__version__, "python": platform.python_version()},
+        date=datetime.date.today().isoformat(), root=OUT, copy_bandwidth_GBps=copy_bw)
+
+
+if __name__ == "__main__":
+    main()
