@@ -22,10 +22,12 @@ step() {
     echo "rc=$?" >> "$OUT/$name.log"
     grep -E "passed|failed|error|rc=|TFLOP|speedup|correctness|total| us " "$OUT/$name.log" | tail -14
 }
-STEPS=${STEPS:-"t_gpu decode_b1 decode prefill"}    # the device tool allows 600 s a call: split them
+STEPS=${STEPS:-"t_gpu decode_b1 decode prefill decode_correct"}    # the device tool allows 600 s a call: split them
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 has t_gpu && step t_gpu 180 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_merge.py tests/test_cuda_decode.py \
     tests/test_cuda_sparse_cascade.py "tests/test_cuda_prefill.py::test_causal_work_starts_longest_first"
 has decode_b1 && step decode_b1 140 python3 benchmarks/gpu_decode_b1.py
 has decode && step decode 220 env NBATTN_BUDGET_S=190 NBATTN_QUICK=1 python3 benchmarks/gpu_decode.py
 has prefill && step prefill 300 python3 benchmarks/gpu_prefill.py
+# correctness cases start while 200 s of the budget are left: 385 - 200 = 185 s of cases
+has decode_correct && step decode_correct 195 env NBATTN_BUDGET_S=385 NBATTN_QUICK=1 python3 benchmarks/gpu_decode.py correct

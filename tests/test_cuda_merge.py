@@ -99,10 +99,11 @@ def test_merge_errors_name_the_argument():
 
 
 @pytest.mark.parametrize("n_parts,head_dim,few", [(37, 8, False), (3, 12, False), (1, 8, False),
-                                                  (32, 8, True), (9, 12, True), (1, 8, True)])
+                                                  (32, 8, True), (9, 12, True), (1, 8, True),
+                                                  (41, 8, True)])
 def test_merge_partials_matches_fold_and_is_deterministic(n_parts, head_dim, few, monkeypatch):
     """run_merge_partials (two passes: LSE tree, then weighted sums over partial
-    streams; or, told at most 32 partials a merge, the one-round warp form)
+    streams; or, told at most 64 partials a merge, the one-round warp form)
     equals the golden left fold, keeps the empty-state rule, and gives bitwise
     the same output when run again."""
     from nbattn.cuda import merge

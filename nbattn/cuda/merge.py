@@ -241,8 +241,8 @@ def _partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, thre
     return _kernels[key]
 
 
-# Most partials per merge the one-round form (:func:`_few_partials_kernel`) takes: one per lane.
-FEW_PARTIALS = 32
+# Most partials per merge the one-round form (:func:`_few_partials_kernel`) takes: two per lane.
+FEW_PARTIALS = 64
 # Whether callers' max_partials may pick that form.  Off in the simulator, where each of its
 # 32-lane warps is 32 Python threads and every shuffle two block barriers (minutes per decode
 # test); tests/test_cuda_merge.py turns it on to check the form there.
@@ -256,8 +256,8 @@ def _few_partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, 
     chain of dependent loads, not bandwidth.
 
     One CTA per (merge, head), ``streams`` warps.  Every warp reads the LSEs
-    itself, lane ``j`` the LSE of partial ``j``, and gets the row's max and mass
-    by xor shuffles: no shared-memory tree, no barrier.  Warp ``ks`` then sums
+    itself, lane ``j`` the LSEs of partials ``j`` and ``j + 32``, and gets the
+    row's max and mass by xor shuffles: no shared-memory tree, no barrier.  Warp ``ks`` then sums
     partials ``ks, ks + streams, ...`` (all their loads issued before the first
     is used; each weight comes from the lane that read its LSE), and the
     streams' sums meet in shared memory, added in stream order.  Chain: merge
@@ -271,6 +271,7 @@ def _few_partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, 
     DL = D // VW                       # vectors per row
     XPL = -(-DL // 32)                 # vectors per lane
     PPS = -(-cap // KS)                # most partials per stream
+    TWO = cap > 32                     # a second LSE per lane
     NB = 32 * KS
     RED, OV, ACC = KS * D, PPS * XPL * VW, XPL * VW     # array sizes must be plain constants
     _, store_elem, _ = element_io(code)
@@ -310,12 +311,17 @@ def _few_partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, 
                 if j < n and x < DL:
                     load_vec(part_o, (slot * num_heads + h) * D + x * VW, ov, (i * XPL + xi) * VW)
         lk = NEG_INF
+        lk2 = NEG_INF
         if lane < n:
             lk = part_lse[int64(merge_slots[first + lane]) * num_heads + h]
-        mx = lk
+        if TWO and lane + 32 < n:
+            lk2 = part_lse[int64(merge_slots[first + lane + 32]) * num_heads + h]
+        mx = max(lk, lk2)
         for b in range(5):
             mx = max(mx, shfl_xor_f32(mx, 1 << b))
         mass = float32(0.0) if lk == NEG_INF else float32(math.exp2(lk - mx))
+        if lk2 != NEG_INF:
+            mass += float32(math.exp2(lk2 - mx))
         for b in range(5):
             mass += shfl_xor_f32(mass, 1 << b)
         inv = float32(0.0) if mx == NEG_INF else float32(1.0) / mass
@@ -323,10 +329,11 @@ def _few_partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, 
         for e in range(ACC):
             acc[e] = 0.0
         for i in range(PPS):
-            lj = shfl_idx_f32(lk, (ks + KS * i) % 32)      # every lane calls it (simulator: block-wide)
+            j = ks + KS * i                                 # the same in every lane of the warp
+            lj = shfl_idx_f32(lk if j < 32 else lk2, j % 32)  # every lane calls it (simulator: block-wide)
             w = float32(1.0) if SIGMOID else (float32(0.0) if lj == NEG_INF
                                              else float32(math.exp2(lj - mx)) * inv)
-            if ks + KS * i < n:
+            if j < n:
                 for e in range(ACC):
                     acc[e] += w * ov[i * ACC + e]
         for xi in range(XPL):
@@ -363,8 +370,8 @@ def merge_partials_launch(partial_o, partial_lse, merge_map: MergeMap, out, lse,
     po = A.flat(partial_o)
     vec = 4 if head_dim % 4 == 0 and (SIMULATOR or po.__cuda_array_interface__["data"][0] % 16 == 0) else 1
     if FEW_FORM and max_partials is not None and max_partials <= FEW_PARTIALS:
-        cap = 1 << max(1, int(max_partials) - 1).bit_length()     # builds for 2, 4, ..., 32
-        streams = 1 if cap <= 2 else (2 if cap <= 4 else 4)
+        cap = 1 << max(1, int(max_partials) - 1).bit_length()     # builds for 2, 4, ..., 64
+        streams = 1 if cap <= 2 else (2 if cap <= 4 else (4 if cap <= 32 else 8))
         k = _few_partials_kernel(code, head_dim, bool(use_sigmoid), vec, streams, cap)
         nb = 32 * streams
     else:
