@@ -8,12 +8,15 @@ heads, 8 or 4 KV heads, page size 16, the default path and chunk
 in one process, beside the device copy bandwidth measured first:
 
 * ``total``: decode kernel + merge launch, as ``batch_decode_paged`` runs them,
-  with the one-round merge (``merge.FEW_FORM``) and with the two-pass merge;
+  with the one-round merge launched programmatically (``merge.FEW_PROGRAMMATIC``:
+  it starts during the decode kernel and waits for its partials), launched
+  plainly, and with the two-pass merge;
 * ``kernel``: the decode kernel alone (partials written, no merge);
 * ``merge``: each merge form alone, over the partials the kernel wrote.
 
-The default total's output is checked against torch math on the same pages,
-and the two merge forms' outputs against each other.
+Each total's output is poisoned first and checked fully written; the
+outputs of the merge forms are compared with each other and the last one
+with torch math on the same pages.
 """
 from __future__ import annotations
 
@@ -70,27 +73,32 @@ def case(hkv: int, copy_bw: float) -> list:
         G.log(f"hkv={hkv} {part:22s} {us:7.2f} us  ({frac:.3f} of copy bw) chunk {chunk} partials {most}")
         return us
 
-    for few in (True, False):
-        MRG.FEW_FORM = few
+    forms = (("one_round_programmatic", True, True), ("one_round", True, False), ("two_pass", False, False))
+
+    def use(form):
+        _, MRG.FEW_FORM, MRG.FEW_PROGRAMMATIC = form
+
+    for form in forms:
+        use(form)
         run = DEC.split_runner(p, chunk)
-        timed("total", run, merge="one_round" if few else "two_pass")
-        p.out_user.fill_(float("nan"))          # poisoned: the check below sees every element written
+        timed("total", run, merge=form[0])
+        p.out_user.fill_(float("nan"))          # poisoned: the checks below see every element written
         on_torch_stream(p, run)()
         torch.cuda.synchronize()
-        outs[few] = p.out_user.float().clone()
-    MRG.FEW_FORM = True
+        outs[form[0]] = p.out_user.float().clone()
+    use(forms[0])
     err = G.dense_check(p, q, cache, indptr, indices, 1, L, hkv, ps, d, rows=1)
-    same = float((outs[True] - outs[False]).abs().max())
+    diffs = {f"{k}_vs_two_pass_max_abs_diff": float((v - outs["two_pass"]).abs().max()) for k, v in outs.items()}
+    written = {f"{k}_all_written": bool(torch.isfinite(v).all()) for k, v in outs.items()}
     recs.append(dict(case=dict(base, part="check"), metric="max_abs_err_vs_torch", value=err, unit="",
-                     peers={"two_pass_vs_one_round_max_abs_diff": same}))
-    G.log(f"hkv={hkv} check: max|err| vs torch {err:.2e}, one-round vs two-pass merge {same:.2e}")
+                     peers={}, **diffs, **written))
+    G.log(f"hkv={hkv} check: max|err| vs torch {err:.2e} (last run: two-pass), {diffs}, {written}")
     timed("kernel", lambda: DEC.run_decode_work(p, work, po, pl))
-    for few in (True, False):
-        MRG.FEW_FORM = few
+    for form in forms:
+        use(form)
         timed("merge", lambda: MRG.run_merge_partials(po, pl, mmap, p.out_dev, p.lse_dev, code=p.code,
-                                                      max_partials=most, stream=p.stream),
-              merge="one_round" if few else "two_pass")
-    MRG.FEW_FORM = True
+                                                      max_partials=most, stream=p.stream), merge=form[0])
+    use(forms[0])
     return recs
 
 

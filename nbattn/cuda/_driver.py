@@ -146,6 +146,34 @@ def jit_kernel(fn, **kw):
     return dispatcher
 
 
+def launch_programmatic(dispatcher, griddim, blockdim, stream, args) -> bool:
+    """Launch ``dispatcher[griddim, blockdim, stream](*args)`` with programmatic stream
+    serialization (sm_90 programmatic dependent launch): the kernel may start while the
+    stream's previous kernel runs, and must call :func:`nbattn.cuda.mma.grid_dependency_wait`
+    before it reads anything that kernel writes.  numba's launch has no such option, so
+    this repeats its argument marshalling and launches through ``cuda.core`` with the
+    attribute.  Returns False, having launched nothing, in the simulator or where this
+    numba-cuda / cuda.core lacks a piece (the caller then launches plainly)."""
+    if SIMULATOR:
+        return False
+    try:
+        from cuda.core import LaunchConfig, launch
+
+        cfg = dispatcher[griddim, blockdim, stream]
+        kernel = dispatcher._compile_for_args(*args)
+        cufunc = kernel._codelibrary.get_cufunc()
+        retr, kernel_args = [], []
+        for ty, val in zip(kernel.argument_types, args):
+            kernel._prepare_args(ty, val, cfg.stream, retr, kernel_args)
+        config = LaunchConfig(grid=cfg.griddim, block=cfg.blockdim, shmem_size=0,
+                              programmatic_stream_serialization=True)
+    except Exception as exc:  # noqa: BLE001  (numba/cuda.core internals moved: plain launch)
+        log.info("nbattn: programmatic launch unavailable (%r)", exc)
+        return False
+    launch(cfg.stream, config, cufunc.kernel, *kernel_args)
+    return True
+
+
 def sm_count() -> int:
     if SIMULATOR:
         return 4

@@ -51,6 +51,7 @@ from numba import cuda, float32, int64, uint32
 from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f, load_v4,
                          shfl_idx_f32, shfl_xor_f32, st_v4)
 from ._driver import jit_kernel
+from .mma import grid_dependents_launch
 from .variants import LOG2E, variant_device_fns
 
 __all__ = ["warp_eligible", "warp_heads_per_cta", "build_warp_kernel", "warp_geometry", "tc_eligible",
@@ -197,6 +198,7 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
         sc = cuda.local.array(U, np.float32)
         xf = cuda.local.array(VEC, np.float32)
 
+        grid_dependents_launch()     # a programmatically launched merge may start its prologue now
         tid = cuda.threadIdx.x
         lane = tid % 32
         x = lane % NX                        # my chunk of head_dim
@@ -423,6 +425,7 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
         sc = cuda.local.array(4, np.float32)
         pg = cuda.local.array(2, np.int64)
 
+        grid_dependents_launch()     # a programmatically launched merge may start its prologue now
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32

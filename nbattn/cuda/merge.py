@@ -56,7 +56,8 @@ from numba import cuda, float32, int64
 from ..layout import LayoutError, dtype_of, to_numpy
 from ..reference.state import AttentionState
 from . import _arrays as A
-from ._driver import jit_kernel
+from ._driver import jit_kernel, launch_programmatic
+from .mma import grid_dependency_wait
 from .primitives import SIMULATOR, device_fn, element_io, ld_v4, shfl_idx_f32, shfl_xor_f32
 
 __all__ = ["merge_state", "merge_states", "merge_state_in_place", "MergeMap", "run_merge_partials",
@@ -247,6 +248,11 @@ FEW_PARTIALS = 64
 # 32-lane warps is 32 Python threads and every shuffle two block barriers (minutes per decode
 # test); tests/test_cuda_merge.py turns it on to check the form there.
 FEW_FORM = not SIMULATOR
+# Whether that form is launched with programmatic stream serialization (sm_90, PTX
+# griddepcontrol): its CTAs start while the kernel that writes the partials (the split
+# decode, which lets them start early) runs, read the merge map, and wait there for the
+# partials -- the merge's launch and first loads leave the critical path.
+FEW_PROGRAMMATIC = not SIMULATOR
 
 
 def _few_partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, streams: int, cap: int):
@@ -264,7 +270,7 @@ def _few_partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, 
     bounds, slots, then the LSE and output loads side by side -- three rounds.
     Orders are fixed by the thread layout: equal inputs give bitwise equal
     outputs; a row whose partials are all empty gets o = 0, LSE = -inf."""
-    key = ("few", code, head_dim, use_sigmoid, vec, streams, cap)
+    key = ("few", code, head_dim, use_sigmoid, vec, streams, cap, FEW_PROGRAMMATIC)
     if key in _kernels:
         return _kernels[key]
     D, VW, KS, SIGMOID = head_dim, vec, streams, use_sigmoid
@@ -272,6 +278,7 @@ def _few_partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, 
     XPL = -(-DL // 32)                 # vectors per lane
     PPS = -(-cap // KS)                # most partials per stream
     TWO = cap > 32                     # a second LSE per lane
+    PDL = FEW_PROGRAMMATIC             # launched programmatically: wait for the partials' writer
     NB = 32 * KS
     RED, OV, ACC = KS * D, PPS * XPL * VW, XPL * VW     # array sizes must be plain constants
     _, store_elem, _ = element_io(code)
@@ -291,6 +298,7 @@ def _few_partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, 
         red = cuda.shared.array(RED, np.float32)
         ov = cuda.local.array(OV, np.float32)
         acc = cuda.local.array(ACC, np.float32)
+        slots = cuda.local.array(PPS, np.int64)
         m = cuda.blockIdx.x
         h = cuda.blockIdx.y
         tid = cuda.threadIdx.x
@@ -299,23 +307,30 @@ def _few_partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, 
         row = merge_row[m]
         first = merge_indptr[m]
         n = merge_indptr[m + 1] - first
+        # the merge map is the host's, not the decode kernel's: read it before the wait
+        for i in range(PPS):
+            j = ks + KS * i
+            slots[i] = int64(merge_slots[first + j]) if j < n else int64(0)
+        s1 = int64(merge_slots[first + lane]) if lane < n else int64(0)
+        s2 = int64(merge_slots[first + lane + 32]) if TWO and lane + 32 < n else int64(0)
+        if PDL:
+            grid_dependency_wait()          # the partials are the previous kernel's
 
         # outputs of my stream's partials, loads in flight together with the LSEs
         for i in range(PPS):
             j = ks + KS * i
-            slot = int64(merge_slots[first + j]) if j < n else int64(0)
             for xi in range(XPL):
                 x = lane + 32 * xi
                 for e in range(VW):
                     ov[(i * XPL + xi) * VW + e] = 0.0
                 if j < n and x < DL:
-                    load_vec(part_o, (slot * num_heads + h) * D + x * VW, ov, (i * XPL + xi) * VW)
+                    load_vec(part_o, (slots[i] * num_heads + h) * D + x * VW, ov, (i * XPL + xi) * VW)
         lk = NEG_INF
         lk2 = NEG_INF
         if lane < n:
-            lk = part_lse[int64(merge_slots[first + lane]) * num_heads + h]
+            lk = part_lse[s1 * num_heads + h]
         if TWO and lane + 32 < n:
-            lk2 = part_lse[int64(merge_slots[first + lane + 32]) * num_heads + h]
+            lk2 = part_lse[s2 * num_heads + h]
         mx = max(lk, lk2)
         for b in range(5):
             mx = max(mx, shfl_xor_f32(mx, 1 << b))
@@ -354,6 +369,7 @@ def _few_partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, 
                 lse[int64(row) * num_heads + h] = NEG_INF if mx == NEG_INF else mx + math.log2(mass)
 
     _kernels[key] = _jit(kernel)
+    _kernels[key].programmatic = PDL       # only a kernel that waits may be launched so
     return _kernels[key]
 
 
@@ -389,7 +405,9 @@ def run_merge_partials(partial_o, partial_lse, merge_map: MergeMap, out, lse, *,
                                    use_sigmoid=use_sigmoid, max_partials=max_partials)
     if launch is not None:
         kernel, grid, threads, args = launch
-        kernel[grid, threads, stream](*args)
+        if not (getattr(kernel, "programmatic", False)
+                and launch_programmatic(kernel, grid, threads, stream, args)):
+            kernel[grid, threads, stream](*args)
 
 
 # ---------------------------------------------------------------------------

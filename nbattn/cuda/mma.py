@@ -247,3 +247,27 @@ if AVAILABLE:
         return sig, codegen
 else:
     movmatrix_t = _gpu_only
+
+
+# Programmatic dependent launch (sm_90, PTX griddepcontrol).  A kernel launched with
+# programmatic stream serialization (:func:`nbattn.cuda._driver.launch_programmatic`)
+# may start while the kernel before it on the stream still runs; ``grid_dependency_wait``
+# blocks until that kernel has finished and its writes are visible, so what comes before
+# the wait may only read data no earlier kernel writes.  ``grid_dependents_launch`` lets
+# such a follower start before this kernel ends.  Without a programmatic launch both do
+# nothing; in the simulator they are empty device functions.
+__all__ += ["grid_dependency_wait", "grid_dependents_launch"]
+
+if AVAILABLE:
+    grid_dependency_wait = _bare("griddepcontrol.wait;")
+    grid_dependents_launch = _bare("griddepcontrol.launch_dependents;")
+else:
+    from numba import cuda as _cuda
+
+    @_cuda.jit(device=True)
+    def grid_dependency_wait():
+        return None
+
+    @_cuda.jit(device=True)
+    def grid_dependents_launch():
+        return None
