@@ -613,7 +613,9 @@ def split_runner(p: DecodeProblem, kv_chunk_size: int | None) -> Callable[[], No
     """Upload the work list of fixed-size KV chunks (None: unsplit) and the
     partial buffers once; the returned function launches the decode and, for
     split requests, the merge of their partials in KV order, on ``p.stream`` as
-    it is when called (so it can be captured in a CUDA graph and replayed)."""
+    it is when called (so it can be captured in a CUDA graph and replayed).  The
+    merge of up to 64 partials a row is launched programmatically: it starts
+    while the decode kernel runs and waits for the partials on the device."""
     from .merge import MergeMap, run_merge_partials
 
     (cta_indptr, req, ks, ke, slot, m_indptr, m_row, m_slots, n_slots) = split_work(

@@ -32,13 +32,11 @@ lanes, R = 4, at head_dim 128 C = 2, so T_q = 64 fused rows, T_k = 16 keys,
 memory; an S step is 64 FMAs per 12 shared loads, a P V step 64 per 5.  This
 is the shape measured on the H200 (``benchmarks/gpu_prefill_cc.py``,
 ``benchmarks/results/prefill_cuda_core.json``).  ``"keys"`` (4 x 8 lanes,
-T_q 32 x T_k 32, 64 threads: 255 registers) measured slower; ``"wide"``
-(2 x 16 lanes, T_q 32 x T_k 32, 128 threads: 166 registers, no spills)
-comes from the same generator the simulator checks (at 2 x 4 lanes) and
-compiles for sm_90, but has not run on the GPU yet: half
-the rows per CTA means twice the CTAs, which a list-scheduling model of the
-launch (3 CTAs per SM) puts at 0.985 / 0.95 of the ideal for 1 x 8k x 8k
-full / causal against 0.94 / 0.90 for "rows".
+T_q 32 x T_k 32, 64 threads: 255 registers) measured slower, and so did
+``"wide"`` (2 x 16 lanes, T_q 32 x T_k 32, 128 threads: 166 registers, no
+spills): 28.8 / 28.8 TFLOP/s at 1 x 8k x 8k full / causal against 31.4 /
+30.0 for "rows" in the same run.  Causal work starts longest first
+(:func:`nbattn.cuda.prefill.longest_first`: 30.0 against 29.0 TFLOP/s).
 
 Shared memory (static, under 48 KB: the launch paths pass no dynamic size).
 All tiles hold fp32, converted once when filled, rows padded by 4 floats:
