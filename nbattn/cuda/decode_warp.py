@@ -385,7 +385,12 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
 
     Each warp keeps its own state over tiles ``warp, warp + NW, ...``; the
     warps' states meet once at the end (SPEC 3 merge rule), as in the
-    CUDA-core kernel."""
+    CUDA-core kernel.
+
+    With ``min_blocks == 1`` (the small-batch shape: one CTA per SM, registers
+    to spare) K runs one step ahead: a step issues its V loads and the next
+    step's K loads before its math, so a warp's loads stay in flight while it
+    computes."""
     from . import mma as MMA
 
     D = cfg.head_dim
@@ -400,6 +405,8 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     NT = 32 * NW
     STEP = 16 * NW
     ACC_LEN, ML_LEN = NW * 8 * D, NW * 8
+    AHEAD = min_blocks == 1          # K one step ahead needs ~30 more registers (ptxas, sm_90:
+    LEAD = STEP if AHEAD else 0      # 242 at 8 warps x 1 CTA; 6 x 2 and 4 x 3 would spill)
     NHD = cfg.kv_layout == "NHD"
     var = cfg.variant
     ALIBI = var.has_alibi
@@ -412,6 +419,36 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     pack = MMA.pack_f16x2 if cfg.code == "f16" else MMA.pack_bf16x2
     movt = MMA.movmatrix_t
 
+    @device_fn
+    def page_row(pos, kv_end, page, page_size, ps_shift, page_words, slot_words, my_off):
+        """Word offset of my 16-byte chunks of token ``pos``'s K row in ``page``; -1 past the chunk."""
+        if pos >= kv_end:
+            return int64(-1)
+        _, within = page_slot(pos, page_size, ps_shift)
+        return int64(page) * page_words + int64(within * slot_words) + my_off
+
+    @device_fn
+    def kv_row(pos, kv_end, kv_indices, page_base, page_size, ps_shift, page_words, slot_words, my_off):
+        """:func:`page_row` with the page looked up in the page table."""
+        if pos >= kv_end:
+            return int64(-1)
+        pi, _ = page_slot(pos, page_size, ps_shift)
+        return page_row(pos, kv_end, kv_indices[page_base + int64(pi)], page_size, ps_shift, page_words,
+                        slot_words, my_off)
+
+    @device_fn
+    def load_k(kv_w, row, dst, o0):
+        """My NJ 16-byte chunks of the row at word ``row`` (zeros for -1) into ``dst[o0:]``."""
+        for j in range(NJ):
+            w0 = w1 = w2 = w3 = uint32(0)
+            if row >= 0:
+                w0, w1, w2, w3 = load_v4(kv_w, row + j * 16)
+            o = o0 + 4 * j
+            dst[o] = w0
+            dst[o + 1] = w1
+            dst[o + 2] = w2
+            dst[o + 3] = w3
+
     def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, ps_shift, num_kv_heads,
                num_qo_heads, n_head_blocks, cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
                out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias):
@@ -420,6 +457,8 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
         st_l = cuda.shared.array(ML_LEN, np.float32)
         qa = cuda.local.array(QL, np.uint32)
         kw = cuda.local.array(KL, np.uint32)
+        kn = cuda.local.array(KL, np.uint32)
+        rk = cuda.local.array(2, np.int64)
         vw = cuda.local.array(KL, np.uint32)
         acc = cuda.local.array(AL, np.float32)
         sc = cuda.local.array(4, np.float32)
@@ -466,37 +505,35 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
             m_row = NEG_INF
             l_part = float32(0.0)
             first = kv_start + warp * 16
+            # AHEAD: K runs one step ahead of V, so the next step's K loads are in flight
+            # during this step's math (8 warps a CTA hold too few bytes in flight otherwise)
+            if AHEAD:
+                for hf in range(2):
+                    rk[hf] = kv_row(first + 8 * hf + g, kv_end, kv_indices, page_base, page_size, ps_shift,
+                                    page_words, slot_words, my_off)
+                    load_k(kv_w, rk[hf], kw, hf * HL)
             for hf in range(2):
-                pos = first + 8 * hf + g
+                pos = first + LEAD + 8 * hf + g
                 pg[hf] = 0
                 if pos < kv_end:
                     pi, _ = page_slot(pos, page_size, ps_shift)
                     pg[hf] = kv_indices[page_base + int64(pi)]
 
             for base in range(first, kv_end, STEP):      # the same trip count in all lanes of a warp
+                if not AHEAD:
+                    for hf in range(2):
+                        rk[hf] = page_row(base + 8 * hf + g, kv_end, pg[hf], page_size, ps_shift, page_words,
+                                          slot_words, my_off)
+                        load_k(kv_w, rk[hf], kw, hf * HL)
                 for hf in range(2):
-                    pos = base + 8 * hf + g
-                    ok = pos < kv_end
-                    row_k = int64(0)
-                    if ok:
-                        _, within = page_slot(pos, page_size, ps_shift)
-                        row_k = pg[hf] * page_words + int64(within * slot_words) + my_off
-                    for j in range(NJ):
-                        k0 = k1 = k2 = k3 = v0 = v1 = v2 = v3 = uint32(0)
-                        if ok:
-                            k0, k1, k2, k3 = load_v4(kv_w, row_k + j * 16)
-                            v0, v1, v2, v3 = load_v4(kv_w, row_k + v_off + j * 16)
-                        o = hf * HL + 4 * j
-                        kw[o] = k0
-                        kw[o + 1] = k1
-                        kw[o + 2] = k2
-                        kw[o + 3] = k3
-                        vw[o] = v0
-                        vw[o + 1] = v1
-                        vw[o + 2] = v2
-                        vw[o + 3] = v3
+                    load_k(kv_w, rk[hf] + v_off if rk[hf] >= 0 else rk[hf], vw, hf * HL)
+                if AHEAD:
+                    for hf in range(2):
+                        rk[hf] = page_row(base + STEP + 8 * hf + g, kv_end, pg[hf], page_size, ps_shift,
+                                          page_words, slot_words, my_off)
+                        load_k(kv_w, rk[hf], kn, hf * HL)
                 for hf in range(2):
-                    pos = base + STEP + 8 * hf + g
+                    pos = base + LEAD + STEP + 8 * hf + g
                     if pos < kv_end:
                         pi, _ = page_slot(pos, page_size, ps_shift)
                         pg[hf] = kv_indices[page_base + int64(pi)]
@@ -556,6 +593,9 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                         acc[c + 1] = d1
                         acc[c + 2] = d2
                         acc[c + 3] = d3
+                if AHEAD:
+                    for e in range(KL):
+                        kw[e] = kn[e]
 
             # my row's mass, then the warps' states through shared memory
             l_row = l_part + shfl_xor_f32(l_part, 1)
