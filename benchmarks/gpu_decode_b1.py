@@ -32,6 +32,7 @@ from numba import cuda
 sys.path.insert(0, os.path.dirname(__file__))
 import gpu_decode as G  # noqa: E402  (copy bandwidth, inputs, timing, dense check)
 from nbattn.cuda import decode as DEC  # noqa: E402
+from nbattn.cuda import decode_warp as WARP  # noqa: E402
 from nbattn.cuda import merge as MRG  # noqa: E402
 from nbattn.perf import results  # noqa: E402
 
@@ -108,8 +109,22 @@ def main():
     copy_bw = max(bw.values())
     G.log("copy bandwidth GB/s", {k: round(v) for k, v in bw.items()})
     recs = []
-    for hkv in (8, 4):
-        recs += case(hkv, copy_bw)
+    # B1_STREAM: the small-batch shape's K/V loads with the L2 evict-first policy ("1"), plain ("0"),
+    # or both, group 4 only, one after the other ("both")
+    mode = os.environ.get("B1_STREAM", "")
+    if mode == "both":
+        for on in (True, False):
+            WARP.STREAM_EVICT_FIRST = on
+            DEC._kernels.clear()
+            for r in case(8, copy_bw):
+                r["case"]["kv_loads"] = "evict_first" if on else "plain"
+                recs.append(r)
+        WARP.STREAM_EVICT_FIRST = True
+    else:
+        if mode:
+            WARP.STREAM_EVICT_FIRST = mode == "1"
+        for hkv in (8, 4):
+            recs += case(hkv, copy_bw)
     results.write_suite(
         "decode_b1", recs, gpu=torch.cuda.get_device_name(),
         command="PYTHONPATH=$PWD python3 benchmarks/gpu_decode_b1.py",

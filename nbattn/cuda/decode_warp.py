@@ -49,6 +49,7 @@ import numpy as np
 from numba import cuda, float32, int64, uint32
 
 from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f, load_v4,
+                         load_v4_stream,
                          shfl_idx_f32, shfl_xor_f32, st_v4)
 from ._driver import jit_kernel
 from .mma import grid_dependents_launch
@@ -355,6 +356,12 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
 # Tensor-core variant (GPU only, fp16/bf16): the group's heads as one mma operand
 # ---------------------------------------------------------------------------
 
+# K/V loads of the small-batch tensor-core shape with an L2 evict-first policy
+# (primitives.load_v4_stream), so that a launch's page table, work list and partials,
+# read again by the next launch and the merge, are not evicted by the 134 MB KV stream.
+STREAM_EVICT_FIRST = True
+
+
 def tc_eligible(code: str, head_dim: int, aligned: bool, variant) -> bool:
     """fp16/bf16, head_dim 32..128 in steps of 32 (256 spills: ptxas, sm_90), softmax
     (not sigmoid) variants."""
@@ -407,6 +414,7 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     ACC_LEN, ML_LEN = NW * 8 * D, NW * 8
     AHEAD = min_blocks == 1          # K one step ahead needs ~30 more registers (ptxas, sm_90:
     LEAD = STEP if AHEAD else 0      # 242 at 8 warps x 1 CTA; 6 x 2 and 4 x 3 would spill)
+    STREAM = AHEAD and STREAM_EVICT_FIRST
     NHD = cfg.kv_layout == "NHD"
     var = cfg.variant
     ALIBI = var.has_alibi
@@ -442,7 +450,10 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
         for j in range(NJ):
             w0 = w1 = w2 = w3 = uint32(0)
             if row >= 0:
-                w0, w1, w2, w3 = load_v4(kv_w, row + j * 16)
+                if STREAM:     # small-batch shape: the page table and partials outlive the KV stream in L2
+                    w0, w1, w2, w3 = load_v4_stream(kv_w, row + j * 16)
+                else:
+                    w0, w1, w2, w3 = load_v4(kv_w, row + j * 16)
             o = o0 + 4 * j
             dst[o] = w0
             dst[o + 1] = w1

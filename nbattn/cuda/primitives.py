@@ -14,6 +14,8 @@ Interface (stable; the prefill/sparse/cascade kernels use it too):
                                 array; i*4 bytes must be 16-byte aligned on the GPU.
                                 Read-only (non-coherent) cache path: only for data the
                                 kernel never writes.
+    load_v4_stream(words, i) -> load_v4 with an L2 evict-first policy: for data a kernel
+                                streams once (KV), so reused data keeps its L2 lines.
     ld_v4(arr, i)            -> 4 elements i..i+3 of a 1-D 4-byte array (uint32 or
                                 float32), one 16-byte access (shared memory tiles:
                                 allocate them with alignment=SHARED_ALIGN)
@@ -49,7 +51,7 @@ import numpy as np
 
 from .._compat import simulator_enabled
 
-__all__ = ["load_v4", "ld_v4", "st_v4", "SHARED_ALIGN", "u32_as_f32", "f32_as_u32", "f16x2_to_f32", "bf16x2_to_f32",
+__all__ = ["load_v4", "load_v4_stream", "ld_v4", "st_v4", "SHARED_ALIGN", "u32_as_f32", "f32_as_u32", "f16x2_to_f32", "bf16x2_to_f32",
            "f32_to_f16_bits", "f32_to_bf16_bits", "exp2f", "device_fn", "SIMULATOR", "shfl_xor_f32",
            "shfl_idx_f32"]
 
@@ -85,6 +87,8 @@ if SIMULATOR:
 
     def load_v4(words, i):
         return words[i], words[i + 1], words[i + 2], words[i + 3]
+
+    load_v4_stream = load_v4
 
     def ld_v4(arr, i):
         return arr[i], arr[i + 1], arr[i + 2], arr[i + 3]
@@ -155,23 +159,31 @@ else:  # pragma: no cover - needs a GPU
         ary = context.make_array(arrty)(context, builder, value=arr)
         return cgutils.get_item_pointer(context, builder, arrty, ary, [idx], wraparound=False)
 
-    @intrinsic
-    def load_v4(typingctx, words, i):
-        if not (isinstance(words, types.Array) and words.ndim == 1 and words.dtype == types.uint32):
-            return None
-        ret = types.UniTuple(types.uint32, 4)
+    def _load_v4_intrinsic(ptx: str):
+        @intrinsic
+        def load(typingctx, words, i):
+            if not (isinstance(words, types.Array) and words.ndim == 1 and words.dtype == types.uint32):
+                return None
+            ret = types.UniTuple(types.uint32, 4)
 
-        def codegen(context, builder, sig, args):
-            ptr = _element_ptr(context, builder, sig.args[0], args[0],
-                               context.cast(builder, args[1], sig.args[1], types.intp))
-            fnty = ir.FunctionType(ir.LiteralStructType([_i32] * 4), [ptr.type])
-            asm = ir.InlineAsm(fnty, "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
-                               "=r,=r,=r,=r,l", side_effect=False)
-            st = builder.call(asm, [ptr])
-            vals = [builder.extract_value(st, k) for k in range(4)]
-            return context.make_tuple(builder, ret, vals)
+            def codegen(context, builder, sig, args):
+                ptr = _element_ptr(context, builder, sig.args[0], args[0],
+                                   context.cast(builder, args[1], sig.args[1], types.intp))
+                fnty = ir.FunctionType(ir.LiteralStructType([_i32] * 4), [ptr.type])
+                asm = ir.InlineAsm(fnty, ptx, "=r,=r,=r,=r,l", side_effect=False)
+                st = builder.call(asm, [ptr])
+                vals = [builder.extract_value(st, k) for k in range(4)]
+                return context.make_tuple(builder, ret, vals)
 
-        return ret(words, i), codegen
+            return ret(words, i), codegen
+        return load
+
+    load_v4 = _load_v4_intrinsic("ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];")
+    # data read once per kernel (a KV stream): first out of L2, so that what the next
+    # launch reads again (page table, work list, partial states) stays there
+    load_v4_stream = _load_v4_intrinsic(
+        "{ .reg .b64 pol; createpolicy.fractional.L2::evict_first.b64 pol, 1.0; "
+        "ld.global.nc.L2::cache_hint.v4.u32 {$0, $1, $2, $3}, [$4], pol; }")
 
     def _vec_ptr(context, builder, arrty, arr, idx):
         ptr = _element_ptr(context, builder, arrty, arr, context.cast(builder, idx, types.intp, types.intp))
