@@ -119,7 +119,7 @@ def main():
             for r in case(8, copy_bw):
                 r["case"]["kv_loads"] = "evict_first" if on else "plain"
                 recs.append(r)
-        WARP.STREAM_EVICT_FIRST = True
+        WARP.STREAM_EVICT_FIRST = False
     else:
         if mode:
             WARP.STREAM_EVICT_FIRST = mode == "1"

@@ -359,7 +359,9 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
 # K/V loads of the small-batch tensor-core shape with an L2 evict-first policy
 # (primitives.load_v4_stream), so that a launch's page table, work list and partials,
 # read again by the next launch and the merge, are not evicted by the 134 MB KV stream.
-STREAM_EVICT_FIRST = True
+# Off: it assembles for sm_90 (ptxas: 244 registers, no spills) but has not been timed on
+# the GPU yet (`B1_STREAM=both python3 benchmarks/gpu_decode_b1.py` times both).
+STREAM_EVICT_FIRST = False
 
 
 def tc_eligible(code: str, head_dim: int, aligned: bool, variant) -> bool:
