@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 import nbattn  # noqa: F401  (compat first)
 from nbattn.cuda import _driver as D
@@ -73,3 +74,31 @@ def test_key_refuses_what_it_cannot_describe():
     # real kernels of the package all have a key
     assert D.stable_key(M.tile_merge_kernel("f16", 64, True, False).py_func) is not None
     assert D.stable_key(DEC.decode_kernel(DEC.make_config("f16", 64, 2, "HND", Variant())).py_func)
+
+
+def test_launch_bounds_are_part_of_the_cache_key():
+    """Two builds of one function that differ only in launch bounds compile to
+    different machine code, so they must not share an on-disk cache entry."""
+    def kernel(x):
+        x[0] = 1.0
+
+    plain = D.cache_key(kernel)
+    assert plain == D.stable_key(kernel) and plain is not None
+    two, three = D.cache_key(kernel, launch_bounds=(128, 2)), D.cache_key(kernel, launch_bounds=(128, 3))
+    assert len({plain, two, three}) == 3
+    assert two == D.cache_key(kernel, launch_bounds=(128, 2))
+
+
+@pytest.mark.skipif(not D.SIMULATOR, reason="the simulator's answer")
+def test_programmatic_launch_declines_in_the_simulator():
+    """No GPU, no programmatic launch: the helper says so and launches nothing, so
+    the caller's plain launch is the only one."""
+    calls = []
+
+    class Fake:
+        def __getitem__(self, cfg):
+            calls.append(cfg)
+            return lambda *a: calls.append(a)
+
+    assert D.launch_programmatic(Fake(), 1, 32, 0, (np.zeros(1),)) is False
+    assert calls == []

@@ -130,15 +130,22 @@ def _keyed_cache(py_func, key: str):
     return KeyedCache(py_func)
 
 
+def cache_key(fn, **kw) -> str | None:
+    """:func:`stable_key` of ``fn`` with the ``cuda.jit`` options folded in: launch
+    bounds change the machine code but are not in the function's closure."""
+    key = stable_key(fn)
+    if key is None or not kw:
+        return key
+    return hashlib.sha256((key + repr(sorted(kw.items()))).encode()).hexdigest()
+
+
 def jit_kernel(fn, **kw):
     """``cuda.jit(fn, **kw)``; on the GPU with the on-disk cache keyed by :func:`stable_key`."""
     if SIMULATOR:
         return cuda.jit(fn)
     dispatcher = cuda.jit(fn, **kw)
-    key = stable_key(fn)
+    key = cache_key(fn, **kw)
     if key is not None:
-        # launch bounds change the machine code but are not in the function's closure
-        key = hashlib.sha256((key + repr(sorted(kw.items()))).encode()).hexdigest()
         try:
             dispatcher._cache = _keyed_cache(dispatcher.py_func, key)
         except Exception as exc:  # pragma: no cover - numba-cuda internals moved
