@@ -118,6 +118,25 @@ def _partials_threads(per_merge: float) -> int:
 _kernels: dict = {}
 
 
+def _vec_loader(vw: int):
+    """Device function ``(part, i, dst, off)``: ``vw`` floats of ``part`` at ``i`` into
+    ``dst[off:]``, one 16-byte load when ``vw`` is 4."""
+    key = ("load_vec", vw)
+    if key not in _kernels:
+        @device_fn
+        def load_vec(part, i, dst, off):
+            if vw == 4:
+                a, b, c, d = ld_v4(part, i)
+                dst[off] = a
+                dst[off + 1] = b
+                dst[off + 2] = c
+                dst[off + 3] = d
+            else:
+                dst[off] = part[i]
+        _kernels[key] = load_vec
+    return _kernels[key]
+
+
 def _jit(fn):
     return jit_kernel(fn)
 
@@ -158,16 +177,7 @@ def _partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, thre
             return float32(0.0)
         return float32(math.exp2(lk - mx)) * inv
 
-    @device_fn
-    def load_vec(part, i, dst, off):
-        if VW == 4:
-            a, b, c, d = ld_v4(part, i)
-            dst[off] = a
-            dst[off + 1] = b
-            dst[off + 2] = c
-            dst[off + 3] = d
-        else:
-            dst[off] = part[i]
+    load_vec = _vec_loader(VW)
 
     def kernel(part_o, part_lse, merge_indptr, merge_row, merge_slots, out, lse, num_heads):
         red = cuda.shared.array(RED, np.float32)
@@ -289,16 +299,7 @@ def _few_partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, 
     RED, OV, ACC = KS * D, PPS * XPL * VW, XPL * VW     # array sizes must be plain constants
     _, store_elem, _ = element_io(code)
 
-    @device_fn
-    def load_vec(part, i, dst, off):
-        if VW == 4:
-            a, b, c, d = ld_v4(part, i)
-            dst[off] = a
-            dst[off + 1] = b
-            dst[off + 2] = c
-            dst[off + 3] = d
-        else:
-            dst[off] = part[i]
+    load_vec = _vec_loader(VW)
 
     def kernel(part_o, part_lse, merge_indptr, merge_row, merge_slots, out, lse, num_heads):
         red = cuda.shared.array(RED, np.float32)
