@@ -447,7 +447,7 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                         slot_words, my_off)
 
     @device_fn
-    def load_k(kv_w, row, dst, o0):
+    def load_row(kv_w, row, dst, o0):
         """My NJ 16-byte chunks of the row at word ``row`` (zeros for -1) into ``dst[o0:]``."""
         for j in range(NJ):
             w0 = w1 = w2 = w3 = uint32(0)
@@ -524,7 +524,7 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                 for hf in range(2):
                     rk[hf] = kv_row(first + 8 * hf + g, kv_end, kv_indices, page_base, page_size, ps_shift,
                                     page_words, slot_words, my_off)
-                    load_k(kv_w, rk[hf], kw, hf * HL)
+                    load_row(kv_w, rk[hf], kw, hf * HL)
             for hf in range(2):
                 pos = first + LEAD + 8 * hf + g
                 pg[hf] = 0
@@ -537,14 +537,14 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                     for hf in range(2):
                         rk[hf] = page_row(base + 8 * hf + g, kv_end, pg[hf], page_size, ps_shift, page_words,
                                           slot_words, my_off)
-                        load_k(kv_w, rk[hf], kw, hf * HL)
+                        load_row(kv_w, rk[hf], kw, hf * HL)
                 for hf in range(2):
-                    load_k(kv_w, rk[hf] + v_off if rk[hf] >= 0 else rk[hf], vw, hf * HL)
+                    load_row(kv_w, rk[hf] + v_off if rk[hf] >= 0 else rk[hf], vw, hf * HL)
                 if AHEAD:
                     for hf in range(2):
                         rk[hf] = page_row(base + STEP + 8 * hf + g, kv_end, pg[hf], page_size, ps_shift,
                                           page_words, slot_words, my_off)
-                        load_k(kv_w, rk[hf], kn, hf * HL)
+                        load_row(kv_w, rk[hf], kn, hf * HL)
                 for hf in range(2):
                     pos = base + LEAD + STEP + 8 * hf + g
                     if pos < kv_end:
