@@ -279,10 +279,11 @@ def _few_partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, 
 
     One CTA per (merge, head), ``streams`` warps.  Every warp reads the LSEs
     itself, lane ``j`` the LSEs of partials ``j`` and ``j + 32``, and gets the
-    row's max and mass by xor shuffles: no shared-memory tree, no barrier.  Warp ``ks`` then sums
-    partials ``ks, ks + streams, ...`` (all their loads issued before the first
-    is used; each weight comes from the lane that read its LSE), and the
-    streams' sums meet in shared memory, added in stream order.  Chain: merge
+    row's max and mass by xor shuffles: no shared-memory tree, no barrier.
+    Warp ``ks`` then sums partials ``ks, ks + streams, ...`` (all their loads
+    issued before the first is used; each weight comes from the lane that read
+    its LSE), and the streams' sums meet in shared memory, added in stream
+    order.  Chain: merge
     bounds, slots, then the LSE and output loads side by side -- three rounds.
     Orders are fixed by the thread layout: equal inputs give bitwise equal
     outputs; a row whose partials are all empty gets o = 0, LSE = -inf."""

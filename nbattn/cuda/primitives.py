@@ -51,9 +51,9 @@ import numpy as np
 
 from .._compat import simulator_enabled
 
-__all__ = ["load_v4", "load_v4_stream", "ld_v4", "st_v4", "SHARED_ALIGN", "u32_as_f32", "f32_as_u32", "f16x2_to_f32", "bf16x2_to_f32",
-           "f32_to_f16_bits", "f32_to_bf16_bits", "exp2f", "device_fn", "SIMULATOR", "shfl_xor_f32",
-           "shfl_idx_f32"]
+__all__ = ["load_v4", "load_v4_stream", "ld_v4", "st_v4", "SHARED_ALIGN", "u32_as_f32", "f32_as_u32",
+           "f16x2_to_f32", "bf16x2_to_f32", "f32_to_f16_bits", "f32_to_bf16_bits", "exp2f", "device_fn",
+           "SIMULATOR", "shfl_xor_f32", "shfl_idx_f32"]
 
 SIMULATOR = simulator_enabled()
 # cuda.shared.array(..., alignment=SHARED_ALIGN): 16-byte alignment for ld_v4/st_v4
