@@ -94,7 +94,9 @@ TC_MIN_BLOCKS = 0
 # into about one CTA per SM of TC_SPLIT_WARPS warps instead.  H200, fp16, d128, batch 1 x
 # 32k, decode kernel alone: 39.0 us (group 4) / 24.6 us (group 8) as 8 warps x 1 CTA per SM,
 # vs 41.7 / 27.3 us as one wave of 6 x 2 / 4 x 3: fewer, longer CTAs pay the per-CTA start
-# (work-list, page-table and first K/V loads in a chain) and end fewer times.
+# (work-list, page-table and first K/V loads in a chain) and end fewer times.  With K one
+# step ahead (this shape only, decode_warp.build_tc_kernel): 38.5 us at group 4
+# (benchmarks/results/decode_b1.json).
 TC_SPLIT_WARPS = 8
 
 
