@@ -118,6 +118,32 @@ def _partials_threads(per_merge: float) -> int:
 _kernels: dict = {}
 
 
+def _stream_sum_writer(code: str, head_dim: int, threads: int, streams: int, sigmoid: bool):
+    """Device function ``(tid, red, row, h, num_heads, mx, total, out, lse)``, the end of
+    both partial-merge kernels: once a barrier has published ``red`` (the streams' sums,
+    ``streams x head_dim``), add them in stream order into ``out[row, h]`` and write the
+    LSE ``mx + log2(total)`` (-inf when ``mx`` is; NaN for sigmoid)."""
+    key = ("writer", code, head_dim, threads, streams, sigmoid)
+    if key not in _kernels:
+        D, NB, KS = head_dim, threads, streams
+        _, store_elem, _ = element_io(code)
+
+        @device_fn
+        def write_row(tid, red, row, h, num_heads, mx, total, out, lse):
+            for d in range(tid, D, NB):
+                o = float32(0.0)
+                for j in range(KS):
+                    o += red[j * D + d]
+                store_elem(out, (int64(row) * num_heads + h) * D + d, o)
+            if tid == 0:
+                if sigmoid:
+                    lse[int64(row) * num_heads + h] = float32(math.nan)
+                else:
+                    lse[int64(row) * num_heads + h] = NEG_INF if mx == NEG_INF else mx + math.log2(total)
+        _kernels[key] = write_row
+    return _kernels[key]
+
+
 def _vec_loader(vw: int):
     """Device function ``(part, i, dst, off)``: ``vw`` floats of ``part`` at ``i`` into
     ``dst[off:]``, one 16-byte load when ``vw`` is 4."""
@@ -167,7 +193,6 @@ def _partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, thre
     KS = NB // DT                # partial streams
     RED = max(KS * D, 1)
     ACC = 4 * VW                 # four partials in flight
-    _, store_elem, _ = element_io(code)
 
     @device_fn
     def weight(lk, mx, inv):
@@ -178,6 +203,7 @@ def _partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, thre
         return float32(math.exp2(lk - mx)) * inv
 
     load_vec = _vec_loader(VW)
+    write_row = _stream_sum_writer(code, D, NB, KS, SIGMOID)
 
     def kernel(part_o, part_lse, merge_indptr, merge_row, merge_slots, out, lse, num_heads):
         red = cuda.shared.array(RED, np.float32)
@@ -243,16 +269,7 @@ def _partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, thre
                 for e in range(VW):
                     red[ks * D + x * VW + e] = (acc[e] + acc[VW + e]) + (acc[2 * VW + e] + acc[3 * VW + e])
         cuda.syncthreads()
-        for d in range(tid, D, NB):
-            o = float32(0.0)
-            for j in range(KS):
-                o += red[j * D + d]
-            store_elem(out, (int64(row) * num_heads + h) * D + d, o)
-        if tid == 0:
-            if SIGMOID:
-                lse[int64(row) * num_heads + h] = float32(math.nan)
-            else:
-                lse[int64(row) * num_heads + h] = NEG_INF if mx == NEG_INF else mx + math.log2(sm_l[0])
+        write_row(tid, red, row, h, num_heads, mx, sm_l[0], out, lse)
 
     _kernels[key] = _jit(kernel)
     return _kernels[key]
@@ -298,9 +315,9 @@ def _few_partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, 
     PDL = FEW_PROGRAMMATIC             # launched programmatically: wait for the partials' writer
     NB = 32 * KS
     RED, OV, ACC = KS * D, PPS * XPL * VW, XPL * VW     # array sizes must be plain constants
-    _, store_elem, _ = element_io(code)
 
     load_vec = _vec_loader(VW)
+    write_row = _stream_sum_writer(code, D, NB, KS, SIGMOID)
 
     def kernel(part_o, part_lse, merge_indptr, merge_row, merge_slots, out, lse, num_heads):
         red = cuda.shared.array(RED, np.float32)
@@ -365,16 +382,7 @@ def _few_partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, 
                 for e in range(VW):
                     red[ks * D + x * VW + e] = acc[xi * VW + e]
         cuda.syncthreads()
-        for d in range(tid, D, NB):
-            o = float32(0.0)
-            for j in range(KS):
-                o += red[j * D + d]
-            store_elem(out, (int64(row) * num_heads + h) * D + d, o)
-        if tid == 0:
-            if SIGMOID:
-                lse[int64(row) * num_heads + h] = float32(math.nan)
-            else:
-                lse[int64(row) * num_heads + h] = NEG_INF if mx == NEG_INF else mx + math.log2(mass)
+        write_row(tid, red, row, h, num_heads, mx, mass, out, lse)
 
     _kernels[key] = _jit(kernel)
     _kernels[key].programmatic = PDL       # only a kernel that waits may be launched so
