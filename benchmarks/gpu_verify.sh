@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# One device session after CPU-side changes, in priority order (a time-out keeps the
-# earlier steps' files):
-#   t_gpu       GPU tests of the merge (one-round form), decode, sparse/cascade and the
-#               prefill launch order
-#   decode_b1   benchmarks/gpu_decode_b1.py: batch-1 split decode taken apart
-#               (kernel, merge forms, totals)                      -> $OUT/decode_b1.json
-#   decode      benchmarks/gpu_decode.py, quick                     -> $OUT/decode*.json
-#   prefill     benchmarks/gpu_prefill.py (tensor-core prefill with longest-first
-#               causal order, page size, cascade with the one-round merge)
-#                                                                  -> $OUT/prefill.json, cascade.json
-# Usage on the device:  bash benchmarks/gpu_verify.sh   (OUT set by the device tool)
+# The next device session, in priority order (a time-out keeps the earlier steps' files).
+# Session 4 ended with these not yet run on the final code:
+#   decode_b1   benchmarks/gpu_decode_b1.py with B1_STREAM=both: the small-batch shape's
+#               evict-first K/V stream (decode_warp.STREAM_EVICT_FIRST, off) against
+#               plain loads, batch 1 x 32k, group 4                -> $OUT/decode_b1.json
+#   t_gpu       GPU tests of sparse/cascade (one-round merge) and of the CUDA-core prefill
+#               tile (no launch bounds), then merge and decode (K one step ahead)
+#   prefill_cc  benchmarks/gpu_prefill_cc.py at the default (no launch bounds), the
+#               bounded build as the alternative                  -> $OUT/prefill_cuda_core.json
+#   decode      benchmarks/gpu_decode.py correct, then bench     -> $OUT/decode*.json
+#   prefill     benchmarks/gpu_prefill.py                        -> $OUT/prefill.json, cascade.json
+# A device call allows 600 s: pick steps with STEPS, e.g.
+#   STEPS="decode_b1 t_gpu" bash benchmarks/gpu_verify.sh;  STEPS="prefill_cc decode" ...
+# (OUT is set by the device tool.)
 set -u
 export PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/nbattn_out}
@@ -22,12 +25,13 @@ step() {
     echo "rc=$?" >> "$OUT/$name.log"
     grep -E "passed|failed|error|rc=|TFLOP|speedup|correctness|total| us " "$OUT/$name.log" | tail -14
 }
-STEPS=${STEPS:-"t_gpu decode_b1 decode prefill decode_correct"}    # the device tool allows 600 s a call: split them
+STEPS=${STEPS:-"decode_b1 t_gpu prefill_cc decode prefill"}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
-has t_gpu && step t_gpu 180 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_merge.py tests/test_cuda_decode.py \
-    tests/test_cuda_sparse_cascade.py "tests/test_cuda_prefill.py::test_causal_work_starts_longest_first"
-has decode_b1 && step decode_b1 140 python3 benchmarks/gpu_decode_b1.py
-has decode && step decode 220 env NBATTN_BUDGET_S=190 NBATTN_QUICK=1 python3 benchmarks/gpu_decode.py
+has decode_b1 && step decode_b1 90 env B1_STREAM=both python3 benchmarks/gpu_decode_b1.py
+has t_gpu && step t_gpu 330 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_sparse_cascade.py \
+    tests/test_cuda_prefill_cc.py tests/test_cuda_merge.py tests/test_cuda_decode.py
+has prefill_cc && step prefill_cc 230 env BUDGET_S=210 ALTS="min_blocks=3" python3 benchmarks/gpu_prefill_cc.py
+# correctness cases start while 200 s of the budget are left: 330 - 200 = 130 s of cases
+has decode && step decode_correct 150 env NBATTN_BUDGET_S=330 NBATTN_QUICK=1 python3 benchmarks/gpu_decode.py correct
+has decode && step decode 100 env NBATTN_BUDGET_S=100 NBATTN_QUICK=1 python3 benchmarks/gpu_decode.py bench
 has prefill && step prefill 300 python3 benchmarks/gpu_prefill.py
-# correctness cases start while 200 s of the budget are left: 385 - 200 = 185 s of cases
-has decode_correct && step decode_correct 195 env NBATTN_BUDGET_S=385 NBATTN_QUICK=1 python3 benchmarks/gpu_decode.py correct
