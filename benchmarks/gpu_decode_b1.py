@@ -14,14 +14,6 @@ in one process, beside the device copy bandwidth measured first:
 * ``kernel``: the decode kernel alone (partials written, no merge);
 * ``merge``: each merge form alone, over the partials the kernel wrote.
 
-``B1_CHAIN=1`` times, at group 4, how each CTA reaches its first K row:
-``late`` (the work item read after the CTA's queue bounds, the page table's
-offset after the item, as the CSR work list alone allows), ``page_base`` (the
-work list carries each item's ``kv_indptr[request]``) and ``early`` (also the
-likely first item read beside the queue bounds: the default), then the kernel
-alone at 4k/8k/16k/32k keys in the same 128 CTAs (``scaling``: the intercept
-is the per-launch cost that no bandwidth hides).
-
 Each total's output is poisoned first and checked fully written; the
 outputs of the merge forms are compared with each other and the last one
 with torch math on the same pages.
@@ -54,20 +46,16 @@ def on_torch_stream(p, fn):
     return run
 
 
-def case(hkv: int, copy_bw: float, L: int = 32768, forms=None, page_base: bool = True,
-         chunk: int | None = None) -> list:
-    hq, d, ps = 32, 128, 16
+def case(hkv: int, copy_bw: float) -> list:
+    hq, d, ps, L = 32, 128, 16, 32768
     q, cache, indptr, indices, last = G.make_case_fast(np.array([L]), ps, hkv, d)
     meta = [torch.from_numpy(a).cuda() for a in (indptr, indices, last)]
     nbytes = 2 * d * (hq * 2 + 2 * L * hkv)
     p = DEC.prepare_decode(q, cache, *meta, return_lse=True)
-    if not page_base:
-        p.kv_indptr_host = None          # split_runner's work list without the page_base column
-    chunk = chunk or DEC.choose_chunk(p)
+    chunk = DEC.choose_chunk(p)
     cfg = p.config()
     (cta_indptr, req, ks, ke, slot, m_indptr, m_row, m_slots, n_slots) = DEC.split_work(p.kv_lens, chunk)
-    cols = [cta_indptr, req, ks, ke, slot] + ([DEC.page_bases(indptr, req)] if page_base else [])
-    work = DEC.WorkList(*DEC._upload(p.stream, *cols))
+    work = DEC.WorkList(*DEC._upload(p.stream, cta_indptr, req, ks, ke, slot))
     po = cuda.device_array((n_slots, hq, d), np.float32)
     pl = cuda.device_array((n_slots, hq), np.float32)
     mmap = MRG.MergeMap(*DEC._upload(p.stream, m_indptr, m_row, m_slots))
@@ -86,8 +74,7 @@ def case(hkv: int, copy_bw: float, L: int = 32768, forms=None, page_base: bool =
         G.log(f"hkv={hkv} {part:22s} {us:7.2f} us  ({frac:.3f} of copy bw) chunk {chunk} partials {most}")
         return us
 
-    forms = forms or (("one_round_programmatic", True, True), ("one_round", True, False),
-                      ("two_pass", False, False))
+    forms = (("one_round_programmatic", True, True), ("one_round", True, False), ("two_pass", False, False))
 
     def use(form):
         _, MRG.FEW_FORM, MRG.FEW_PROGRAMMATIC = form
@@ -102,13 +89,11 @@ def case(hkv: int, copy_bw: float, L: int = 32768, forms=None, page_base: bool =
         outs[form[0]] = p.out_user.float().clone()
     use(forms[0])
     err = G.dense_check(p, q, cache, indptr, indices, 1, L, hkv, ps, d, rows=1)
-    last_form = forms[-1][0]
-    diffs = {f"{k}_vs_{last_form}_max_abs_diff": float((v - outs[last_form]).abs().max())
-             for k, v in outs.items()}
+    diffs = {f"{k}_vs_two_pass_max_abs_diff": float((v - outs["two_pass"]).abs().max()) for k, v in outs.items()}
     written = {f"{k}_all_written": bool(torch.isfinite(v).all()) for k, v in outs.items()}
     recs.append(dict(case=dict(base, part="check"), metric="max_abs_err_vs_torch", value=err, unit="",
                      peers={}, **diffs, **written))
-    G.log(f"hkv={hkv} check: max|err| vs torch {err:.2e} (last run: {last_form}), {diffs}, {written}")
+    G.log(f"hkv={hkv} check: max|err| vs torch {err:.2e} (last run: two-pass), {diffs}, {written}")
     timed("kernel", lambda: DEC.run_decode_work(p, work, po, pl))
     for form in forms:
         use(form)
@@ -127,20 +112,7 @@ def main():
     # B1_STREAM: the small-batch shape's K/V loads with the L2 evict-first policy ("1"), plain ("0"),
     # or both, group 4 only, one after the other ("both")
     mode = os.environ.get("B1_STREAM", "")
-    if os.environ.get("B1_CHAIN") == "1":
-        one = (("one_round_programmatic", True, True),)
-        for name, early, pb in (("late", False, False), ("page_base", False, True), ("early", True, True)):
-            WARP.EARLY_ITEM = early
-            DEC._kernels.clear()
-            for r in case(8, copy_bw, forms=one, page_base=pb):
-                r["case"]["item_read"] = name
-                recs.append(r)
-        for L in (4096, 8192, 16384, 32768):
-            for r in case(8, copy_bw, L=L, forms=one, chunk=L // 16):
-                if r["case"]["part"] == "kernel":
-                    r["case"]["part"] = "scaling"
-                    recs.append(r)
-    elif mode == "both":
+    if mode == "both":
         for on in (True, False):
             WARP.STREAM_EVICT_FIRST = on
             DEC._kernels.clear()

@@ -191,24 +191,15 @@ def test_split_kv_sigmoid_partials_add():
     np.testing.assert_allclose(o, golden(b, use_sigmoid=True), atol=2e-4)
 
 
-@pytest.mark.parametrize("path,with_page_base", [("auto", False), ("auto", True), ("warp", True)])
-def test_work_list_queue_and_merge_order(monkeypatch, path, with_page_base):
-    """The scheduler's entry point: several items per CTA, partial slots out of order;
-    CTA 1's first item is not item 1 (the kernels' early read of it must be dropped);
-    with and without the optional page_base column."""
+def test_work_list_queue_and_merge_order():
+    """The scheduler's entry point: several items per CTA, partial slots out of order."""
     from nbattn.cuda.merge import MergeMap, run_merge_partials
-    monkeypatch.setattr(DEC, "DECODE_PATH", path)
-    if SIMULATOR and path == "warp":
-        monkeypatch.setattr(DEC, "WARP_WARPS", 1)
     rng = np.random.default_rng(14)
     b = batch(rng, "f32", kv_lens=[10, 6], page_size=4, group=2)
     p = DEC.prepare_decode(b["q"], b["cache"], b["indptr"], b["indices"], b["last"], return_lse=True)
-    assert path != "warp" or p.config().path == "warp"
     # request 0 in three chunks (slots 2, 0, 1 in KV order), request 1 written directly
     work = [np.array(x, np.int32) for x in ([0, 2, 4], [0, 1, 0, 0], [0, 0, 4, 8], [4, 6, 8, 10],
                                             [2, -1, 0, 1])]
-    if with_page_base:
-        work.append(DEC.page_bases(b["indptr"], work[1]))
     dwork = DEC.WorkList(*[cuda.to_device(a) for a in work])
     po = cuda.device_array((3, p.num_qo_heads, p.head_dim), np.float32)
     pl = cuda.device_array((3, p.num_qo_heads), np.float32)

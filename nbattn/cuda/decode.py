@@ -67,7 +67,7 @@ from . import decode_warp as WARP
 from .variants import LOG2E, kernel_variant_key, variant_device_fns
 
 __all__ = ["batch_decode_paged", "single_decode", "DecodeProblem", "WorkList", "prepare_decode", "run_decode_work",
-           "split_work", "split_runner", "page_bases", "decode_kernel", "DecodeConfig", "MAX_HEAD_DIM"]
+           "split_work", "split_runner", "decode_kernel", "DecodeConfig", "MAX_HEAD_DIM"]
 
 MAX_HEAD_DIM = 256
 NEG_INF = float32(-math.inf)
@@ -101,15 +101,12 @@ TC_SPLIT_WARPS = 8
 
 
 class WorkList(NamedTuple):
-    """Device int32 arrays of a work list (see module doc).  ``page_base[i]`` is
-    ``kv_indptr[request[i]]``: optional, but a list that carries it saves each CTA a
-    dependent global load before its first page-table read (:func:`page_bases`)."""
+    """Device int32 arrays of a work list (see module doc)."""
     cta_indptr: Any
     request: Any
     kv_start: Any
     kv_end: Any
     out_slot: Any
-    page_base: Any = None
 
 
 @dataclass(frozen=True)
@@ -247,7 +244,7 @@ def _build(cfg: DecodeConfig):
         return arr[i], arr[i + 1], arr[i + 2], arr[i + 3]
 
     def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, num_kv_heads, num_qo_heads,
-               cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot, w_page_base, page_base_given,
+               cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
                out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias):
         k_s = cuda.shared.array(TILE_WORDS, np.uint32, alignment=SHARED_ALIGN)
         v_s = cuda.shared.array(TILE_WORDS, np.uint32, alignment=SHARED_ALIGN)
@@ -270,10 +267,8 @@ def _build(cfg: DecodeConfig):
         hkv = int64(num_kv_heads)
 
         for item in range(cta_indptr[cuda.blockIdx.x], cta_indptr[cuda.blockIdx.x + 1]):
-            fields = WARP.item_fields(item, w_request, w_kv_start, w_kv_end, w_out_slot, w_page_base,
-                                      page_base_given, kv_indptr)
-            r, kv_start, kv_end, slot, page_base, q_idx = WARP.work_item(fields, kv_indptr, kv_last,
-                                                                         page_size)
+            r, kv_start, kv_end, slot, page_base, q_idx = WARP.work_item(
+                item, w_request, w_kv_start, w_kv_end, w_out_slot, kv_indptr, kv_last, page_size)
 
             # q chunk of every head of the block, in registers
             for g in range(HG):
@@ -438,7 +433,6 @@ class DecodeProblem:
     lse_user: Any
     lse_dev: Any
     aligned: bool
-    kv_indptr_host: np.ndarray | None = None   # for work lists' page_base (split_runner)
 
     @property
     def group(self) -> int:
@@ -526,7 +520,7 @@ def prepare_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_k
                          dims.num_kv_heads, dims.head_dim, dims.page_size, kv_layout,
                          pkv.kv_lens.astype(np.int32), q_w, kv_w, *meta,
                          cuda.to_device(slopes, stream=stream), out_user, out_dev, lse_user, lse_dev,
-                         _aligned(q_dev, kv_dev), np.asarray(host["paged_kv_indptr"], np.int64))
+                         _aligned(q_dev, kv_dev))
 
 
 # ---------------------------------------------------------------------------
@@ -582,11 +576,6 @@ def choose_chunk(p: DecodeProblem) -> int | None:
     return None if chunk >= longest else chunk
 
 
-def page_bases(kv_indptr: np.ndarray, request: np.ndarray) -> np.ndarray:
-    """A work list's ``page_base`` column (host int32): ``kv_indptr[request]``."""
-    return np.asarray(kv_indptr, np.int64)[np.asarray(request, np.int64)].astype(np.int32)
-
-
 def run_decode_work(p: DecodeProblem, work: WorkList, partial_o=None, partial_lse=None) -> None:
     """Launch the decode kernel over a work list (device int32 arrays).
 
@@ -598,14 +587,12 @@ def run_decode_work(p: DecodeProblem, work: WorkList, partial_o=None, partial_ls
     """
     cfg = p.config()
     num_ctas = int(work.cta_indptr.shape[0]) - 1
-    if num_ctas <= 0 or int(work.request.shape[0]) == 0:
+    if num_ctas <= 0:
         return
     if partial_o is None:
         partial_o = cuda.device_array(1, np.float32, stream=p.stream)
         partial_lse = cuda.device_array(1, np.float32, stream=p.stream)
     n_hb = p.num_qo_heads // cfg.heads_per_cta
-    given = work.page_base is not None
-    items = (*work[:5], work.page_base if given else work.request, np.int32(given))
     tail = (A.flat(p.out_dev), A.flat(p.lse_dev), A.flat(partial_o), A.flat(partial_lse),
             p.slopes, np.float32(p.sm_scale), np.float32(p.variant.sigmoid_bias))
     if cfg.path in ("warp", "tc"):
@@ -613,11 +600,11 @@ def run_decode_work(p: DecodeProblem, work: WorkList, partial_o=None, partial_ls
         shift = ps.bit_length() - 1 if ps & (ps - 1) == 0 else -1
         decode_kernel(cfg)[num_ctas * n_hb, cfg.nthreads, p.stream](
             p.q_w, p.kv_w, p.kv_indptr, p.kv_indices, p.kv_last, ps, shift, p.num_kv_heads,
-            p.num_qo_heads, n_hb, *items, *tail)
+            p.num_qo_heads, n_hb, *work, *tail)
         return
     decode_kernel(cfg)[(num_ctas, n_hb), cfg.nthreads, p.stream](
         p.q_w, p.kv_w, p.kv_indptr, p.kv_indices, p.kv_last, p.page_size, p.num_kv_heads,
-        p.num_qo_heads, *items, *tail)
+        p.num_qo_heads, *work, *tail)
 
 
 def _upload(stream, *arrays):
@@ -635,10 +622,7 @@ def split_runner(p: DecodeProblem, kv_chunk_size: int | None) -> Callable[[], No
 
     (cta_indptr, req, ks, ke, slot, m_indptr, m_row, m_slots, n_slots) = split_work(
         p.kv_lens, kv_chunk_size)
-    cols = [cta_indptr, req, ks, ke, slot]
-    if p.kv_indptr_host is not None:
-        cols.append(page_bases(p.kv_indptr_host, req))
-    work = WorkList(*_upload(p.stream, *cols))
+    work = WorkList(*_upload(p.stream, cta_indptr, req, ks, ke, slot))
     # allocated here, not per launch: a launch inside a CUDA-graph capture must not allocate
     po = cuda.device_array((max(n_slots, 1), p.num_qo_heads, p.head_dim), np.float32, stream=p.stream)
     pl = cuda.device_array((max(n_slots, 1), p.num_qo_heads), np.float32, stream=p.stream)

@@ -48,8 +48,8 @@ import math
 import numpy as np
 from numba import cuda, float32, int64, uint32
 
-from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f,
-                         load_i32_here, load_v4, load_v4_stream,
+from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f, load_v4,
+                         load_v4_stream,
                          shfl_idx_f32, shfl_xor_f32, st_v4)
 from ._driver import jit_kernel
 from .mma import grid_dependents_launch
@@ -59,9 +59,6 @@ __all__ = ["warp_eligible", "warp_heads_per_cta", "build_warp_kernel", "warp_geo
            "build_tc_kernel"]
 
 NEG_INF = float32(-math.inf)
-# Read each CTA's likely first work item beside its queue bounds (see the kernels' item
-# loops); False reads it after them, as the work list's CSR form alone would (benchmarks).
-EARLY_ITEM = True
 
 
 def warp_eligible(code: str, head_dim: int, aligned: bool) -> bool:
@@ -101,28 +98,15 @@ def page_slot(pos, page_size, ps_shift):
 
 
 @device_fn
-def item_fields(i, w_request, w_kv_start, w_kv_end, w_out_slot, w_page_base, page_base_given, kv_indptr):
-    """Item ``i``'s ``(request, kv_start, kv_end, out_slot, page_base)`` as stored in a
-    decode work list; ``page_base`` (the request's first entry of ``kv_indices``)
-    comes from the list when it carries one, so the page-table reads need not wait
-    for a ``kv_indptr`` load first (without one, ``w_page_base`` is any array of the
-    list's length).  The reads stay where the call stands (:func:`load_i32_here`)."""
-    r = load_i32_here(w_request, i)
-    pb = load_i32_here(w_page_base, i)
-    return (r, load_i32_here(w_kv_start, i), load_i32_here(w_kv_end, i), load_i32_here(w_out_slot, i),
-            pb if page_base_given else kv_indptr[r])
-
-
-@device_fn
-def work_item(fields, kv_indptr, kv_last, page_size):
-    """A work item (module doc of :mod:`nbattn.cuda.decode`) from its :func:`item_fields`:
-    ``(request, kv_start, kv_end, out_slot, page_base, query position)``; the query
-    sits at its request's last key, whatever chunk the item covers (kernels without
-    masks or positional variants never use it, and the compiler drops its loads)."""
-    r, kv_start, kv_end, slot, page_base = fields
+def work_item(item, w_request, w_kv_start, w_kv_end, w_out_slot, kv_indptr, kv_last, page_size):
+    """Work item ``item`` of a decode work list (module doc of :mod:`nbattn.cuda.decode`):
+    ``(request, kv_start, kv_end, out_slot, first page index, query position)``; the
+    query sits at its request's last key, whatever chunk the item covers."""
+    r = w_request[item]
+    page_base = int64(kv_indptr[r])
     n_pages = kv_indptr[r + 1] - kv_indptr[r]
     kv_len = (n_pages - 1) * page_size + kv_last[r] if n_pages > 0 else 0
-    return r, kv_start, kv_end, slot, int64(page_base), kv_len - 1
+    return r, w_kv_start[item], w_kv_end[item], w_out_slot[item], page_base, kv_len - 1
 
 
 def make_state_writer(HG: int, D: int, NT: int, ROWS: int, STRIDE: int, sigmoid: bool, store_elem):
@@ -191,7 +175,6 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
     HPV, U4 = HP * VEC, 4 * U                        # local array sizes
     ACC_LEN, ML_LEN = R * HG * D, R * HG             # shared array sizes
     NHD = cfg.kv_layout == "NHD"
-    EARLY = EARLY_ITEM
     var = cfg.variant
     SIGMOID = var.use_sigmoid
     ALIBI = var.has_alibi
@@ -203,7 +186,7 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
 
     def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, ps_shift, num_kv_heads,
                num_qo_heads, n_head_blocks, cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
-               w_page_base, page_base_given, out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias):
+               out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias):
         st_acc = cuda.shared.array(ACC_LEN, np.float32, alignment=SHARED_ALIGN)
         st_m = cuda.shared.array(ML_LEN, np.float32)
         st_l = cuda.shared.array(ML_LEN, np.float32)
@@ -242,16 +225,9 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
         qscale = float32(sm_scale * float32(LOG2E))
         slope = slopes[h_mine] if ALIBI else float32(0.0)
 
-        # A CTA's first item is usually item `cta` (split lists have one item a CTA): its
-        # fields are read beside the queue bounds instead of after them (one DRAM round
-        # trip less before the first page-table read)
-        early = max(0, min(cta, w_request.shape[0] - 1))
-        guess = item_fields(early, w_request, w_kv_start, w_kv_end, w_out_slot, w_page_base,
-                            page_base_given, kv_indptr)
         for item in range(cta_indptr[cta], cta_indptr[cta + 1]):
-            fields = guess if EARLY and item == early else item_fields(
-                item, w_request, w_kv_start, w_kv_end, w_out_slot, w_page_base, page_base_given, kv_indptr)
-            r, kv_start, kv_end, slot, page_base, q_idx = work_item(fields, kv_indptr, kv_last, page_size)
+            r, kv_start, kv_end, slot, page_base, q_idx = work_item(
+                item, w_request, w_kv_start, w_kv_end, w_out_slot, kv_indptr, kv_last, page_size)
 
             for g in range(HP):
                 for e in range(VEC):
@@ -441,7 +417,6 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     AHEAD = min_blocks == 1          # K one step ahead needs ~30 more registers (ptxas, sm_90:
     LEAD = STEP if AHEAD else 0      # 242 at 8 warps x 1 CTA; 6 x 2 and 4 x 3 would spill)
     STREAM = AHEAD and STREAM_EVICT_FIRST
-    EARLY = EARLY_ITEM
     NHD = cfg.kv_layout == "NHD"
     var = cfg.variant
     ALIBI = var.has_alibi
@@ -489,7 +464,7 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
 
     def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, ps_shift, num_kv_heads,
                num_qo_heads, n_head_blocks, cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
-               w_page_base, page_base_given, out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias):
+               out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias):
         st_acc = cuda.shared.array(ACC_LEN, np.float32)
         st_m = cuda.shared.array(ML_LEN, np.float32)
         st_l = cuda.shared.array(ML_LEN, np.float32)
@@ -526,16 +501,9 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
         slope = slopes[h_row] if ALIBI else float32(0.0)
         zero = float32(0.0)
 
-        # A CTA's first item is usually item `cta` (split lists have one item a CTA): its
-        # fields are read beside the queue bounds instead of after them (one DRAM round
-        # trip less before the first page-table read)
-        early = max(0, min(cta, w_request.shape[0] - 1))
-        guess = item_fields(early, w_request, w_kv_start, w_kv_end, w_out_slot, w_page_base,
-                            page_base_given, kv_indptr)
         for item in range(cta_indptr[cta], cta_indptr[cta + 1]):
-            fields = guess if EARLY and item == early else item_fields(
-                item, w_request, w_kv_start, w_kv_end, w_out_slot, w_page_base, page_base_given, kv_indptr)
-            r, kv_start, kv_end, slot, page_base, q_idx = work_item(fields, kv_indptr, kv_last, page_size)
+            r, kv_start, kv_end, slot, page_base, q_idx = work_item(
+                item, w_request, w_kv_start, w_kv_end, w_out_slot, kv_indptr, kv_last, page_size)
 
             for j in range(NJ):
                 w0 = w1 = w2 = w3 = uint32(0)

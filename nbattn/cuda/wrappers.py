@@ -230,7 +230,7 @@ class _PlanRunWrapper:
         if self._decode:
             # A decode plan has one query tile per request, so at most
             # batch + 2*C items (the split tiles add at most 2*C chunks).
-            sizes.update(request=I, kv_start=I, kv_end=I, out_slot=I, page_base=I)
+            sizes.update(request=I, kv_start=I, kv_end=I, out_slot=I)
         else:
             # Prefill work rows (8 int32 columns, see nbattn.cuda.prefill.build_work) in
             # CTA-queue order, with per-CTA bounds: up to I unsplit tiles (final
@@ -501,7 +501,6 @@ class BatchDecodeWithPagedKVCacheWrapper(_PlanRunWrapper):
         self._copy("kv_start", p.kv_start)
         self._copy("kv_end", p.kv_end)
         self._copy("out_slot", p.out_slot)
-        self._copy("page_base", DEC.page_bases(pkv.paged_kv_indptr, p.request))
         self._flush(stream)
         self._slopes_for(int(num_qo_heads), stream)
         self._plan, self._variant, self._code = p, var, code
@@ -525,7 +524,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PlanRunWrapper):
             self._view("kv_last"), slopes, out_user, out_dev, lse_user, lse_dev,
             DEC._aligned(q_dev, kv_dev))
         work = DEC.WorkList(self._view("cta_indptr"), self._view("request"), self._view("kv_start"),
-                            self._view("kv_end"), self._view("out_slot"), self._view("page_base"))
+                            self._view("kv_end"), self._view("out_slot"))
         po, pl = self._partials(1, self._num_qo_heads, self._head_dim)
         DEC.run_decode_work(prob, work, po, pl)
         self._merge(stream, out_dev, lse_dev, po, pl, self._view("cta_indptr"), 1)
