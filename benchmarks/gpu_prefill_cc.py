@@ -238,12 +238,14 @@ def flops(n_q, n_kv, heads, d, causal):
     return 4.0 * n_q * n_kv * d * heads * (0.5 if causal else 1.0)
 
 
-def time_single(n, causal, reps, label):
-    """(TFLOP/s, ms, compile_s, all_written) of single_prefill on the CUDA-core path."""
+def time_single(n, causal, reps, label, n_kv=None):
+    """(TFLOP/s, ms, compile_s, all_written) of single_prefill on the CUDA-core path,
+    ``n`` queries over ``n_kv`` (default ``n``) keys."""
+    n_kv = n_kv or n
     torch.manual_seed(n + causal)
     q = torch.randn((n, 32, 128), device="cuda", dtype=torch.float16)
-    k = torch.randn((n, 8, 128), device="cuda", dtype=torch.float16)
-    v = torch.randn((n, 8, 128), device="cuda", dtype=torch.float16)
+    k = torch.randn((n_kv, 8, 128), device="cuda", dtype=torch.float16)
+    v = torch.randn((n_kv, 8, 128), device="cuda", dtype=torch.float16)
     out = torch.empty_like(q)
     torch.cuda.synchronize()
     t = time.time()
@@ -264,8 +266,8 @@ def time_single(n, causal, reps, label):
     torch.cuda.synchronize()
     written = bool(torch.isfinite(out).all())
     ms = events_ms(run, reps, warm=1)
-    tf = flops(n, n, 32, 128, causal) / (ms * 1e-3) / 1e12
-    say(f"{label}: 1 x {n} x {n} {'causal' if causal else 'full  '} {ms:8.2f} ms {tf:6.2f} TFLOP/s "
+    tf = flops(n, n_kv, 32, 128, causal) / (ms * 1e-3) / 1e12
+    say(f"{label}: 1 x {n} x {n_kv} {'causal' if causal else 'full  '} {ms:8.2f} ms {tf:6.2f} TFLOP/s "
         f"(compile {first:.1f} s, written {written}, tiles {launches[0][1]} x {launches[0][2]} threads)")
     return tf, ms, first, written
 
@@ -313,7 +315,9 @@ def main():
         lambda: check_paged("f16_d64_page16_sigmoid", "f16", 64, 16, True, use_sigmoid=True, sigmoid_bias=-1.0),
         lambda: check_wrapper("wrapper_f16_d128_page16_causal"),
     ]
-    for fn in checks:
+    # NO_CHECKS=1 skips the checks and the 2k comparison (a run that times alternatives only)
+    quick = os.environ.get("NO_CHECKS") == "1"
+    for fn in ([] if quick else checks):
         if left() < 60:
             say("skipping the remaining checks (time)")
             break
@@ -325,7 +329,7 @@ def main():
         save()
 
     # The old scalar tile and the new one at 2k x 2k (the old one is ~0.7 s per 8k call).
-    if left() > 40:
+    if left() > 40 and not quick:
         try:
             tf_new, ms_new, _, _ = time_single(2048, False, 5, "cuda-core tiled")
             CC.ENABLED = False
@@ -343,26 +347,31 @@ def main():
         save()
 
     # Alternatives beside the default, each at 8k x 8k full and causal (ALTS: ';'-separated
-    # settings of prefill_cc.POLICY / MIN_BLOCKS and prefill.LONGEST_FIRST, e.g.
-    # "min_blocks=none;policy=wide;longest_first=0").  Kernels are rebuilt for each.
+    # alternatives, each one or more '+'-joined settings of prefill_cc.POLICY / MIN_BLOCKS,
+    # prefill.LONGEST_FIRST, or shape=QxK (full only: the same FLOPs in another grid, e.g.
+    # 16384x4096 = twice the CTAs at half the keys each), e.g.
+    # "min_blocks=none;policy=wide;longest_first=0;min_blocks=3+shape=16384x4096").
+    # Kernels are rebuilt for each.
     alts = [a for a in os.environ.get("ALTS", "min_blocks=none;longest_first=0;policy=wide").split(";") if a]
     for alt in alts:
         if left() < 40:
             say("skipping the remaining alternatives (time)")
             break
-        key, val = alt.split("=")
+        settings = dict(kv.split("=") for kv in alt.split("+"))
         saved = (CC.POLICY, CC.MIN_BLOCKS, P.LONGEST_FIRST)
         try:
-            if key == "policy":
-                CC.POLICY = val
-            elif key == "min_blocks":
-                CC.MIN_BLOCKS = None if val == "none" else int(val)
-            elif key == "longest_first":
-                P.LONGEST_FIRST = val == "1"
+            CC.POLICY = settings.get("policy", CC.POLICY)
+            if "min_blocks" in settings:
+                CC.MIN_BLOCKS = None if settings["min_blocks"] == "none" else int(settings["min_blocks"])
+            if "longest_first" in settings:
+                P.LONGEST_FIRST = settings["longest_first"] == "1"
+            nq, nk = (int(x) for x in settings.get("shape", "8192x8192").split("x"))
             P._KERNELS.clear()
-            for causal in ((True,) if key == "longest_first" else (False, True)):
-                tf_alt, ms_alt, _, w_alt = time_single(8192, causal, 5, f"cuda-core tiled {alt}")
-                RECORDS.append(dict(case=dict(target, causal=causal, path="cuda_cores_tiled_alt", alt=alt),
+            modes = (True,) if "longest_first" in settings else (False,) if "shape" in settings else (False, True)
+            for causal in modes:
+                tf_alt, ms_alt, _, w_alt = time_single(nq, causal, 5, f"cuda-core tiled {alt}", n_kv=nk)
+                RECORDS.append(dict(case=dict(target, q_len=nq, kv_len=nk, causal=causal,
+                                              path="cuda_cores_tiled_alt", alt=alt),
                                     metric="tflops", value=tf_alt, unit="TFLOP/s",
                                     peers={"fp32_fma_roof": roof,
                                            **({"default": timed[causal]} if causal in timed else {})}, ms=ms_alt,
