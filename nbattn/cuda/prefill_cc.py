@@ -36,7 +36,11 @@ T_q 32 x T_k 32, 64 threads: 255 registers) measured slower, and so did
 ``"wide"`` (2 x 16 lanes, T_q 32 x T_k 32, 128 threads: 166 registers, no
 spills): 28.8 / 28.8 TFLOP/s at 1 x 8k x 8k full / causal against 31.4 /
 30.0 for "rows" in the same run.  Causal work starts longest first
-(:func:`nbattn.cuda.prefill.longest_first`: 30.0 against 29.0 TFLOP/s).
+(:func:`nbattn.cuda.prefill.longest_first`: 30.0 against 29.0 TFLOP/s).  Those
+three comparisons are in ``prefill_cuda_core.json`` as committed in 15a4e5a;
+the file's later runs time the default and the launch bound.  Splitting KV
+against wave quantization would gain at most 1.6% here
+(``prefill_cuda_core_waves.json``).
 
 Shared memory (static, under 48 KB: the launch paths pass no dynamic size).
 All tiles hold fp32, converted once when filled, rows padded by 4 floats:
@@ -114,9 +118,9 @@ ENABLED = True
 # CTAs per SM asked of ptxas as launch bounds (None: no bound).  The "rows"
 # shape needs 172-174 registers, so two 128-thread CTAs fit an SM's 64K
 # registers; a bound of 3 caps it at 168 (ptxas, sm_90: 8 bytes spilled) for a
-# third CTA.  Measured on the H200, 1 x 8k x 8k fp16 (prefill_cuda_core.json):
-# 31.41 / 30.02 TFLOP/s full / causal with the bound, 31.22 / 31.24 without --
-# the extra warps do not pay, so no bound.
+# third CTA.  Measured on the H200, 1 x 8k x 8k fp16, same run (prefill_cuda_core.json):
+# 31.72 / 30.18 TFLOP/s full / causal with the bound, 31.60 / 30.78 without (session
+# 4's run: 31.41 / 30.02 against 31.22 / 31.24) -- the extra warps do not pay, so no bound.
 MIN_BLOCKS = None
 
 ELEMS_PER_16B = {"f16": 8, "bf16": 8, "f32": 4}
