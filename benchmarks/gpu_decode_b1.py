@@ -112,18 +112,7 @@ def main():
     # B1_STREAM: the small-batch shape's K/V loads with the L2 evict-first policy ("1"), plain ("0"),
     # or both, group 4 only, one after the other ("both")
     mode = os.environ.get("B1_STREAM", "")
-    if os.environ.get("B1_PREFETCH") == "both":
-        # the small-batch shape's L2 prefetch of the step after next (decode_warp.PREFETCH_L2),
-        # on and off, groups 4 and 8, in turn
-        for hkv in (8, 4):
-            for on in (True, False):
-                WARP.PREFETCH_L2 = on
-                DEC._kernels.clear()
-                for r in case(hkv, copy_bw):
-                    r["case"]["l2_prefetch"] = on
-                    recs.append(r)
-        WARP.PREFETCH_L2 = True
-    elif mode == "both":
+    if mode == "both":
         for on in (True, False):
             WARP.STREAM_EVICT_FIRST = on
             DEC._kernels.clear()

@@ -49,7 +49,7 @@ import numpy as np
 from numba import cuda, float32, int64, uint32
 
 from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f, load_v4,
-                         load_v4_stream, prefetch_l2,
+                         load_v4_stream,
                          shfl_idx_f32, shfl_xor_f32, st_v4)
 from ._driver import jit_kernel
 from .mma import grid_dependents_launch
@@ -362,10 +362,6 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
 # Off: H200, batch 1 x 32k, group 4, same run, decode kernel 39.58 us with it against
 # 38.53 us without (benchmarks/results/decode_b1_evict_first.json).
 STREAM_EVICT_FIRST = False
-# The small-batch shape also asks L2 for the K and V lines of the step after next
-# (primitives.prefetch_l2: no registers wait for them), so more bytes are on their way
-# from HBM than its registers can hold (benchmarks/results/decode_read_floor.json).
-PREFETCH_L2 = True
 
 
 def tc_eligible(code: str, head_dim: int, aligned: bool, variant) -> bool:
@@ -421,7 +417,6 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     AHEAD = min_blocks == 1          # K one step ahead needs ~30 more registers (ptxas, sm_90:
     LEAD = STEP if AHEAD else 0      # 242 at 8 warps x 1 CTA; 6 x 2 and 4 x 3 would spill)
     STREAM = AHEAD and STREAM_EVICT_FIRST
-    PF = AHEAD and PREFETCH_L2
     NHD = cfg.kv_layout == "NHD"
     var = cfg.variant
     ALIBI = var.has_alibi
@@ -481,7 +476,6 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
         acc = cuda.local.array(AL, np.float32)
         sc = cuda.local.array(4, np.float32)
         pg = cuda.local.array(2, np.int64)
-        pq = cuda.local.array(2, np.int64)
 
         grid_dependents_launch()     # a programmatically launched merge may start its prologue now
         tid = cuda.threadIdx.x
@@ -506,9 +500,6 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
         qscale = float32(sm_scale * float32(LOG2E))
         slope = slopes[h_row] if ALIBI else float32(0.0)
         zero = float32(0.0)
-        # L2 prefetch: lane t asks for 128-byte line t & 1 of the K (t < 2) or V row
-        pf_off = my_off - t * 4 + (t & 1) * 32 + (t >> 1) * v_off
-        pf_ok = (t & 1) * 32 < W
 
         for item in range(cta_indptr[cta], cta_indptr[cta + 1]):
             r, kv_start, kv_end, slot, page_base, q_idx = work_item(
@@ -540,10 +531,6 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                 if pos < kv_end:
                     pi, _ = page_slot(pos, page_size, ps_shift)
                     pg[hf] = kv_indices[page_base + int64(pi)]
-                pq[hf] = 0
-                if PF and pos + STEP < kv_end:     # pages of the step after next
-                    pi, _ = page_slot(pos + STEP, page_size, ps_shift)
-                    pq[hf] = kv_indices[page_base + int64(pi)]
 
             for base in range(first, kv_end, STEP):      # the same trip count in all lanes of a warp
                 if not AHEAD:
@@ -560,17 +547,7 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                         load_row(kv_w, rk[hf], kn, hf * HL)
                 for hf in range(2):
                     pos = base + LEAD + STEP + 8 * hf + g
-                    if PF:
-                        # pq came in during the last step: the lines of step base + 2 STEP
-                        # go to L2 now, and the page ids one step further are read
-                        pg[hf] = pq[hf]
-                        if pos < kv_end and pf_ok:
-                            _, within = page_slot(pos, page_size, ps_shift)
-                            prefetch_l2(kv_w, int64(pq[hf]) * page_words + int64(within * slot_words) + pf_off)
-                        if pos + STEP < kv_end:
-                            pi, _ = page_slot(pos + STEP, page_size, ps_shift)
-                            pq[hf] = kv_indices[page_base + int64(pi)]
-                    elif pos < kv_end:
+                    if pos < kv_end:
                         pi, _ = page_slot(pos, page_size, ps_shift)
                         pg[hf] = kv_indices[page_base + int64(pi)]
 

@@ -16,8 +16,6 @@ Interface (stable; the prefill/sparse/cascade kernels use it too):
                                 kernel never writes.
     load_v4_stream(words, i) -> load_v4 with an L2 evict-first policy: for data a kernel
                                 streams once (KV), so reused data keeps its L2 lines.
-    prefetch_l2(words, i)       ask L2 for the 128-byte line holding word i of a 1-D uint32
-                                array (no register receives it; a no-op in the simulator)
     ld_v4(arr, i)            -> 4 elements i..i+3 of a 1-D 4-byte array (uint32 or
                                 float32), one 16-byte access (shared memory tiles:
                                 allocate them with alignment=SHARED_ALIGN)
@@ -53,7 +51,7 @@ import numpy as np
 
 from .._compat import simulator_enabled
 
-__all__ = ["load_v4", "load_v4_stream", "prefetch_l2", "ld_v4", "st_v4", "SHARED_ALIGN", "u32_as_f32", "f32_as_u32",
+__all__ = ["load_v4", "load_v4_stream", "ld_v4", "st_v4", "SHARED_ALIGN", "u32_as_f32", "f32_as_u32",
            "f16x2_to_f32", "bf16x2_to_f32", "f32_to_f16_bits", "f32_to_bf16_bits", "exp2f", "device_fn",
            "SIMULATOR", "shfl_xor_f32", "shfl_idx_f32"]
 
@@ -91,9 +89,6 @@ if SIMULATOR:
         return words[i], words[i + 1], words[i + 2], words[i + 3]
 
     load_v4_stream = load_v4
-
-    def prefetch_l2(words, i):
-        return None
 
     def ld_v4(arr, i):
         return arr[i], arr[i + 1], arr[i + 2], arr[i + 3]
@@ -189,21 +184,6 @@ else:  # pragma: no cover - needs a GPU
     load_v4_stream = _load_v4_intrinsic(
         "{ .reg .b64 pol; createpolicy.fractional.L2::evict_first.b64 pol, 1.0; "
         "ld.global.nc.L2::cache_hint.v4.u32 {$0, $1, $2, $3}, [$4], pol; }")
-
-    @intrinsic
-    def prefetch_l2(typingctx, words, i):
-        if not (isinstance(words, types.Array) and words.ndim == 1 and words.dtype == types.uint32):
-            return None
-
-        def codegen(context, builder, sig, args):
-            ptr = _element_ptr(context, builder, sig.args[0], args[0],
-                               context.cast(builder, args[1], sig.args[1], types.intp))
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ptr.type]), "prefetch.global.L2 [$0];", "l",
-                               side_effect=True)
-            builder.call(asm, [ptr])
-            return context.get_dummy_value()
-
-        return types.none(words, i), codegen
 
     def _vec_ptr(context, builder, arrty, arr, idx):
         ptr = _element_ptr(context, builder, arrty, arr, context.cast(builder, idx, types.intp, types.intp))
