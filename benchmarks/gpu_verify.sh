@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The next device session, in priority order (a time-out keeps the earlier steps' files).
-# Session 4 ended with these not yet run on the final code:
-#   decode_b1   benchmarks/gpu_decode_b1.py with B1_STREAM=both: the small-batch shape's
-#               evict-first K/V stream (decode_warp.STREAM_EVICT_FIRST, off) against
-#               plain loads, batch 1 x 32k, group 4                -> $OUT/decode_b1.json
-#   t_gpu       GPU tests of sparse/cascade (one-round merge) and of the CUDA-core prefill
-#               tile (no launch bounds), then merge and decode (K one step ahead)
+# Re-verify and re-measure everything on the GPU, in priority order (a time-out keeps the
+# earlier steps' files).  Session 5 ran every step below on its final library code (see
+# benchmarks/results/gpu_tests.txt); nothing is pending.  Steps:
+#   decode_b1   benchmarks/gpu_decode_b1.py with B1_STREAM=both: the evict-first K/V stream
+#               against plain loads, batch 1 x 32k, group 4        -> $OUT/decode_b1.json
+#   t_gpu       GPU tests of sparse/cascade, the CUDA-core prefill tile, merge and decode
 #   prefill_cc  benchmarks/gpu_prefill_cc.py at the default (no launch bounds), the
 #               bounded build as the alternative                  -> $OUT/prefill_cuda_core.json
 #   decode      benchmarks/gpu_decode.py correct, then bench     -> $OUT/decode*.json
 #   prefill     benchmarks/gpu_prefill.py                        -> $OUT/prefill.json, cascade.json
+#   floor       benchmarks/gpu_read_floor.py (bare-read ceiling)  -> $OUT/decode_read_floor.json
 # A device call allows 600 s: pick steps with STEPS, e.g.
 #   STEPS="decode_b1 t_gpu" bash benchmarks/gpu_verify.sh;  STEPS="prefill_cc decode" ...
 # (OUT is set by the device tool.)
@@ -25,7 +25,7 @@ step() {
     echo "rc=$?" >> "$OUT/$name.log"
     grep -E "passed|failed|error|rc=|TFLOP|speedup|correctness|total| us " "$OUT/$name.log" | tail -14
 }
-STEPS=${STEPS:-"decode_b1 t_gpu prefill_cc decode prefill"}
+STEPS=${STEPS:-"decode_b1 t_gpu prefill_cc decode prefill floor"}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 has decode_b1 && step decode_b1 90 env B1_STREAM=both python3 benchmarks/gpu_decode_b1.py
 has t_gpu && step t_gpu 330 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_sparse_cascade.py \
@@ -35,3 +35,4 @@ has prefill_cc && step prefill_cc 230 env BUDGET_S=210 ALTS="min_blocks=3" pytho
 has decode && step decode_correct 150 env NBATTN_BUDGET_S=330 NBATTN_QUICK=1 python3 benchmarks/gpu_decode.py correct
 has decode && step decode 100 env NBATTN_BUDGET_S=100 NBATTN_QUICK=1 python3 benchmarks/gpu_decode.py bench
 has prefill && step prefill 300 python3 benchmarks/gpu_prefill.py
+has floor && step floor 60 python3 benchmarks/gpu_read_floor.py

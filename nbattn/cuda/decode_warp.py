@@ -399,7 +399,17 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     With ``min_blocks == 1`` (the small-batch shape: one CTA per SM, registers
     to spare) K runs one step ahead: a step issues its V loads and the next
     step's K loads before its math, so a warp's loads stay in flight while it
-    computes."""
+    computes.
+
+    That shape holds 8 KB per warp in flight, 64 KB per SM.  A bare 16-byte read of
+    the same 134 MB with that much in flight takes 40.4 us on the H200, with four
+    times as much 35.4 us (``benchmarks/results/decode_read_floor.json``); this
+    kernel takes 38-39 us.  Measured slower or no faster, and removed: an L2
+    prefetch of the step after next (``decode_b1_l2_prefetch.json``) and reading
+    each CTA's work item before its queue bounds (``decode_b1_chain.json``).
+    More bytes in flight without registers means ``cp.async`` stages in shared
+    memory: two 4 KB stages per warp need 64 KB, past the 48 KB of static shared
+    memory these launches use."""
     from . import mma as MMA
 
     D = cfg.head_dim
