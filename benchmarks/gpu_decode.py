@@ -268,6 +268,18 @@ def bench(fn, iters=15, rep=10, graph=True):
     return graph_ms(fn, iters, rep, graph, log=log)
 
 
+def write_gpu_suite(suite: str, recs: list, copy_bw: float, root: str, script: str):
+    """``nbattn.perf.results.write_suite`` with this GPU's name, the versions and
+    today's date, for the scripts that import this module."""
+    import platform
+
+    from nbattn.perf import results
+    return results.write_suite(
+        suite, recs, gpu=torch.cuda.get_device_name(), command=f"PYTHONPATH=$PWD python3 benchmarks/{script}",
+        versions={"torch": torch.__version__, "numpy": np.__version__, "python": platform.python_version()},
+        date=datetime.date.today().isoformat(), root=root, copy_bandwidth_GBps=copy_bw)
+
+
 def copy_bandwidth() -> dict:
     """Device-to-device copy of 1 GiB (bytes read + written), three ways; the
     best is the ceiling (a graph's memcpy node may run on a copy engine)."""

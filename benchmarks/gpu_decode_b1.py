@@ -20,9 +20,7 @@ with torch math on the same pages.
 """
 from __future__ import annotations
 
-import datetime
 import os
-import platform
 import sys
 
 import numpy as np
@@ -34,7 +32,6 @@ import gpu_decode as G  # noqa: E402  (copy bandwidth, inputs, timing, dense che
 from nbattn.cuda import decode as DEC  # noqa: E402
 from nbattn.cuda import decode_warp as WARP  # noqa: E402
 from nbattn.cuda import merge as MRG  # noqa: E402
-from nbattn.perf import results  # noqa: E402
 
 OUT = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
 
@@ -125,11 +122,7 @@ def main():
             WARP.STREAM_EVICT_FIRST = mode == "1"
         for hkv in (8, 4):
             recs += case(hkv, copy_bw)
-    results.write_suite(
-        "decode_b1", recs, gpu=torch.cuda.get_device_name(),
-        command="PYTHONPATH=$PWD python3 benchmarks/gpu_decode_b1.py",
-        versions={"torch": torch.__version__, "numpy": np.__version__, "python": platform.python_version()},
-        date=datetime.date.today().isoformat(), root=OUT, copy_bandwidth_GBps=copy_bw)
+    G.write_gpu_suite("decode_b1", recs, copy_bw, OUT, "gpu_decode_b1.py")
 
 
 if __name__ == "__main__":

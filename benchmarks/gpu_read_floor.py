@@ -20,9 +20,7 @@ The ``bw_fraction`` of a record is bytes / time / copy bandwidth, the metric of
 """
 from __future__ import annotations
 
-import datetime
 import os
-import platform
 import sys
 
 import numpy as np
@@ -32,7 +30,6 @@ from numba import cuda, uint32
 sys.path.insert(0, os.path.dirname(__file__))
 import gpu_decode as G  # noqa: E402  (copy bandwidth, graph timing, log)
 from nbattn.cuda.primitives import load_v4  # noqa: E402
-from nbattn.perf import results  # noqa: E402
 
 OUT = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
 UNROLL = 8          # loads in flight per thread (read_kernel's body)
@@ -102,11 +99,7 @@ def main():
         timed("read", lambda s, c=ctas, t=threads, p=per: read_kernel[c, t, s](words, p, sink),
               ctas=ctas, threads=threads, vecs_per_cta=per, unroll=UNROLL,
               bytes_read=per * ctas * 16)
-    results.write_suite(
-        "decode_read_floor", recs, gpu=torch.cuda.get_device_name(),
-        command="PYTHONPATH=$PWD python3 benchmarks/gpu_read_floor.py",
-        versions={"torch": torch.__version__, "numpy": np.__version__, "python": platform.python_version()},
-        date=datetime.date.today().isoformat(), root=OUT, copy_bandwidth_GBps=copy_bw)
+    G.write_gpu_suite("decode_read_floor", recs, copy_bw, OUT, "gpu_read_floor.py")
 
 
 if __name__ == "__main__":
