@@ -992,6 +992,39 @@ def nb03():
                           f"{x:.3f} of copy bandwidth, {x / v['unsplit']:.0f}x")
     """),
         md("""
+        Split, the single request reaches most of the copy bandwidth, but not all of it. A
+        memory-bound kernel's bandwidth is the bytes it keeps *in flight* divided by how long a
+        load takes to come back (Little's law), and a kernel can only keep in flight what its
+        registers (or shared memory) can receive. `benchmarks/gpu_read_floor.py` measured a
+        kernel that does nothing but read the same 134 MB, with up to 8 loads of 16 bytes in flight
+        per thread, over grids that hold more or fewer of them per SM:
+        """),
+        code("""
+    try:
+        floor = results.load_suite("decode_read_floor")
+    except results.ResultFormatError as e:
+        floor = None
+        print("decode_read_floor.json does not validate, left out:", e)
+    if floor is None:
+        print("no bare-read measurement yet (benchmarks/results/decode_read_floor.json)")
+    SMS = 132          # the H200's SMs: 128 and 132 CTAs are one per SM, 264 two, 1056 eight
+    for r in (floor.select("latency_us") if floor else []):
+        c = r.case
+        if c["part"] != "read":
+            continue
+        per_sm = c["threads"] * c["unroll"] * 16 * -(-c["ctas"] // SMS)
+        frac = c["bytes_read"] / (r.value * 1e-6) / 1e9 / floor.copy_bandwidth_GBps
+        print(f"{c['ctas']:5d} CTAs x {c['threads']} threads: {per_sm // 1024:4d} KB in flight per SM -> "
+              f"{r.value:6.1f} us, {frac:.2f} of copy bandwidth")
+    """),
+        md("""
+        The tensor-core decode kernel of the batch-1 case keeps about 64 KB per SM in flight (8
+        warps, each with one step of K and V, 16 tokens x 256 bytes each); its registers are
+        nearly all used. Going further means staging loads in shared memory (`cp.async`), as
+        FlashInfer does, rather than in registers.
+
+        """),
+        md("""
         ## 4. Variants ride along
 
         The decode kernel compiles the same variants as the prefill kernel (notebook 06). A
