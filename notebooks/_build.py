@@ -1000,11 +1000,7 @@ def nb03():
         per thread, over grids that hold more or fewer of them per SM:
         """),
         code("""
-    try:
-        floor = results.load_suite("decode_read_floor")
-    except results.ResultFormatError as e:
-        floor = None
-        print("decode_read_floor.json does not validate, left out:", e)
+    floor = results.load_suite("decode_read_floor")     # None before the first GPU run
     if floor is None:
         print("no bare-read measurement yet (benchmarks/results/decode_read_floor.json)")
     SMS = 132          # the H200's SMs: 128 and 132 CTAs are one per SM, 264 two, 1056 eight
