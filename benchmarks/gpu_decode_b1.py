@@ -109,7 +109,20 @@ def main():
     # B1_STREAM: the small-batch shape's K/V loads with the L2 evict-first policy ("1"), plain ("0"),
     # or both, group 4 only, one after the other ("both")
     mode = os.environ.get("B1_STREAM", "")
-    if mode == "both":
+    toggle = os.environ.get("B1_TOGGLE", "")
+    if toggle:
+        # B1_TOGGLE=NAME: a boolean switch of decode_warp (e.g. STAGE_V), on then off,
+        # groups 4 and 8, in one process
+        default = getattr(WARP, toggle)
+        for hkv in (8, 4):
+            for on in (True, False):
+                setattr(WARP, toggle, on)
+                DEC._kernels.clear()
+                for r in case(hkv, copy_bw):
+                    r["case"][toggle.lower()] = on
+                    recs.append(r)
+        setattr(WARP, toggle, default)
+    elif mode == "both":
         for on in (True, False):
             WARP.STREAM_EVICT_FIRST = on
             DEC._kernels.clear()

@@ -46,10 +46,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32, int64, uint32
+from numba import cuda, float32, int32, int64, uint32
 
-from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f, load_v4,
-                         load_v4_stream,
+from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f,
+                         f32_as_u32, ld_v4, load_v4, load_v4_stream,
                          shfl_idx_f32, shfl_xor_f32, st_v4)
 from ._driver import jit_kernel
 from .mma import grid_dependents_launch
@@ -362,6 +362,9 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
 # Off: H200, batch 1 x 32k, group 4, same run, decode kernel 39.58 us with it against
 # 38.53 us without (benchmarks/results/decode_b1_evict_first.json).
 STREAM_EVICT_FIRST = False
+# The small-batch shape stages V one step ahead in shared memory with cp.async (the
+# registers hold K one step ahead already): a step's V has arrived when its math starts.
+STAGE_V = True
 
 
 def tc_eligible(code: str, head_dim: int, aligned: bool, variant) -> bool:
@@ -427,6 +430,11 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     AHEAD = min_blocks == 1          # K one step ahead needs ~30 more registers (ptxas, sm_90:
     LEAD = STEP if AHEAD else 0      # 242 at 8 warps x 1 CTA; 6 x 2 and 4 x 3 would spill)
     STREAM = AHEAD and STREAM_EVICT_FIRST
+    # V staged one step ahead in st_acc's space (free until the final combine): lane l of
+    # warp w keeps chunk c of a step at 16-byte slot (w * CH + c) * 32 + l, so a warp's
+    # stage is exactly its own 8 x D floats of st_acc and a chunk's 32 lanes hit 32 banks
+    VS = AHEAD and STAGE_V
+    CH = 2 * NJ
     NHD = cfg.kv_layout == "NHD"
     var = cfg.variant
     ALIBI = var.has_alibi
@@ -472,10 +480,30 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
             dst[o + 2] = w2
             dst[o + 3] = w3
 
+    @device_fn
+    def stage_row(kv_w, row, my_slot, c0):
+        """cp.async of my NJ chunks of the row at word ``row`` (zeros for -1) into my stage
+        chunks ``c0..``; ``my_slot`` is the shared address of my chunk 0."""
+        for j in range(NJ):
+            ok = row >= 0
+            src = MMA.global_addr(kv_w, row + j * 16 if ok else int64(0))
+            MMA.cp_async16(my_slot + uint32(512 * (c0 + j)), src, int32(16) if ok else int32(0))
+
+    @device_fn
+    def read_stage(stage, my_word, dst, c0, o0):
+        """My stage chunks ``c0..c0+NJ-1`` (words) into ``dst[o0:]``."""
+        for j in range(NJ):
+            a, b, c, d = ld_v4(stage, my_word + 128 * (c0 + j))
+            o = o0 + 4 * j
+            dst[o] = f32_as_u32(a)
+            dst[o + 1] = f32_as_u32(b)
+            dst[o + 2] = f32_as_u32(c)
+            dst[o + 3] = f32_as_u32(d)
+
     def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, ps_shift, num_kv_heads,
                num_qo_heads, n_head_blocks, cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
                out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias):
-        st_acc = cuda.shared.array(ACC_LEN, np.float32)
+        st_acc = cuda.shared.array(ACC_LEN, np.float32, alignment=SHARED_ALIGN)   # also VS's V stage
         st_m = cuda.shared.array(ML_LEN, np.float32)
         st_l = cuda.shared.array(ML_LEN, np.float32)
         qa = cuda.local.array(QL, np.uint32)
@@ -510,6 +538,10 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
         qscale = float32(sm_scale * float32(LOG2E))
         slope = slopes[h_row] if ALIBI else float32(0.0)
         zero = float32(0.0)
+        my_word = 4 * ((warp * CH) * 32 + lane)
+        my_slot = uint32(0)
+        if VS:
+            my_slot = MMA.shared_addr(st_acc) + uint32(4 * my_word)
 
         for item in range(cta_indptr[cta], cta_indptr[cta + 1]):
             r, kv_start, kv_end, slot, page_base, q_idx = work_item(
@@ -535,6 +567,10 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                     rk[hf] = kv_row(first + 8 * hf + g, kv_end, kv_indices, page_base, page_size, ps_shift,
                                     page_words, slot_words, my_off)
                     load_row(kv_w, rk[hf], kw, hf * HL)
+                if VS:
+                    for hf in range(2):
+                        stage_row(kv_w, rk[hf] + v_off if rk[hf] >= 0 else rk[hf], my_slot, hf * NJ)
+                    MMA.cp_async_commit()
             for hf in range(2):
                 pos = first + LEAD + 8 * hf + g
                 pg[hf] = 0
@@ -548,13 +584,22 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                         rk[hf] = page_row(base + 8 * hf + g, kv_end, pg[hf], page_size, ps_shift, page_words,
                                           slot_words, my_off)
                         load_row(kv_w, rk[hf], kw, hf * HL)
-                for hf in range(2):
-                    load_row(kv_w, rk[hf] + v_off if rk[hf] >= 0 else rk[hf], vw, hf * HL)
+                if VS:          # this step's V was copied during the last step's math
+                    MMA.cp_async_wait_all()
+                    for hf in range(2):
+                        read_stage(st_acc, my_word, vw, hf * NJ, hf * HL)
+                else:
+                    for hf in range(2):
+                        load_row(kv_w, rk[hf] + v_off if rk[hf] >= 0 else rk[hf], vw, hf * HL)
                 if AHEAD:
                     for hf in range(2):
                         rk[hf] = page_row(base + STEP + 8 * hf + g, kv_end, pg[hf], page_size, ps_shift,
                                           page_words, slot_words, my_off)
                         load_row(kv_w, rk[hf], kn, hf * HL)
+                    if VS:      # my chunks were read into vw above; the copy lands later
+                        for hf in range(2):
+                            stage_row(kv_w, rk[hf] + v_off if rk[hf] >= 0 else rk[hf], my_slot, hf * NJ)
+                        MMA.cp_async_commit()
                 for hf in range(2):
                     pos = base + LEAD + STEP + 8 * hf + g
                     if pos < kv_end:
@@ -620,6 +665,8 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                     for e in range(KL):
                         kw[e] = kn[e]
 
+            if VS:      # the last step's copy (zeros past the end) must land before st_acc is reused
+                MMA.cp_async_wait_all()
             # my row's mass, then the warps' states through shared memory
             l_row = l_part + shfl_xor_f32(l_part, 1)
             l_row += shfl_xor_f32(l_row, 2)
