@@ -44,6 +44,7 @@ Shared memory is used only for the final combine: ``R = NW * TW`` rows x
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32
@@ -362,9 +363,13 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
 # Off: H200, batch 1 x 32k, group 4, same run, decode kernel 39.58 us with it against
 # 38.53 us without (benchmarks/results/decode_b1_evict_first.json).
 STREAM_EVICT_FIRST = False
-# The small-batch shape stages V one step ahead in shared memory with cp.async (the
-# registers hold K one step ahead already): a step's V has arrived when its math starts.
-STAGE_V = True
+# The small-batch shape can stage V one step ahead in shared memory with cp.async (the
+# registers hold K one step ahead already), so a step's V has arrived when its math
+# starts.  Off until measured: it assembles for sm_90 (ptxas: 242 registers, no spills,
+# 33 KB shared memory, the stage living in st_acc's space) but session 5 had no device
+# time left to run it (`B1_TOGGLE=STAGE_V python3 benchmarks/gpu_decode_b1.py` times it
+# against plain V loads; NBATTN_STAGE_V=1 turns it on, e.g. for the GPU tests).
+STAGE_V = os.environ.get("NBATTN_STAGE_V", "0") == "1"
 
 
 def tc_eligible(code: str, head_dim: int, aligned: bool, variant) -> bool:
@@ -411,8 +416,9 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     prefetch of the step after next (``decode_b1_l2_prefetch.json``) and reading
     each CTA's work item before its queue bounds (``decode_b1_chain.json``).
     More bytes in flight without registers means ``cp.async`` stages in shared
-    memory: two 4 KB stages per warp need 64 KB, past the 48 KB of static shared
-    memory these launches use."""
+    memory.  ``STAGE_V`` (off until measured) copies each step's V one step ahead
+    into a 4 KB stage per warp that reuses ``st_acc``'s space; a second stage
+    would need 64 KB, past the 48 KB of static shared memory these launches use."""
     from . import mma as MMA
 
     D = cfg.head_dim
