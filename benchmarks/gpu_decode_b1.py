@@ -111,17 +111,19 @@ def main():
     mode = os.environ.get("B1_STREAM", "")
     toggle = os.environ.get("B1_TOGGLE", "")
     if toggle:
-        # B1_TOGGLE=NAME: a boolean switch of decode_warp (e.g. STAGE_V), on then off,
-        # groups 4 and 8, in one process
-        default = getattr(WARP, toggle)
+        # B1_TOGGLE=NAME: a boolean switch of decode_warp, on then off; NAME=V1,V2,..: those
+        # values in turn (e.g. KV_STAGES=3,0); groups 4 and 8, in one process
+        name, _, values = toggle.partition("=")
+        default = getattr(WARP, name)
+        settings = [type(default)(v) for v in values.split(",")] if values else [True, False]
         for hkv in (8, 4):
-            for on in (True, False):
-                setattr(WARP, toggle, on)
+            for value in settings:
+                setattr(WARP, name, value)
                 DEC._kernels.clear()
                 for r in case(hkv, copy_bw):
-                    r["case"][toggle.lower()] = on
+                    r["case"][name.lower()] = value
                     recs.append(r)
-        setattr(WARP, toggle, default)
+        setattr(WARP, name, default)
     elif mode == "both":
         for on in (True, False):
             WARP.STREAM_EVICT_FIRST = on

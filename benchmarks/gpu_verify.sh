@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # Re-verify and re-measure everything on the GPU, in priority order (a time-out keeps the
-# earlier steps' files).  Session 5 ran every step below but stage_v on its final library
+# earlier steps' files).  Session 5 ran every step below but kv_stages on its final library
 # code (see benchmarks/results/gpu_tests.txt).  Steps:
-#   stage_v     the small-batch decode's V staged one step ahead with cp.async
-#               (decode_warp.STAGE_V, off, never run on a GPU yet): timed on/off at batch
-#               1 x 32k, groups 4 and 8, each checked against torch -> $OUT/stage_v.log and
-#               $OUT/decode_b1.json; then the tensor-core GPU decode tests with it on.
-#               If it is faster and the tests pass, make it the default and re-run decode.
+#   kv_stages   the small-batch decode's K and V copied into 2 or 3 cp.async stages per
+#               warp (decode_warp.KV_STAGES, 0 = registers): timed at 3, 2 and 0 at batch
+#               1 x 32k, groups 4 and 8, each checked against torch -> $OUT/kv_stages.log
+#               and $OUT/decode_b1.json; then the tensor-core GPU decode tests with 3.
 #   decode_b1   benchmarks/gpu_decode_b1.py with B1_STREAM=both: the evict-first K/V stream
 #               against plain loads, batch 1 x 32k, group 4        -> $OUT/decode_b1.json
 #   t_gpu       GPU tests of sparse/cascade, the CUDA-core prefill tile, merge and decode
@@ -30,10 +29,10 @@ step() {
     echo "rc=$?" >> "$OUT/$name.log"
     grep -E "passed|failed|error|rc=|TFLOP|speedup|correctness|total| us " "$OUT/$name.log" | tail -14
 }
-STEPS=${STEPS:-"stage_v decode_b1 t_gpu prefill_cc decode prefill floor"}
+STEPS=${STEPS:-"kv_stages decode_b1 t_gpu prefill_cc decode prefill floor"}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
-has stage_v && step stage_v 120 env B1_TOGGLE=STAGE_V python3 benchmarks/gpu_decode_b1.py
-has stage_v && step t_stage_v 200 env NBATTN_STAGE_V=1 python3 -m pytest -q -p no:cacheprovider \
+has kv_stages && step kv_stages 150 env B1_TOGGLE=KV_STAGES=3,2,0 python3 benchmarks/gpu_decode_b1.py
+has kv_stages && step t_kv_stages 200 env NBATTN_KV_STAGES=3 python3 -m pytest -q -p no:cacheprovider \
     tests/test_cuda_decode.py -k "real_sizes_gpu or heuristic or split"
 has decode_b1 && step decode_b1 90 env B1_STREAM=both python3 benchmarks/gpu_decode_b1.py
 has t_gpu && step t_gpu 330 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_sparse_cascade.py \

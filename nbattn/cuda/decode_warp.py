@@ -363,13 +363,15 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
 # Off: H200, batch 1 x 32k, group 4, same run, decode kernel 39.58 us with it against
 # 38.53 us without (benchmarks/results/decode_b1_evict_first.json).
 STREAM_EVICT_FIRST = False
-# The small-batch shape can stage V one step ahead in shared memory with cp.async (the
-# registers hold K one step ahead already), so a step's V has arrived when its math
-# starts.  Off until measured: it assembles for sm_90 (ptxas: 242 registers, no spills,
-# 33 KB shared memory, the stage living in st_acc's space) but session 5 had no device
-# time left to run it (`B1_TOGGLE=STAGE_V python3 benchmarks/gpu_decode_b1.py` times it
-# against plain V loads; NBATTN_STAGE_V=1 turns it on, e.g. for the GPU tests).
-STAGE_V = os.environ.get("NBATTN_STAGE_V", "0") == "1"
+# The small-batch shape can copy K and V into KV_STAGES shared-memory stages per warp with
+# cp.async (0: K one step ahead in registers).  Registers cap the bytes in flight at 8 KB a
+# warp; KV_STAGES - 1 steps in flight hold 8 KB each without registers (3 stages of 8 warps
+# at head_dim 128: 192 KB of dynamic shared memory, past the 48 KB default: the launch opts
+# in, _driver.opt_in_shared).  Not measured yet: `B1_TOGGLE=KV_STAGES=3 python3
+# benchmarks/gpu_decode_b1.py`.  Staging V alone, one step ahead in st_acc's 32 KB (session
+# 5), gained nothing: 39.50 us against 39.37 us (group 4), 25.04 against 24.50 (group 8),
+# benchmarks/results/decode_b1_stage_v.json; it was removed.
+KV_STAGES = int(os.environ.get("NBATTN_KV_STAGES", "0"))
 
 
 def tc_eligible(code: str, head_dim: int, aligned: bool, variant) -> bool:
@@ -416,9 +418,10 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     prefetch of the step after next (``decode_b1_l2_prefetch.json``) and reading
     each CTA's work item before its queue bounds (``decode_b1_chain.json``).
     More bytes in flight without registers means ``cp.async`` stages in shared
-    memory.  ``STAGE_V`` (off until measured) copies each step's V one step ahead
-    into a 4 KB stage per warp that reuses ``st_acc``'s space; a second stage
-    would need 64 KB, past the 48 KB of static shared memory these launches use."""
+    memory: with ``KV_STAGES`` >= 2 each warp copies its steps' K and V rows
+    ``KV_STAGES - 1`` steps ahead into 8 KB stages (head_dim 128) of dynamic shared
+    memory and reads each step's rows from there; ``dispatcher.dynamic_smem`` is
+    the launch's byte count."""
     from . import mma as MMA
 
     D = cfg.head_dim
@@ -434,13 +437,20 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     STEP = 16 * NW
     ACC_LEN, ML_LEN = NW * 8 * D, NW * 8
     AHEAD = min_blocks == 1          # K one step ahead needs ~30 more registers (ptxas, sm_90:
-    LEAD = STEP if AHEAD else 0      # 242 at 8 warps x 1 CTA; 6 x 2 and 4 x 3 would spill)
-    STREAM = AHEAD and STREAM_EVICT_FIRST
-    # V staged one step ahead in st_acc's space (free until the final combine): lane l of
-    # warp w keeps chunk c of a step at 16-byte slot (w * CH + c) * 32 + l, so a warp's
-    # stage is exactly its own 8 x D floats of st_acc and a chunk's 32 lanes hit 32 banks
-    VS = AHEAD and STAGE_V
-    CH = 2 * NJ
+                                     # 242 at 8 warps x 1 CTA; 6 x 2 and 4 x 3 would spill)
+    # KS stages of K and V per warp in shared memory (the small-batch shape only).  Lane l
+    # of warp w keeps its 16-byte chunk c of stage s at slot ((w * KS + s) * CPS + c) * 32 + l:
+    # a lane reads back only what it copied itself (its own wait suffices, no barrier), and a
+    # chunk's 32 lanes hit 32 banks.  The stages share their space with st_acc, which is
+    # only written after the last copy has landed.
+    KS = KV_STAGES if AHEAD and KV_STAGES >= 2 else 0
+    REG_AHEAD = AHEAD and not KS
+    LEAD = (KS - 1) * STEP if KS else (STEP if AHEAD else 0)   # how far ahead rows are fetched
+    STREAM = REG_AHEAD and STREAM_EVICT_FIRST
+    CPS = 4 * NJ                     # chunks per lane and stage: K rows g, 8+g, then V rows
+    DYN_WORDS = max(ACC_LEN, NW * KS * CPS * 128) if KS else 0
+    ACC_DECL = 0 if KS else ACC_LEN  # 0: numba's dynamic shared array
+    wait_stage = MMA.cp_async_wait_group(max(KS - 2, 0))
     NHD = cfg.kv_layout == "NHD"
     var = cfg.variant
     ALIBI = var.has_alibi
@@ -487,29 +497,36 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
             dst[o + 3] = w3
 
     @device_fn
-    def stage_row(kv_w, row, my_slot, c0):
-        """cp.async of my NJ chunks of the row at word ``row`` (zeros for -1) into my stage
-        chunks ``c0..``; ``my_slot`` is the shared address of my chunk 0."""
-        for j in range(NJ):
+    def stage_step(kv_w, rk, v_off, slot):
+        """One group of cp.async: my K then V chunks of rows ``rk[0], rk[1]`` (words; -1
+        zero-fills) into the stage whose chunk 0 is at shared address ``slot``."""
+        for c in range(CPS):
+            row = rk[(c // NJ) & 1]
             ok = row >= 0
-            src = MMA.global_addr(kv_w, row + j * 16 if ok else int64(0))
-            MMA.cp_async16(my_slot + uint32(512 * (c0 + j)), src, int32(16) if ok else int32(0))
+            at = row + (v_off if c >= 2 * NJ else int64(0)) + (c % NJ) * 16
+            MMA.cp_async16(slot + uint32(512 * c), MMA.global_addr(kv_w, at if ok else int64(0)),
+                           int32(16) if ok else int32(0))
+        MMA.cp_async_commit()
 
     @device_fn
-    def read_stage(stage, my_word, dst, c0, o0):
-        """My stage chunks ``c0..c0+NJ-1`` (words) into ``dst[o0:]``."""
-        for j in range(NJ):
-            a, b, c, d = ld_v4(stage, my_word + 128 * (c0 + j))
-            o = o0 + 4 * j
-            dst[o] = f32_as_u32(a)
-            dst[o + 1] = f32_as_u32(b)
-            dst[o + 2] = f32_as_u32(c)
-            dst[o + 3] = f32_as_u32(d)
+    def read_step(stage, word, kw, vw):
+        """The stage at ``word`` (my chunk 0, in floats) into the step's K and V words."""
+        for c in range(2 * NJ):
+            a, b, x, y = ld_v4(stage, word + 128 * c)
+            kw[4 * c] = f32_as_u32(a)
+            kw[4 * c + 1] = f32_as_u32(b)
+            kw[4 * c + 2] = f32_as_u32(x)
+            kw[4 * c + 3] = f32_as_u32(y)
+            a, b, x, y = ld_v4(stage, word + 128 * (2 * NJ + c))
+            vw[4 * c] = f32_as_u32(a)
+            vw[4 * c + 1] = f32_as_u32(b)
+            vw[4 * c + 2] = f32_as_u32(x)
+            vw[4 * c + 3] = f32_as_u32(y)
 
     def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, ps_shift, num_kv_heads,
                num_qo_heads, n_head_blocks, cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
                out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias):
-        st_acc = cuda.shared.array(ACC_LEN, np.float32, alignment=SHARED_ALIGN)   # also VS's V stage
+        st_acc = cuda.shared.array(ACC_DECL, np.float32, alignment=SHARED_ALIGN)   # also the KS stages
         st_m = cuda.shared.array(ML_LEN, np.float32)
         st_l = cuda.shared.array(ML_LEN, np.float32)
         qa = cuda.local.array(QL, np.uint32)
@@ -544,9 +561,9 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
         qscale = float32(sm_scale * float32(LOG2E))
         slope = slopes[h_row] if ALIBI else float32(0.0)
         zero = float32(0.0)
-        my_word = 4 * ((warp * CH) * 32 + lane)
+        my_word = 4 * (warp * KS * CPS * 32 + lane)     # my chunk 0 of stage 0, in floats
         my_slot = uint32(0)
-        if VS:
+        if KS:
             my_slot = MMA.shared_addr(st_acc) + uint32(4 * my_word)
 
         for item in range(cta_indptr[cta], cta_indptr[cta + 1]):
@@ -568,15 +585,18 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
             first = kv_start + warp * 16
             # AHEAD: K runs one step ahead of V, so the next step's K loads are in flight
             # during this step's math (8 warps a CTA hold too few bytes in flight otherwise)
-            if AHEAD:
+            if REG_AHEAD:
                 for hf in range(2):
                     rk[hf] = kv_row(first + 8 * hf + g, kv_end, kv_indices, page_base, page_size, ps_shift,
                                     page_words, slot_words, my_off)
                     load_row(kv_w, rk[hf], kw, hf * HL)
-                if VS:
+            if KS:      # steps 0 .. KS-2 in flight before the loop; stage s holds steps s, s + KS, ...
+                for sp in range(KS - 1):
                     for hf in range(2):
-                        stage_row(kv_w, rk[hf] + v_off if rk[hf] >= 0 else rk[hf], my_slot, hf * NJ)
-                    MMA.cp_async_commit()
+                        rk[hf] = kv_row(first + sp * STEP + 8 * hf + g, kv_end, kv_indices, page_base,
+                                        page_size, ps_shift, page_words, slot_words, my_off)
+                    stage_step(kv_w, rk, v_off, my_slot + uint32(512 * CPS * sp))
+            cur = 0
             for hf in range(2):
                 pos = first + LEAD + 8 * hf + g
                 pg[hf] = 0
@@ -590,22 +610,24 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                         rk[hf] = page_row(base + 8 * hf + g, kv_end, pg[hf], page_size, ps_shift, page_words,
                                           slot_words, my_off)
                         load_row(kv_w, rk[hf], kw, hf * HL)
-                if VS:          # this step's V was copied during the last step's math
-                    MMA.cp_async_wait_all()
+                if KS:          # this step's group has landed once at most KS - 2 are pending
+                    wait_stage()
+                    read_step(st_acc, my_word + 128 * CPS * cur, kw, vw)
+                    # step base + LEAD into the stage read one step ago (its reads are done)
                     for hf in range(2):
-                        read_stage(st_acc, my_word, vw, hf * NJ, hf * HL)
+                        rk[hf] = page_row(base + LEAD + 8 * hf + g, kv_end, pg[hf], page_size, ps_shift,
+                                          page_words, slot_words, my_off)
+                    nxt = cur - 1 if cur > 0 else KS - 1
+                    stage_step(kv_w, rk, v_off, my_slot + uint32(512 * CPS * nxt))
+                    cur = cur + 1 if cur < KS - 1 else 0
                 else:
                     for hf in range(2):
                         load_row(kv_w, rk[hf] + v_off if rk[hf] >= 0 else rk[hf], vw, hf * HL)
-                if AHEAD:
+                if REG_AHEAD:
                     for hf in range(2):
                         rk[hf] = page_row(base + STEP + 8 * hf + g, kv_end, pg[hf], page_size, ps_shift,
                                           page_words, slot_words, my_off)
                         load_row(kv_w, rk[hf], kn, hf * HL)
-                    if VS:      # my chunks were read into vw above; the copy lands later
-                        for hf in range(2):
-                            stage_row(kv_w, rk[hf] + v_off if rk[hf] >= 0 else rk[hf], my_slot, hf * NJ)
-                        MMA.cp_async_commit()
                 for hf in range(2):
                     pos = base + LEAD + STEP + 8 * hf + g
                     if pos < kv_end:
@@ -667,11 +689,11 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                         acc[c + 1] = d1
                         acc[c + 2] = d2
                         acc[c + 3] = d3
-                if AHEAD:
+                if REG_AHEAD:
                     for e in range(KL):
                         kw[e] = kn[e]
 
-            if VS:      # the last step's copy (zeros past the end) must land before st_acc is reused
+            if KS:      # the copies past the end (zeros) must land before st_acc is reused
                 MMA.cp_async_wait_all()
             # my row's mass, then the warps' states through shared memory
             l_row = l_part + shfl_xor_f32(l_part, 1)
@@ -690,4 +712,6 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                          part_lse)
             cuda.syncthreads()
 
-    return jit_kernel(kernel, launch_bounds=(NT, min_blocks))
+    k = jit_kernel(kernel, launch_bounds=(NT, min_blocks))
+    k.dynamic_smem = 4 * DYN_WORDS      # bytes of dynamic shared memory the launch must pass
+    return k
