@@ -442,7 +442,8 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     # of warp w keeps its 16-byte chunk c of stage s at slot ((w * KS + s) * CPS + c) * 32 + l:
     # a lane reads back only what it copied itself (its own wait suffices, no barrier), and a
     # chunk's 32 lanes hit 32 banks.  The stages share their space with st_acc, which is
-    # only written after the last copy has landed.
+    # only written after every warp's last copy has landed (warp w's accumulator rows lie
+    # in lower warps' stages).
     KS = KV_STAGES if AHEAD and KV_STAGES >= 2 else 0
     REG_AHEAD = AHEAD and not KS
     LEAD = (KS - 1) * STEP if KS else (STEP if AHEAD else 0)   # how far ahead rows are fetched
@@ -693,8 +694,9 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                     for e in range(KL):
                         kw[e] = kn[e]
 
-            if KS:      # the copies past the end (zeros) must land before st_acc is reused
-                MMA.cp_async_wait_all()
+            if KS:      # every warp's copies (zeros past the end) must land before st_acc,
+                MMA.cp_async_wait_all()     # which spans other warps' stages, is written
+                cuda.syncthreads()
             # my row's mass, then the warps' states through shared memory
             l_row = l_part + shfl_xor_f32(l_part, 1)
             l_row += shfl_xor_f32(l_row, 2)
