@@ -1,11 +1,7 @@
 #!/usr/bin/env bash
 # Re-verify and re-measure everything on the GPU, in priority order (a time-out keeps the
-# earlier steps' files).  Session 5 ran every step below but kv_stages on its final library
+# earlier steps' files).  Session 5 ran every step below on its final library
 # code (see benchmarks/results/gpu_tests.txt).  Steps:
-#   kv_stages   the small-batch decode's K and V copied into 2 or 3 cp.async stages per
-#               warp (decode_warp.KV_STAGES, 0 = registers): timed at 3, 2 and 0 at batch
-#               1 x 32k, groups 4 and 8, each checked against torch -> $OUT/kv_stages.log
-#               and $OUT/decode_b1.json; then the tensor-core GPU decode tests with 3.
 #   decode_b1   benchmarks/gpu_decode_b1.py with B1_STREAM=both: the evict-first K/V stream
 #               against plain loads, batch 1 x 32k, group 4        -> $OUT/decode_b1.json
 #   t_gpu       GPU tests of sparse/cascade, the CUDA-core prefill tile, merge and decode
@@ -29,11 +25,8 @@ step() {
     echo "rc=$?" >> "$OUT/$name.log"
     grep -E "passed|failed|error|rc=|TFLOP|speedup|correctness|total| us " "$OUT/$name.log" | tail -14
 }
-STEPS=${STEPS:-"kv_stages decode_b1 t_gpu prefill_cc decode prefill floor"}
+STEPS=${STEPS:-"decode_b1 t_gpu prefill_cc decode prefill floor"}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
-has kv_stages && step kv_stages 150 env B1_TOGGLE=KV_STAGES=3,2,0 python3 benchmarks/gpu_decode_b1.py
-has kv_stages && step t_kv_stages 200 env NBATTN_KV_STAGES=3 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_cuda_decode.py -k "real_sizes_gpu or heuristic or split"
 has decode_b1 && step decode_b1 90 env B1_STREAM=both python3 benchmarks/gpu_decode_b1.py
 has t_gpu && step t_gpu 330 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_sparse_cascade.py \
     tests/test_cuda_prefill_cc.py tests/test_cuda_merge.py tests/test_cuda_decode.py

@@ -181,25 +181,6 @@ def launch_programmatic(dispatcher, griddim, blockdim, stream, args) -> bool:
     return True
 
 
-def opt_in_shared(dispatcher, args, nbytes: int) -> None:
-    """Let the kernel ``dispatcher`` compiles for ``args`` launch with ``nbytes`` of dynamic
-    shared memory.  Past 48 KB a launch fails unless the function's
-    ``MAX_DYNAMIC_SHARED_SIZE_BYTES`` attribute was raised first; numba's launch does not
-    do it, so this sets it (once per compiled kernel) the way numba's own
-    ``set_shared_memory_carveout`` sets its attribute."""
-    if SIMULATOR or nbytes <= 48 * 1024:
-        return
-    kernel = dispatcher._compile_for_args(*args)
-    if getattr(kernel, "_nbattn_dynamic_smem", 0) >= nbytes:
-        return
-    from numba.cuda.cudadrv.driver import binding, driver
-
-    cufunc = kernel._codelibrary.get_cufunc()
-    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    driver.cuKernelSetAttribute(attr, int(nbytes), cufunc.handle, cufunc.device.id)
-    kernel._nbattn_dynamic_smem = int(nbytes)
-
-
 def sm_count() -> int:
     if SIMULATOR:
         return 4

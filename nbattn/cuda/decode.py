@@ -62,7 +62,7 @@ from ..variants import Variant, alibi_slopes, check_return_lse, variant_from_kwa
 from . import _arrays as A
 from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f,
                          ld_v4, load_v4, st_v4)
-from ._driver import jit_kernel, opt_in_shared, sm_count
+from ._driver import jit_kernel, sm_count
 from . import decode_warp as WARP
 from .variants import LOG2E, kernel_variant_key, variant_device_fns
 
@@ -598,12 +598,9 @@ def run_decode_work(p: DecodeProblem, work: WorkList, partial_o=None, partial_ls
     if cfg.path in ("warp", "tc"):
         ps = p.page_size
         shift = ps.bit_length() - 1 if ps & (ps - 1) == 0 else -1
-        kernel = decode_kernel(cfg)
-        args = (p.q_w, p.kv_w, p.kv_indptr, p.kv_indices, p.kv_last, ps, shift, p.num_kv_heads,
-                p.num_qo_heads, n_hb, *work, *tail)
-        smem = getattr(kernel, "dynamic_smem", 0)    # the tensor-core path's cp.async stages
-        opt_in_shared(kernel, args, smem)
-        kernel[num_ctas * n_hb, cfg.nthreads, p.stream, smem](*args)
+        decode_kernel(cfg)[num_ctas * n_hb, cfg.nthreads, p.stream](
+            p.q_w, p.kv_w, p.kv_indptr, p.kv_indices, p.kv_last, ps, shift, p.num_kv_heads,
+            p.num_qo_heads, n_hb, *work, *tail)
         return
     decode_kernel(cfg)[(num_ctas, n_hb), cfg.nthreads, p.stream](
         p.q_w, p.kv_w, p.kv_indptr, p.kv_indices, p.kv_last, p.page_size, p.num_kv_heads,

@@ -44,13 +44,12 @@ Shared memory is used only for the final combine: ``R = NW * TW`` rows x
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
-from numba import cuda, float32, int32, int64, uint32
+from numba import cuda, float32, int64, uint32
 
-from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f,
-                         f32_as_u32, ld_v4, load_v4, load_v4_stream,
+from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f, load_v4,
+                         load_v4_stream,
                          shfl_idx_f32, shfl_xor_f32, st_v4)
 from ._driver import jit_kernel
 from .mma import grid_dependents_launch
@@ -363,15 +362,6 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
 # Off: H200, batch 1 x 32k, group 4, same run, decode kernel 39.58 us with it against
 # 38.53 us without (benchmarks/results/decode_b1_evict_first.json).
 STREAM_EVICT_FIRST = False
-# The small-batch shape can copy K and V into KV_STAGES shared-memory stages per warp with
-# cp.async (0: K one step ahead in registers).  Registers cap the bytes in flight at 8 KB a
-# warp; KV_STAGES - 1 steps in flight hold 8 KB each without registers (3 stages of 8 warps
-# at head_dim 128: 192 KB of dynamic shared memory, past the 48 KB default: the launch opts
-# in, _driver.opt_in_shared).  Not measured yet: `B1_TOGGLE=KV_STAGES=3 python3
-# benchmarks/gpu_decode_b1.py`.  Staging V alone, one step ahead in st_acc's 32 KB (session
-# 5), gained nothing: 39.50 us against 39.37 us (group 4), 25.04 against 24.50 (group 8),
-# benchmarks/results/decode_b1_stage_v.json; it was removed.
-KV_STAGES = int(os.environ.get("NBATTN_KV_STAGES", "0"))
 
 
 def tc_eligible(code: str, head_dim: int, aligned: bool, variant) -> bool:
@@ -418,10 +408,11 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     prefetch of the step after next (``decode_b1_l2_prefetch.json``) and reading
     each CTA's work item before its queue bounds (``decode_b1_chain.json``).
     More bytes in flight without registers means ``cp.async`` stages in shared
-    memory: with ``KV_STAGES`` >= 2 each warp copies its steps' K and V rows
-    ``KV_STAGES - 1`` steps ahead into 8 KB stages (head_dim 128) of dynamic shared
-    memory and reads each step's rows from there; ``dispatcher.dynamic_smem`` is
-    the launch's byte count."""
+    memory; measured slower here and removed (session 6, same run, decode kernel
+    alone at group 4, ``decode_b1_kv_stages.json``): K and V copied into 3 stages
+    of 8 KB per warp (192 KB of dynamic shared memory, two steps in flight)
+    41.73 us, 2 stages 39.90 us, this register form 38.54 us; V alone staged one
+    step ahead 39.50 against 39.37 us (``decode_b1_stage_v.json``)."""
     from . import mma as MMA
 
     D = cfg.head_dim
@@ -437,21 +428,8 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     STEP = 16 * NW
     ACC_LEN, ML_LEN = NW * 8 * D, NW * 8
     AHEAD = min_blocks == 1          # K one step ahead needs ~30 more registers (ptxas, sm_90:
-                                     # 242 at 8 warps x 1 CTA; 6 x 2 and 4 x 3 would spill)
-    # KS stages of K and V per warp in shared memory (the small-batch shape only).  Lane l
-    # of warp w keeps its 16-byte chunk c of stage s at slot ((w * KS + s) * CPS + c) * 32 + l:
-    # a lane reads back only what it copied itself (its own wait suffices, no barrier), and a
-    # chunk's 32 lanes hit 32 banks.  The stages share their space with st_acc, which is
-    # only written after every warp's last copy has landed (warp w's accumulator rows lie
-    # in lower warps' stages).
-    KS = KV_STAGES if AHEAD and KV_STAGES >= 2 else 0
-    REG_AHEAD = AHEAD and not KS
-    LEAD = (KS - 1) * STEP if KS else (STEP if AHEAD else 0)   # how far ahead rows are fetched
-    STREAM = REG_AHEAD and STREAM_EVICT_FIRST
-    CPS = 4 * NJ                     # chunks per lane and stage: K rows g, 8+g, then V rows
-    DYN_WORDS = max(ACC_LEN, NW * KS * CPS * 128) if KS else 0
-    ACC_DECL = 0 if KS else ACC_LEN  # 0: numba's dynamic shared array
-    wait_stage = MMA.cp_async_wait_group(max(KS - 2, 0))
+    LEAD = STEP if AHEAD else 0      # 242 at 8 warps x 1 CTA; 6 x 2 and 4 x 3 would spill)
+    STREAM = AHEAD and STREAM_EVICT_FIRST
     NHD = cfg.kv_layout == "NHD"
     var = cfg.variant
     ALIBI = var.has_alibi
@@ -497,37 +475,10 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
             dst[o + 2] = w2
             dst[o + 3] = w3
 
-    @device_fn
-    def stage_step(kv_w, rk, v_off, slot):
-        """One group of cp.async: my K then V chunks of rows ``rk[0], rk[1]`` (words; -1
-        zero-fills) into the stage whose chunk 0 is at shared address ``slot``."""
-        for c in range(CPS):
-            row = rk[(c // NJ) & 1]
-            ok = row >= 0
-            at = row + (v_off if c >= 2 * NJ else int64(0)) + (c % NJ) * 16
-            MMA.cp_async16(slot + uint32(512 * c), MMA.global_addr(kv_w, at if ok else int64(0)),
-                           int32(16) if ok else int32(0))
-        MMA.cp_async_commit()
-
-    @device_fn
-    def read_step(stage, word, kw, vw):
-        """The stage at ``word`` (my chunk 0, in floats) into the step's K and V words."""
-        for c in range(2 * NJ):
-            a, b, x, y = ld_v4(stage, word + 128 * c)
-            kw[4 * c] = f32_as_u32(a)
-            kw[4 * c + 1] = f32_as_u32(b)
-            kw[4 * c + 2] = f32_as_u32(x)
-            kw[4 * c + 3] = f32_as_u32(y)
-            a, b, x, y = ld_v4(stage, word + 128 * (2 * NJ + c))
-            vw[4 * c] = f32_as_u32(a)
-            vw[4 * c + 1] = f32_as_u32(b)
-            vw[4 * c + 2] = f32_as_u32(x)
-            vw[4 * c + 3] = f32_as_u32(y)
-
     def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, ps_shift, num_kv_heads,
                num_qo_heads, n_head_blocks, cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
                out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias):
-        st_acc = cuda.shared.array(ACC_DECL, np.float32, alignment=SHARED_ALIGN)   # also the KS stages
+        st_acc = cuda.shared.array(ACC_LEN, np.float32)
         st_m = cuda.shared.array(ML_LEN, np.float32)
         st_l = cuda.shared.array(ML_LEN, np.float32)
         qa = cuda.local.array(QL, np.uint32)
@@ -562,10 +513,6 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
         qscale = float32(sm_scale * float32(LOG2E))
         slope = slopes[h_row] if ALIBI else float32(0.0)
         zero = float32(0.0)
-        my_word = 4 * (warp * KS * CPS * 32 + lane)     # my chunk 0 of stage 0, in floats
-        my_slot = uint32(0)
-        if KS:
-            my_slot = MMA.shared_addr(st_acc) + uint32(4 * my_word)
 
         for item in range(cta_indptr[cta], cta_indptr[cta + 1]):
             r, kv_start, kv_end, slot, page_base, q_idx = work_item(
@@ -586,18 +533,11 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
             first = kv_start + warp * 16
             # AHEAD: K runs one step ahead of V, so the next step's K loads are in flight
             # during this step's math (8 warps a CTA hold too few bytes in flight otherwise)
-            if REG_AHEAD:
+            if AHEAD:
                 for hf in range(2):
                     rk[hf] = kv_row(first + 8 * hf + g, kv_end, kv_indices, page_base, page_size, ps_shift,
                                     page_words, slot_words, my_off)
                     load_row(kv_w, rk[hf], kw, hf * HL)
-            if KS:      # steps 0 .. KS-2 in flight before the loop; stage s holds steps s, s + KS, ...
-                for sp in range(KS - 1):
-                    for hf in range(2):
-                        rk[hf] = kv_row(first + sp * STEP + 8 * hf + g, kv_end, kv_indices, page_base,
-                                        page_size, ps_shift, page_words, slot_words, my_off)
-                    stage_step(kv_w, rk, v_off, my_slot + uint32(512 * CPS * sp))
-            cur = 0
             for hf in range(2):
                 pos = first + LEAD + 8 * hf + g
                 pg[hf] = 0
@@ -611,20 +551,9 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                         rk[hf] = page_row(base + 8 * hf + g, kv_end, pg[hf], page_size, ps_shift, page_words,
                                           slot_words, my_off)
                         load_row(kv_w, rk[hf], kw, hf * HL)
-                if KS:          # this step's group has landed once at most KS - 2 are pending
-                    wait_stage()
-                    read_step(st_acc, my_word + 128 * CPS * cur, kw, vw)
-                    # step base + LEAD into the stage read one step ago (its reads are done)
-                    for hf in range(2):
-                        rk[hf] = page_row(base + LEAD + 8 * hf + g, kv_end, pg[hf], page_size, ps_shift,
-                                          page_words, slot_words, my_off)
-                    nxt = cur - 1 if cur > 0 else KS - 1
-                    stage_step(kv_w, rk, v_off, my_slot + uint32(512 * CPS * nxt))
-                    cur = cur + 1 if cur < KS - 1 else 0
-                else:
-                    for hf in range(2):
-                        load_row(kv_w, rk[hf] + v_off if rk[hf] >= 0 else rk[hf], vw, hf * HL)
-                if REG_AHEAD:
+                for hf in range(2):
+                    load_row(kv_w, rk[hf] + v_off if rk[hf] >= 0 else rk[hf], vw, hf * HL)
+                if AHEAD:
                     for hf in range(2):
                         rk[hf] = page_row(base + STEP + 8 * hf + g, kv_end, pg[hf], page_size, ps_shift,
                                           page_words, slot_words, my_off)
@@ -690,13 +619,10 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                         acc[c + 1] = d1
                         acc[c + 2] = d2
                         acc[c + 3] = d3
-                if REG_AHEAD:
+                if AHEAD:
                     for e in range(KL):
                         kw[e] = kn[e]
 
-            if KS:      # every warp's copies (zeros past the end) must land before st_acc,
-                MMA.cp_async_wait_all()     # which spans other warps' stages, is written
-                cuda.syncthreads()
             # my row's mass, then the warps' states through shared memory
             l_row = l_part + shfl_xor_f32(l_part, 1)
             l_row += shfl_xor_f32(l_row, 2)
@@ -714,6 +640,4 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                          part_lse)
             cuda.syncthreads()
 
-    k = jit_kernel(kernel, launch_bounds=(NT, min_blocks))
-    k.dynamic_smem = 4 * DYN_WORDS      # bytes of dynamic shared memory the launch must pass
-    return k
+    return jit_kernel(kernel, launch_bounds=(NT, min_blocks))

@@ -33,8 +33,7 @@ and an ``llvmlite.ir.InlineAsm`` call:
 - ``cp_async16(dst, src, nbytes)``: ``cp.async.cg.shared.global`` of 16 bytes
   (``nbytes`` 16, or 0 to zero-fill the destination without reading);
   ``cp_async_commit()`` closes a group, ``cp_async_wait_all()`` waits for
-  this thread's groups (``cp.async.wait_group 0``), ``cp_async_wait_group(n)``
-  returns the intrinsic that waits until at most ``n`` groups are pending.  Other threads' copies are
+  this thread's groups (``cp.async.wait_group 0``).  Other threads' copies are
   visible after the barrier that follows their waits.
 - ``ldsm_x4(addr)`` / ``ldsm_x4_t(addr)``: ``ldmatrix.sync.aligned.m8n8.x4``
   (``.trans``) from shared memory: lanes 8i..8i+7 give the 16-byte row
@@ -56,8 +55,7 @@ from __future__ import annotations
 from .. import _compat  # noqa: F401  (numpy shim, simulator choice)
 
 __all__ = ["AVAILABLE", "mma_f16", "mma_bf16", "pack_f16x2", "pack_bf16x2", "load_u32x4", "global_addr",
-           "shared_addr", "cp_async16", "cp_async_commit", "cp_async_wait_all",
-           "cp_async_wait_group", "ldsm_x4", "ldsm_x4_t"]
+           "shared_addr", "cp_async16", "cp_async_commit", "cp_async_wait_all", "ldsm_x4", "ldsm_x4_t"]
 
 AVAILABLE = not _compat.simulator_enabled()
 
@@ -197,14 +195,6 @@ if AVAILABLE:
 
     cp_async_commit = _bare("cp.async.commit_group;")
     cp_async_wait_all = _bare("cp.async.wait_group 0;")
-    _waits: dict = {}
-
-    def cp_async_wait_group(n: int):
-        """The intrinsic ``cp.async.wait_group n``: wait until at most ``n`` of this
-        thread's committed groups are still pending (``n`` is an immediate)."""
-        if n not in _waits:
-            _waits[n] = _bare(f"cp.async.wait_group {int(n)};")
-        return _waits[n]
 
     def _ldsm(trans: bool):
         t = ".trans" if trans else ""
@@ -235,9 +225,6 @@ else:  # simulator: names exist, calling them is an error the factory never make
 
     mma_f16 = mma_bf16 = pack_f16x2 = pack_bf16x2 = load_u32x4 = _gpu_only
     global_addr = shared_addr = cp_async16 = cp_async_commit = cp_async_wait_all = _gpu_only
-
-    def cp_async_wait_group(n: int):
-        return _gpu_only
     ldsm_x4 = ldsm_x4_t = _gpu_only
 
 
