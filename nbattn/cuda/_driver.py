@@ -181,6 +181,26 @@ def launch_programmatic(dispatcher, griddim, blockdim, stream, args) -> bool:
     return True
 
 
+def launch(kernel, grid, threads, stream, args) -> None:
+    """``kernel[grid, threads, stream, smem](*args)`` with ``smem`` the kernel's
+    ``dynamic_smem`` attribute (bytes of dynamic shared memory; 0 when absent).
+    Past 48 KB a launch fails unless the function's ``MAX_DYNAMIC_SHARED_SIZE_BYTES``
+    attribute was raised first; numba's launch does not do it, so this sets it
+    once per compiled kernel, the way numba's own ``set_shared_memory_carveout``
+    sets its attribute."""
+    smem = int(getattr(kernel, "dynamic_smem", 0))
+    if smem > 48 * 1024 and not SIMULATOR:
+        compiled = kernel._compile_for_args(*args)
+        if getattr(compiled, "_nbattn_smem", 0) < smem:
+            from numba.cuda.cudadrv.driver import binding, driver
+
+            cufunc = compiled._codelibrary.get_cufunc()
+            attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            driver.cuKernelSetAttribute(attr, smem, cufunc.handle, cufunc.device.id)
+            compiled._nbattn_smem = smem
+    kernel[grid, threads, stream, smem](*args)
+
+
 def sm_count() -> int:
     if SIMULATOR:
         return 4

@@ -36,6 +36,7 @@ from ..variants import alibi_slopes, check_return_lse, variant_from_kwargs
 from . import _arrays as A
 from . import merge as M
 from . import prefill as P
+from . import prefill_cc as CC
 from ._driver import jit_kernel, sm_count
 from .primitives import SIMULATOR
 
@@ -132,6 +133,7 @@ def _level_kernel(spec: P.KernelSpec, min_blocks: int):
                 tile(cuda.blockIdx.x, q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req,
                      slopes, block, n_keys, out, lse)
         kern = _KERNELS[key] = jit_kernel(kernel, launch_bounds=(spec.threads, min_blocks))
+        kern.dynamic_smem = CC.dynamic_smem(spec)
     return kern
 
 

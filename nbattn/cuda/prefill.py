@@ -74,7 +74,7 @@ from . import _arrays as A  # noqa: E402
 from . import mma as _mma  # noqa: E402
 from . import prefill_tc as TC  # noqa: E402
 from . import prefill_cc as CC  # noqa: E402
-from ._driver import jit_kernel  # noqa: E402
+from ._driver import jit_kernel, launch as launch_kernel  # noqa: E402
 from .primitives import SIMULATOR, device_fn, element_io  # noqa: E402
 from .variants import LOG2E, sigmoid_weight, variant_device_fns  # noqa: E402
 
@@ -545,6 +545,7 @@ def get_kernel(spec: KernelSpec):
     kern = _KERNELS.get(spec)
     if kern is None:
         kern = prefill_entry(get_tile(spec), CC.launch_bounds(spec))
+        kern.dynamic_smem = CC.dynamic_smem(spec)
         _KERNELS[spec] = kern
     return kern
 
@@ -555,6 +556,7 @@ def get_persistent_kernel(spec: KernelSpec):
     kern = _KERNELS.get(key)
     if kern is None:
         kern = persistent_entry(get_tile(spec), CC.launch_bounds(spec))
+        kern.dynamic_smem = CC.dynamic_smem(spec)
         _KERNELS[key] = kern
     return kern
 
@@ -662,7 +664,7 @@ def enqueue(kernel, grid, threads, stream, args) -> None:
     if _RECORDING is not None:
         _RECORDING.append((kernel, grid, threads, args))
     else:
-        kernel[grid, threads, stream](*args)
+        launch_kernel(kernel, grid, threads, stream, args)
 
 
 class recording:
@@ -681,7 +683,7 @@ class recording:
 
     def replay(self, stream=0) -> None:
         for kernel, grid, threads, args in self.launches:
-            kernel[grid, threads, stream](*args)
+            launch_kernel(kernel, grid, threads, stream, args)
 
 
 def make_spec(mode: str, kv_layout: str, kind: str, head_dim: int, num_qo_heads: int,

@@ -92,11 +92,11 @@ from numba import cuda, float32, int32, uint32
 from . import mma as _mma
 from . import prefill as P
 from .primitives import (SHARED_ALIGN, SIMULATOR, bf16x2_to_f32, device_fn, element_io, exp2f,
-                         f16x2_to_f32, f32_as_u32, ld_v4, shfl_xor_f32, st_v4, u32_as_f32)
+                         f16x2_to_f32, f32_as_u32, ld_v4, shfl_xor_f32, st_v4, u32_as_f32, warp_sync)
 from .variants import LOG2E, sigmoid_weight
 
-__all__ = ["cuda_core_tiles", "cuda_core_tile", "covers", "launch_bounds", "ENABLED", "LANE_GRIDS", "POLICY",
-           "UNROLL", "PREFETCH_MAX_CHUNKS", "MIN_BLOCKS"]
+__all__ = ["cuda_core_tiles", "cuda_core_tile", "covers", "launch_bounds", "dynamic_smem", "ENABLED", "LANE_GRIDS",
+           "POLICY", "UNROLL", "PREFETCH_MAX_CHUNKS", "MIN_BLOCKS", "SPLIT_KV", "SMEM_BUDGET", "MAX_TILE_K"]
 
 # Lane grids (RG x CG lanes per warp) a tile can take, and rows per lane.
 # GPU: 32-lane warps of 4 x 8 lanes (16 rows per warp, 16 dims of O per
@@ -104,7 +104,17 @@ __all__ = ["cuda_core_tiles", "cuda_core_tile", "covers", "launch_bounds", "ENAB
 # registers, so more CTAs fit an SM, and a longer K/V tile beside the same Q).
 LANE_GRIDS = ((2, 4),) if SIMULATOR else ((4, 8), (2, 16))
 ROWS_PER_LANE = 4
-SMEM_BUDGET = 48 * 1024 - 1024     # static limit, minus the per-row int arrays and slack
+# Shared memory a tile may take.  Past STATIC_LIMIT its float arrays are one dynamic
+# array (the launch passes the size, kernel attribute ``dynamic_smem``, and opts in
+# past 48 KB: nbattn.cuda._driver.launch); 100 KB leaves room for two CTAs an SM.
+STATIC_LIMIT = 48 * 1024 - 1024    # the static limit, minus the per-row int arrays and slack
+SMEM_BUDGET = STATIC_LIMIT if SIMULATOR else 100 * 1024
+# Separate K and V tiles: both are stored at the top of a KV step, the next step's K and
+# V loads are in flight during all of S, softmax and P V, and a step has two barriers
+# instead of four (False: one buffer, K then V in it).
+SPLIT_KV = True
+# Longest KV tile a shape may take (None: what fits SMEM_BUDGET); benchmarks vary it.
+MAX_TILE_K = None
 # Which fitting shape wins: "rows" = 4 x 8 lanes, the most warps, then the most
 # keys per lane; "keys" = 4 x 8 lanes, the most keys per lane, then warps;
 # "wide" = 2 x 16 lanes, the most warps, then keys.
@@ -126,10 +136,29 @@ MIN_BLOCKS = None
 ELEMS_PER_16B = {"f16": 8, "bf16": 8, "f32": 4}
 
 
-def _smem_bytes(D: int, RG: int, CG: int, NW: int, C: int) -> int:
+def _smem_floats(D: int, RG: int, CG: int, NW: int, C: int) -> tuple[int, int, int, int]:
+    """Offsets (floats) of the K tile, the V tile and P in the tile's shared array
+    (Q first), and its length: rows padded by 4 floats."""
     R = ROWS_PER_LANE
     T_q, T_k = NW * RG * R, CG * C
-    return 4 * (T_q * (D + 4) + T_k * (D + 4) + NW * T_k * RG * R)
+    off_k = T_q * (D + 4)
+    off_v = off_k + (T_k * (D + 4) if SPLIT_KV else 0)
+    off_p = off_v + T_k * (D + 4)
+    return off_k, off_v, off_p, off_p + NW * T_k * RG * R
+
+
+def _smem_bytes(D: int, RG: int, CG: int, NW: int, C: int) -> int:
+    return 4 * _smem_floats(D, RG, CG, NW, C)[3]
+
+
+def dynamic_smem(spec) -> int:
+    """Bytes of dynamic shared memory a launch of ``spec``'s kernel passes (0: the
+    tile's arrays are static, or the spec is not this tile's)."""
+    shape = _shape_of(spec)
+    if shape is None or SIMULATOR:
+        return 0
+    n = _smem_bytes(spec.head_dim, *shape)
+    return n if n > STATIC_LIMIT else 0
 
 
 def _shapes(head_dim: int, kind: str) -> list:
@@ -148,6 +177,8 @@ def _shapes(head_dim: int, kind: str) -> list:
         for NW in ((2,) if SIMULATOR else (4, 2)):
             for C in ((2,) if SIMULATOR else (8, 4, 2, 1)):
                 chunks = CG * C * D // ELEMS_PER_16B[kind]
+                if MAX_TILE_K is not None and CG * C > MAX_TILE_K:
+                    continue
                 if (_smem_bytes(D, RG, CG, NW, C) <= SMEM_BUDGET and R * C <= 32
                         and chunks % (NW * RG * CG) == 0):
                     out.append((RG, CG, NW, C))
@@ -406,14 +437,14 @@ def _micro_kernels(D, RG, CG, R, C, WR, QS, KS, KPT, CPR, EPC, NT, sigmoid, env,
         L.append(f"        w{n}_0, w{n}_1, w{n}_2, w{n}_3 = zw, zw, zw, zw")
     L.append("    return " + tup(W))
 
-    L.append("def put_kv(words, locs, s_kv, s_kpos, tid, with_pos):")
+    L.append("def put_kv(words, locs, s_kv, base, s_kpos, tid, with_pos):")
     L.append("    " + ", ".join(W) + ", = words")
     L.append("    " + ", ".join(LOC) + ", = locs")
     for n in range(KPT):
         L.append(f"    e = tid + {n * NT}")
         L.append(f"    j = e // {CPR}")
         L.append(f"    c = e % {CPR}")
-        L.append(f"    unpack(w{n}_0, w{n}_1, w{n}_2, w{n}_3, s_kv, j * {KS} + c * {EPC})")
+        L.append(f"    unpack(w{n}_0, w{n}_1, w{n}_2, w{n}_3, s_kv, base + j * {KS} + c * {EPC})")
         L.append("    if with_pos and c == 0:")
         L.append(f"        s_kpos[j] = ps{n}")
     L.append("    return 0")
@@ -493,7 +524,9 @@ def cuda_core_tile(spec: P.KernelSpec):
     prefetch = KPT <= PREFETCH_MAX_CHUNKS
     Q_CHUNKS = T_q * CPR
     Q_ITERS = -(-Q_CHUNKS // NT)
-    SQ, SKV, SP = T_q * QS, T_k * KS, NW * T_k * WR
+    SPLIT = SPLIT_KV
+    OFF_K, OFF_V, OFF_P, SMEM = _smem_floats(D, RG, CG, NW, C)
+    DECL = 0 if dynamic_smem(spec) else SMEM      # 0: numba's dynamic shared array
 
     score = P.tile_score(spec, positional)
 
@@ -524,9 +557,7 @@ def cuda_core_tile(spec: P.KernelSpec):
         qo_start, row0, n_rows, kv_ptr, kv_base, kv_begin, kv_end, out_shift = item(work, wi)
         head0 = kv_head * group
 
-        s_q = cuda.shared.array(SQ, float32, alignment=SHARED_ALIGN)
-        s_kv = cuda.shared.array(SKV, float32, alignment=SHARED_ALIGN)
-        s_p = cuda.shared.array(SP, float32, alignment=SHARED_ALIGN)
+        sm = cuda.shared.array(DECL, float32, alignment=SHARED_ALIGN)   # Q | K | V | P (floats)
         s_kpos = cuda.shared.array(T_k, int32)
         s_qpos = cuda.shared.array(T_q, int32)
         s_diag = cuda.shared.array(T_q, int32)      # q_idx - kvoff: last key t a causal row sees
@@ -543,7 +574,7 @@ def cuda_core_tile(spec: P.KernelSpec):
                     w0, w1, w2, w3 = load16(q, (qo_start + (row0 + r) // group, head0 + (row0 + r) % group, d))
                 else:
                     w0 = w1 = w2 = w3 = uint32(0)
-                unpack(w0, w1, w2, w3, s_q, r * QS + d)
+                unpack(w0, w1, w2, w3, sm, r * QS + d)
         stage(tid, n_rows, qo_start, row0, row_pos, row_kvoff, row_req, kv_begin, kv_end,
               s_qpos, s_diag, s_req, s_range)
         cuda.syncthreads()
@@ -557,37 +588,57 @@ def cuda_core_tile(spec: P.KernelSpec):
         for r in range(warp * WR + 1, warp * WR + WR):
             warp_diag = min(warp_diag, s_diag[r])
         qa = rbase * QS
-        ka = cg * KS
-        pa = warp * (T_k * WR) + rg * R      # P^T of the warp; the lane's rows are contiguous
-        va = 4 * cg
+        ka = OFF_K + cg * KS
+        pa = OFF_P + warp * (T_k * WR) + rg * R     # P^T of the warp; the lane's rows are contiguous
+        va = OFF_V + 4 * cg
 
         t0 = next_tile(kv_begin, lo, sink_end)
         kw, locs = fetch(k_src, 0, t0, hi, kv_indices, kv_ptr, kv_base, block, n_keys, kv_head, tid)
         o = o_zero()
         m, l = stats0()
         vw = kw
+        if SPLIT:
+            vw = refetch(v_src, 1, locs, kv_head, tid)
         while t0 < hi:
-            put_kv(kw, locs, s_kv, s_kpos, tid, True)
-            cuda.syncthreads()                                   # K tile in
-            if prefetch:
-                vw = refetch(v_src, 1, locs, kv_head, tid)       # in flight during S and softmax
-            s = qk(s_q, s_kv, qa, ka)
+            if SPLIT:
+                put_kv(kw, locs, sm, OFF_K, s_kpos, tid, True)
+                put_kv(vw, locs, sm, OFF_V, s_kpos, tid, False)
+                cuda.syncthreads()                               # K and V tiles in
+                t1 = next_tile(t0 + T_k, lo, sink_end)
+                if prefetch:                                     # in flight during S, softmax and P V
+                    kw, locs = fetch(k_src, 0, t1, hi, kv_indices, kv_ptr, kv_base, block, n_keys, kv_head, tid)
+                    vw = refetch(v_src, 1, locs, kv_head, tid)
+            else:
+                put_kv(kw, locs, sm, OFF_K, s_kpos, tid, True)
+                cuda.syncthreads()                               # K tile in
+                if prefetch:
+                    vw = refetch(v_src, 1, locs, kv_head, tid)   # in flight during S and softmax
+            s = qk(sm, sm, qa, ka)
             last = t0 + T_k - 1
             if plain and positional and warp_full and last < hi and (not causal or last <= warp_diag):
                 s = scaled(s, scale_log2)
             else:
                 s = masked(s, rbase, n_rows, cg, s_qpos, s_diag, s_req, s_kpos, head0, row0, slopes)
             p, m, l, alpha = softmax(s, m, l)
-            put_p(p, s_p, pa + cg * WR)
+            put_p(p, sm, pa + cg * WR)
+            if SPLIT:
+                warp_sync()                                      # P^T is the warp's own
+                if not prefetch:
+                    kw, locs = fetch(k_src, 0, t1, hi, kv_indices, kv_ptr, kv_base, block, n_keys, kv_head, tid)
+                    vw = refetch(v_src, 1, locs, kv_head, tid)
+                o = pv(o, sm, sm, pa, va, alpha)
+                cuda.syncthreads()                               # everyone done with K, V and P
+                t0 = t1
+                continue
             cuda.syncthreads()                                   # everyone done with K; P written
             if not prefetch:
                 vw = refetch(v_src, 1, locs, kv_head, tid)
-            put_kv(vw, locs, s_kv, s_kpos, tid, False)
+            put_kv(vw, locs, sm, OFF_V, s_kpos, tid, False)
             cuda.syncthreads()                                   # V tile in
             t1 = next_tile(t0 + T_k, lo, sink_end)
             if prefetch:
                 kw, locs = fetch(k_src, 0, t1, hi, kv_indices, kv_ptr, kv_base, block, n_keys, kv_head, tid)
-            o = pv(o, s_p, s_kv, pa, va, alpha)
+            o = pv(o, sm, sm, pa, va, alpha)
             cuda.syncthreads()                                   # everyone done with V and P
             if not prefetch:
                 kw, locs = fetch(k_src, 0, t1, hi, kv_indices, kv_ptr, kv_base, block, n_keys, kv_head, tid)

@@ -53,7 +53,7 @@ from .._compat import simulator_enabled
 
 __all__ = ["load_v4", "load_v4_stream", "ld_v4", "st_v4", "SHARED_ALIGN", "u32_as_f32", "f32_as_u32",
            "f16x2_to_f32", "bf16x2_to_f32", "f32_to_f16_bits", "f32_to_bf16_bits", "exp2f", "device_fn",
-           "SIMULATOR", "shfl_xor_f32", "shfl_idx_f32"]
+           "SIMULATOR", "shfl_xor_f32", "shfl_idx_f32", "warp_sync"]
 
 SIMULATOR = simulator_enabled()
 # cuda.shared.array(..., alignment=SHARED_ALIGN): 16-byte alignment for ld_v4/st_v4
@@ -132,6 +132,11 @@ if SIMULATOR:
         y = buf[tid ^ int(lane_mask)]
         cuda.syncthreads()
         return np.float32(y)
+
+    @device_fn
+    def warp_sync():
+        # the simulator's "warps" are slices of one block of Python threads
+        cuda.syncthreads()
 
     @device_fn
     def shfl_idx_f32(x, src_lane):
@@ -286,6 +291,10 @@ else:  # pragma: no cover - needs a GPU
     @device_fn
     def shfl_idx_f32(x, src_lane):
         return cuda.shfl_sync(0xFFFFFFFF, float32(x), src_lane)
+
+    @device_fn
+    def warp_sync():
+        cuda.syncwarp(0xFFFFFFFF)
 
     @device_fn
     def bf16x2_to_f32(w):

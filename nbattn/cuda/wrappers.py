@@ -70,7 +70,7 @@ from ..sched.plan import DIRECT, Plan, plan as lpt_plan
 from ..variants import alibi_slopes, check_return_lse, variant_from_kwargs
 from . import _arrays as A
 from . import decode as DEC
-from ._driver import sm_count
+from ._driver import launch as launch_kernel, sm_count
 from .merge import run_merge_tiles
 from .primitives import SIMULATOR
 
@@ -653,8 +653,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PlanRunWrapper):
                  pl.reshape(rows_cap, H)),
                 (self._spec, "final", self.max_work_items, out_dev, lse_dev)):
             work = self._view(f"{name}_rows")[:8 * cap].reshape(cap, 8)
-            P.get_persistent_kernel(spec)[(self.num_ctas, self._num_kv_heads), spec.threads, stream](
-                *common, work, self._view(f"{name}_indptr"), *tail, o, l)
+            launch_kernel(P.get_persistent_kernel(spec), (self.num_ctas, self._num_kv_heads), spec.threads, stream,
+                   (*common, work, self._view(f"{name}_indptr"), *tail, o, l))
         self._merge(stream, out_dev, lse_dev, po, pl, self._view("qo_indptr"), self._slot_rows)
         return A.finish_results(kind, code, stream, out, out_user, out_dev, lse, lse_user, lse_dev,
                                 return_lse)
