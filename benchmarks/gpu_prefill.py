@@ -38,6 +38,7 @@ import nbattn  # noqa: F401  (compat shim before numba.cuda kernels)
 from nbattn import layout as L
 from nbattn.cuda.cascade import cascade as cuda_cascade
 from nbattn.cuda import prefill as P
+from nbattn.cuda._driver import launch as launch_kernel
 
 from _timing import events_ms, graph_ms  # noqa: E402  (benchmarks/ is the script's folder)
 
@@ -84,7 +85,7 @@ def replay_fn(launches):
     def run():
         s = torch_stream()
         for kernel, grid, threads, args in launches:
-            kernel[grid, threads, s](*args)
+            launch_kernel(kernel, grid, threads, s, args)     # passes a tile's dynamic shared memory
     return run
 
 

@@ -41,6 +41,7 @@ from nbattn import layout as L
 from _timing import events_ms  # noqa: E402  (benchmarks/ is the script's folder)
 from nbattn import reference as R
 from nbattn.cuda import prefill as P
+from nbattn.cuda._driver import launch as launch_kernel
 from nbattn.cuda import prefill_cc as CC
 from nbattn.perf import results
 
@@ -259,7 +260,7 @@ def time_single(n, causal, reps, label, n_kv=None):
     def run():
         s = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
         for kernel, grid, threads, args in launches:
-            kernel[grid, threads, s](*args)
+            launch_kernel(kernel, grid, threads, s, args)     # passes a tile's dynamic shared memory
 
     out.fill_(float("nan"))
     run()
