@@ -349,7 +349,7 @@ def main():
 
     # Alternatives beside the default, each at 8k x 8k full and causal (ALTS: ';'-separated
     # alternatives, each one or more '+'-joined settings of prefill_cc.POLICY / MIN_BLOCKS /
-    # SPLIT_KV (split_kv=0|1) / SMEM_BUDGET (smem=bytes) / MAX_TILE_K, prefill.LONGEST_FIRST, or shape=QxK (full only: the same FLOPs in another grid, e.g.
+    # SMEM_BUDGET (smem=bytes) / MAX_TILE_K, prefill.LONGEST_FIRST, or shape=QxK (full only: the same FLOPs in another grid, e.g.
     # 16384x4096 = twice the CTAs at half the keys each), e.g.
     # "min_blocks=none;policy=wide;longest_first=0;min_blocks=3+shape=16384x4096").
     # Kernels are rebuilt for each.
@@ -359,10 +359,9 @@ def main():
             say("skipping the remaining alternatives (time)")
             break
         settings = dict(kv.split("=") for kv in alt.split("+"))
-        saved = (CC.POLICY, CC.MIN_BLOCKS, P.LONGEST_FIRST, CC.SPLIT_KV, CC.SMEM_BUDGET, CC.MAX_TILE_K)
+        saved = (CC.POLICY, CC.MIN_BLOCKS, P.LONGEST_FIRST, CC.SMEM_BUDGET, CC.MAX_TILE_K)
         try:
             CC.POLICY = settings.get("policy", CC.POLICY)
-            CC.SPLIT_KV = settings.get("split_kv", "1" if CC.SPLIT_KV else "0") == "1"
             CC.SMEM_BUDGET = int(settings.get("smem", CC.SMEM_BUDGET))
             if "max_tile_k" in settings:
                 CC.MAX_TILE_K = int(settings["max_tile_k"])
@@ -384,7 +383,7 @@ def main():
         except Exception:  # noqa: BLE001
             say(f"alternative {alt} failed:\n" + traceback.format_exc()[-1500:])
         finally:
-            CC.POLICY, CC.MIN_BLOCKS, P.LONGEST_FIRST, CC.SPLIT_KV, CC.SMEM_BUDGET, CC.MAX_TILE_K = saved
+            CC.POLICY, CC.MIN_BLOCKS, P.LONGEST_FIRST, CC.SMEM_BUDGET, CC.MAX_TILE_K = saved
             P._KERNELS.clear()
         save()
 

@@ -568,7 +568,7 @@ def get_persistent_kernel(spec: KernelSpec):
 def kernel_tiles(head_dim: int, kind: str, tensor_cores: bool) -> tuple[int, int, int]:
     """(T_q, T_k, threads) of a prefill kernel build (the scheduler's tile heuristic
     is :func:`nbattn.sched.choose_tiles`).  The simulator gets small tiles (each thread is a
-    Python thread); the CUDA-core GPU path fits its shared memory in 48 KB."""
+    Python thread); the scalar CUDA-core fallback fits its shared memory in 48 KB."""
     if tensor_cores:
         return TC.tensor_core_tiles(head_dim)
     cc = CC.cuda_core_tiles(head_dim, kind)

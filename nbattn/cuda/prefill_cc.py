@@ -27,44 +27,50 @@ consecutive padded rows of Q and K at the same time: their 16-byte loads
 fall in distinct banks (lanes that share a row read the same address).
 
 Shapes (GPU, :func:`cuda_core_tiles`).  Default ``POLICY = "rows"``: 4 x 8
-lanes, R = 4, at head_dim 128 C = 2, so T_q = 64 fused rows, T_k = 16 keys,
-128 threads; ptxas (sm_90): 172 registers, no spills, 47.2 KB shared
-memory; an S step is 64 FMAs per 12 shared loads, a P V step 64 per 5.  This
-is the shape measured on the H200 (``benchmarks/gpu_prefill_cc.py``,
-``benchmarks/results/prefill_cuda_core.json``).  ``"keys"`` (4 x 8 lanes,
-T_q 32 x T_k 32, 64 threads: 255 registers) measured slower, and so did
-``"wide"`` (2 x 16 lanes, T_q 32 x T_k 32, 128 threads: 166 registers, no
-spills): 28.8 / 28.8 TFLOP/s at 1 x 8k x 8k full / causal against 31.4 /
-30.0 for "rows" in the same run.  Causal work starts longest first
-(:func:`nbattn.cuda.prefill.longest_first`: 30.0 against 29.0 TFLOP/s).  Those
-three comparisons are in ``prefill_cuda_core.json`` as committed in 15a4e5a;
-the file's later runs time the default and the launch bound.  Splitting KV
-against wave quantization would gain at most 1.6% here
+lanes, R = 4, at head_dim 128 C = 4, so T_q = 64 fused rows, T_k = 32 keys,
+128 threads; ptxas (sm_90): 246-250 registers, no spills, 75.8 KB of
+dynamic shared memory (two CTAs an SM); an S step is 64 FMAs per 8 shared
+loads, a P V step 64 per 5.  Measured on the H200 (``benchmarks/gpu_prefill_cc.py``,
+``benchmarks/results/prefill_cuda_core.json``, 1 x 8k x 8k full / causal, same
+run): 34.3 / 34.9 TFLOP/s, 0.53 / 0.54 of the measured fp32 FMA roof (65.0);
+the previous shape (T_k = 16, one K-then-V buffer, four barriers a step, 47.2
+KB of static shared memory: the 48 KB limit is what held T_k at 16) 31.5 /
+30.1; separate K and V at T_k = 16 30.5 / 30.8; one buffer at T_k = 32 34.2 /
+34.1.  The longer KV tile is the gain: half the barriers, softmax steps and
+O rescales per key.  Earlier runs (``prefill_cuda_core.json`` as committed
+in 15a4e5a): ``"keys"`` (4 x 8 lanes, T_q 32 x T_k 32, 64 threads: 255
+registers) and ``"wide"`` (2 x 16 lanes, T_q 32 x T_k 32, 128 threads) were
+slower than the then "rows" shape, and causal work that starts longest
+first (:func:`nbattn.cuda.prefill.longest_first`) faster (30.0 against 29.0
+TFLOP/s).  Splitting KV against wave quantization would gain at most 1.6%
 (``prefill_cuda_core_waves.json``).
 
-Shared memory (static, under 48 KB: the launch paths pass no dynamic size).
-All tiles hold fp32, converted once when filled, rows padded by 4 floats:
-``s_q`` (T_q x D, loaded once per work item), ``s_kv`` (T_k x D: K, then V
-of the same tile -- one buffer because two do not fit beside Q at
-head_dim 128), ``s_p`` (per warp, T_k x WR: P transposed, a lane's R rows
-contiguous).  Every shared access of the inner loops is a 16-byte vector
+Shared memory: one float array, Q | K | V | P, each tile fp32 (converted once
+when filled), rows padded by 4 floats: Q (T_q x D, loaded once per work
+item), K and V (T_k x D each), P (per warp, T_k x WR: P transposed, a lane's
+R rows contiguous).  Past 47 KB (the static limit less the int arrays) the
+array is numba's dynamic shared array and the kernel carries its size as
+``dynamic_smem`` (:func:`dynamic_smem`; :func:`nbattn.cuda._driver.launch`
+passes it and opts in past 48 KB); the simulator's tiny tiles stay static.
+Every shared access of the inner loops is a 16-byte vector
 (:func:`nbattn.cuda.primitives.ld_v4` / ``st_v4``).
 
 Per KV tile (keys ``t0 .. t0+T_k-1``; tiles wholly outside the causal/window
 range are never visited, :func:`nbattn.cuda.prefill.tile_key_range`)::
 
-    K(t0) words (prefetched into registers) -> s_kv as fp32;  barrier
-    issue V(t0) global loads into registers (hidden behind the next step)
+    K(t0), V(t0) words (fetched into registers one step early) -> K, V as fp32
+    barrier
+    issue the next tile's K and V global loads into registers (they land
+      while this step computes)
     S = Q K^T (micro-tile, 16-byte loads along head_dim)
     variant + mask per element, or one multiply by scale*log2(e) on
       interior tiles without variant; online softmax in base 2: row max
       over the CG lanes of the row by xor shuffles, m' = max(m, max_j s),
       alpha = 2^(m - m'), p = 2^(s - m'), l = alpha l + sum p (per lane;
-      the lanes' l are added at the end); P -> s_p
-    barrier; V words -> s_kv as fp32; barrier
-    issue the next K tile's global loads into registers
+      the lanes' l are added at the end); P -> the warp's P
+    warp barrier (P is written and read by its own warp only)
     O = alpha O + P V (micro-tile; P and V rows by 16-byte loads)
-    barrier
+    barrier (K, V and P are free for the next step)
 
 Global K/V/Q loads are 16 bytes (eight fp16/bf16 or four fp32 elements,
 :func:`nbattn.cuda.mma.load_u32x4`), held as raw words until their store so
@@ -96,7 +102,7 @@ from .primitives import (SHARED_ALIGN, SIMULATOR, bf16x2_to_f32, device_fn, elem
 from .variants import LOG2E, sigmoid_weight
 
 __all__ = ["cuda_core_tiles", "cuda_core_tile", "covers", "launch_bounds", "dynamic_smem", "ENABLED", "LANE_GRIDS",
-           "POLICY", "UNROLL", "PREFETCH_MAX_CHUNKS", "MIN_BLOCKS", "SPLIT_KV", "SMEM_BUDGET", "MAX_TILE_K"]
+           "POLICY", "UNROLL", "PREFETCH_MAX_CHUNKS", "MIN_BLOCKS", "SMEM_BUDGET", "MAX_TILE_K"]
 
 # Lane grids (RG x CG lanes per warp) a tile can take, and rows per lane.
 # GPU: 32-lane warps of 4 x 8 lanes (16 rows per warp, 16 dims of O per
@@ -109,10 +115,6 @@ ROWS_PER_LANE = 4
 # past 48 KB: nbattn.cuda._driver.launch); 100 KB leaves room for two CTAs an SM.
 STATIC_LIMIT = 48 * 1024 - 1024    # the static limit, minus the per-row int arrays and slack
 SMEM_BUDGET = STATIC_LIMIT if SIMULATOR else 100 * 1024
-# Separate K and V tiles: both are stored at the top of a KV step, the next step's K and
-# V loads are in flight during all of S, softmax and P V, and a step has two barriers
-# instead of four (False: one buffer, K then V in it).
-SPLIT_KV = True
 # Longest KV tile a shape may take (None: what fits SMEM_BUDGET); benchmarks vary it.
 MAX_TILE_K = None
 # Which fitting shape wins: "rows" = 4 x 8 lanes, the most warps, then the most
@@ -126,11 +128,10 @@ PREFETCH_MAX_CHUNKS = 4
 # Benchmarks switch the path off to time the scalar core_tile on the same build route.
 ENABLED = True
 # CTAs per SM asked of ptxas as launch bounds (None: no bound).  The "rows"
-# shape needs 172-174 registers, so two 128-thread CTAs fit an SM's 64K
-# registers; a bound of 3 caps it at 168 (ptxas, sm_90: 8 bytes spilled) for a
-# third CTA.  Measured on the H200, 1 x 8k x 8k fp16, same run (prefill_cuda_core.json):
-# 31.72 / 30.18 TFLOP/s full / causal with the bound, 31.60 / 30.78 without (session
-# 4's run: 31.41 / 30.02 against 31.22 / 31.24) -- the extra warps do not pay, so no bound.
+# shape needs 246-250 registers, so two 128-thread CTAs fit an SM's 64K registers
+# (and its shared memory).  For the earlier T_k = 16 shape (172-174 registers) a
+# bound of 3 CTAs measured 31.72 / 30.18 TFLOP/s full / causal against 31.60 / 30.78
+# without (H200, same run, prefill_cuda_core.json at f2a3302): no bound.
 MIN_BLOCKS = None
 
 ELEMS_PER_16B = {"f16": 8, "bf16": 8, "f32": 4}
@@ -142,7 +143,7 @@ def _smem_floats(D: int, RG: int, CG: int, NW: int, C: int) -> tuple[int, int, i
     R = ROWS_PER_LANE
     T_q, T_k = NW * RG * R, CG * C
     off_k = T_q * (D + 4)
-    off_v = off_k + (T_k * (D + 4) if SPLIT_KV else 0)
+    off_v = off_k + T_k * (D + 4)
     off_p = off_v + T_k * (D + 4)
     return off_k, off_v, off_p, off_p + NW * T_k * RG * R
 
@@ -292,7 +293,8 @@ def _micro_kernels(D, RG, CG, R, C, WR, QS, KS, KPT, CPR, EPC, NT, sigmoid, env,
     - ``fetch(src, which, t0, hi, ...)`` -> (words, locs): the lane's KPT
       16-byte chunks of a K or V tile and where they live; ``refetch(src,
       which, locs, head, tid)`` reads the other of K/V at the same places;
-      ``put_kv(words, locs, s_kv, s_kpos, tid, with_pos)`` stores them as fp32;
+      ``put_kv(words, locs, s_kv, base, s_kpos, tid, with_pos)`` stores them as
+      fp32 from ``s_kv[base]`` on (the tile's K or V);
     - ``write(o, l, m, ...)``: o / l and the LSE of the lane's valid rows.
     """
     DPT = D // CG            # O dims per lane
@@ -524,7 +526,6 @@ def cuda_core_tile(spec: P.KernelSpec):
     prefetch = KPT <= PREFETCH_MAX_CHUNKS
     Q_CHUNKS = T_q * CPR
     Q_ITERS = -(-Q_CHUNKS // NT)
-    SPLIT = SPLIT_KV
     OFF_K, OFF_V, OFF_P, SMEM = _smem_floats(D, RG, CG, NW, C)
     DECL = 0 if dynamic_smem(spec) else SMEM      # 0: numba's dynamic shared array
 
@@ -596,23 +597,15 @@ def cuda_core_tile(spec: P.KernelSpec):
         kw, locs = fetch(k_src, 0, t0, hi, kv_indices, kv_ptr, kv_base, block, n_keys, kv_head, tid)
         o = o_zero()
         m, l = stats0()
-        vw = kw
-        if SPLIT:
-            vw = refetch(v_src, 1, locs, kv_head, tid)
+        vw = refetch(v_src, 1, locs, kv_head, tid)
         while t0 < hi:
-            if SPLIT:
-                put_kv(kw, locs, sm, OFF_K, s_kpos, tid, True)
-                put_kv(vw, locs, sm, OFF_V, s_kpos, tid, False)
-                cuda.syncthreads()                               # K and V tiles in
-                t1 = next_tile(t0 + T_k, lo, sink_end)
-                if prefetch:                                     # in flight during S, softmax and P V
-                    kw, locs = fetch(k_src, 0, t1, hi, kv_indices, kv_ptr, kv_base, block, n_keys, kv_head, tid)
-                    vw = refetch(v_src, 1, locs, kv_head, tid)
-            else:
-                put_kv(kw, locs, sm, OFF_K, s_kpos, tid, True)
-                cuda.syncthreads()                               # K tile in
-                if prefetch:
-                    vw = refetch(v_src, 1, locs, kv_head, tid)   # in flight during S and softmax
+            put_kv(kw, locs, sm, OFF_K, s_kpos, tid, True)
+            put_kv(vw, locs, sm, OFF_V, s_kpos, tid, False)
+            cuda.syncthreads()                                   # K and V tiles in
+            t1 = next_tile(t0 + T_k, lo, sink_end)
+            if prefetch:                                         # in flight during S, softmax and P V
+                kw, locs = fetch(k_src, 0, t1, hi, kv_indices, kv_ptr, kv_base, block, n_keys, kv_head, tid)
+                vw = refetch(v_src, 1, locs, kv_head, tid)
             s = qk(sm, sm, qa, ka)
             last = t0 + T_k - 1
             if plain and positional and warp_full and last < hi and (not causal or last <= warp_diag):
@@ -621,27 +614,12 @@ def cuda_core_tile(spec: P.KernelSpec):
                 s = masked(s, rbase, n_rows, cg, s_qpos, s_diag, s_req, s_kpos, head0, row0, slopes)
             p, m, l, alpha = softmax(s, m, l)
             put_p(p, sm, pa + cg * WR)
-            if SPLIT:
-                warp_sync()                                      # P^T is the warp's own
-                if not prefetch:
-                    kw, locs = fetch(k_src, 0, t1, hi, kv_indices, kv_ptr, kv_base, block, n_keys, kv_head, tid)
-                    vw = refetch(v_src, 1, locs, kv_head, tid)
-                o = pv(o, sm, sm, pa, va, alpha)
-                cuda.syncthreads()                               # everyone done with K, V and P
-                t0 = t1
-                continue
-            cuda.syncthreads()                                   # everyone done with K; P written
+            warp_sync()                                          # P^T is the warp's own
             if not prefetch:
+                kw, locs = fetch(k_src, 0, t1, hi, kv_indices, kv_ptr, kv_base, block, n_keys, kv_head, tid)
                 vw = refetch(v_src, 1, locs, kv_head, tid)
-            put_kv(vw, locs, sm, OFF_V, s_kpos, tid, False)
-            cuda.syncthreads()                                   # V tile in
-            t1 = next_tile(t0 + T_k, lo, sink_end)
-            if prefetch:
-                kw, locs = fetch(k_src, 0, t1, hi, kv_indices, kv_ptr, kv_base, block, n_keys, kv_head, tid)
             o = pv(o, sm, sm, pa, va, alpha)
-            cuda.syncthreads()                                   # everyone done with V and P
-            if not prefetch:
-                kw, locs = fetch(k_src, 0, t1, hi, kv_indices, kv_ptr, kv_base, block, n_keys, kv_head, tid)
+            cuda.syncthreads()                                   # everyone done with K, V and P
             t0 = t1
 
         write(o, l, m, rbase, n_rows, cg, qo_start, row0, out_shift, head0, out, lse)
