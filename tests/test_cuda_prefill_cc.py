@@ -147,3 +147,23 @@ def test_lse_is_base_two():
     o, lse = P.single_prefill(q, k, v, sm_scale=1.0, return_lse=True, tensor_cores=False)
     np.testing.assert_allclose(lse, [[2.0]], rtol=1e-6)
     np.testing.assert_allclose(o, 1.0, rtol=1e-6)
+
+
+def test_shared_layout_is_aligned_and_fits_two_ctas():
+    # Q | K | V | P in one float array: each part starts on a 16-byte boundary (ld_v4 / st_v4),
+    # and a shape the 100 KB GPU budget admits leaves room for two CTAs on an H200 SM (228 KB)
+    for D in (32, 64, 96, 128, 256):
+        for RG, CG in ((4, 8), (2, 16), (2, 4)):
+            for NW in (2, 4):
+                for C in (1, 2, 4, 8):
+                    offs = CC._smem_floats(D, RG, CG, NW, C)
+                    assert all(x % 4 == 0 for x in offs)
+                    T_q, T_k = NW * RG * CC.ROWS_PER_LANE, CG * C
+                    off_k, off_v, off_p, total = offs      # each part holds its rows, none overlap
+                    assert off_k >= T_q * D and off_v - off_k >= T_k * D and off_p - off_v >= T_k * D
+                    assert total - off_p >= NW * T_k * RG * CC.ROWS_PER_LANE
+    assert 2 * (CC._smem_bytes(128, 4, 8, 4, 4) + 1024) <= 228 * 1024
+    # the simulator keeps every tile static: no launch passes dynamic shared memory there
+    if SIM:
+        spec = P.make_spec("paged", "NHD", "f16", 16, 8, 2, Variant(causal=True), False)
+        assert CC.covers(spec) and CC.dynamic_smem(spec) == 0
