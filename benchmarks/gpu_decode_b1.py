@@ -7,11 +7,15 @@ heads, 8 or 4 KV heads, page size 16, the default path and chunk
 (``decode.choose_chunk``).  All times are CUDA-graph replays (``_timing.graph_ms``)
 in one process, beside the device copy bandwidth measured first:
 
-* ``total``: decode kernel + merge launch, as ``batch_decode_paged`` runs them,
-  with the one-round merge launched programmatically (``merge.FEW_PROGRAMMATIC``:
-  it starts during the decode kernel and waits for its partials), launched
+* ``total``: decode kernel + merge launch, as ``batch_decode_paged`` runs them:
+  the decode kernel launched programmatically (``decode.DECODE_PROGRAMMATIC``:
+  its CTAs start while the previous call's merge ends and read their work items
+  before they wait) with the one-round merge launched programmatically
+  (``merge.FEW_PROGRAMMATIC``: it starts during the decode kernel and waits for
+  its partials); then the decode launched plainly with that merge, launched
   plainly, and with the two-pass merge;
-* ``kernel``: the decode kernel alone (partials written, no merge);
+* ``kernel``: the decode kernel alone (partials written, no merge), launched
+  programmatically and plainly;
 * ``merge``: each merge form alone, over the partials the kernel wrote.
 
 Each total's output is poisoned first and checked fully written; the
@@ -76,14 +80,17 @@ def case(hkv: int, copy_bw: float) -> list:
     def use(form):
         _, MRG.FEW_FORM, MRG.FEW_PROGRAMMATIC = form
 
-    for form in forms:
+    pdl_default = DEC.DECODE_PROGRAMMATIC
+    for form, pdl in [(forms[0], True)] + [(f, False) for f in forms]:
         use(form)
+        DEC.DECODE_PROGRAMMATIC = pdl
         run = DEC.split_runner(p, chunk)
-        timed("total", run, merge=form[0])
+        timed("total", run, merge=form[0], decode_programmatic=pdl)
         p.out_user.fill_(float("nan"))          # poisoned: the checks below see every element written
         on_torch_stream(p, run)()
         torch.cuda.synchronize()
-        outs[form[0]] = p.out_user.float().clone()
+        outs[form[0] + ("_pdl" if pdl else "")] = p.out_user.float().clone()
+    DEC.DECODE_PROGRAMMATIC = pdl_default
     use(forms[0])
     err = G.dense_check(p, q, cache, indptr, indices, 1, L, hkv, ps, d, rows=1)
     diffs = {f"{k}_vs_two_pass_max_abs_diff": float((v - outs["two_pass"]).abs().max()) for k, v in outs.items()}
@@ -91,7 +98,8 @@ def case(hkv: int, copy_bw: float) -> list:
     recs.append(dict(case=dict(base, part="check"), metric="max_abs_err_vs_torch", value=err, unit="",
                      peers={}, **diffs, **written))
     G.log(f"hkv={hkv} check: max|err| vs torch {err:.2e} (last run: two-pass), {diffs}, {written}")
-    timed("kernel", lambda: DEC.run_decode_work(p, work, po, pl))
+    for pdl in (True, False):
+        timed("kernel", lambda pdl=pdl: DEC.run_decode_work(p, work, po, pl, pdl), decode_programmatic=pdl)
     for form in forms:
         use(form)
         timed("merge", lambda: MRG.run_merge_partials(po, pl, mmap, p.out_dev, p.lse_dev, code=p.code,

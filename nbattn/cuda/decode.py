@@ -62,7 +62,7 @@ from ..variants import Variant, alibi_slopes, check_return_lse, variant_from_kwa
 from . import _arrays as A
 from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f,
                          ld_v4, load_v4, st_v4)
-from ._driver import jit_kernel, sm_count
+from ._driver import jit_kernel, launch_programmatic, sm_count
 from . import decode_warp as WARP
 from .variants import LOG2E, kernel_variant_key, variant_device_fns
 
@@ -98,6 +98,9 @@ TC_MIN_BLOCKS = 0
 # step ahead (this shape only, decode_warp.build_tc_kernel): 38.5 us at group 4
 # (benchmarks/results/decode_b1.json).
 TC_SPLIT_WARPS = 8
+# split_runner launches the warp/tensor-core decode kernels with programmatic stream
+# serialization (run_decode_work's ``programmatic``; FlashInfer calls it enable_pdl).
+DECODE_PROGRAMMATIC = not SIMULATOR
 
 
 class WorkList(NamedTuple):
@@ -576,7 +579,8 @@ def choose_chunk(p: DecodeProblem) -> int | None:
     return None if chunk >= longest else chunk
 
 
-def run_decode_work(p: DecodeProblem, work: WorkList, partial_o=None, partial_lse=None) -> None:
+def run_decode_work(p: DecodeProblem, work: WorkList, partial_o=None, partial_lse=None,
+                    programmatic: bool = False) -> None:
     """Launch the decode kernel over a work list (device int32 arrays).
 
     ``partial_o [slots, num_qo_heads, head_dim]`` / ``partial_lse [slots,
@@ -584,6 +588,11 @@ def run_decode_work(p: DecodeProblem, work: WorkList, partial_o=None, partial_ls
     items with ``-1`` write ``p.out_dev`` / ``p.lse_dev``.  Grid ``(len(work.cta_indptr)-1,
     num_qo_heads // heads_per_cta)`` (flattened to 1-D on the warp path).  Asynchronous on
     ``p.stream``.
+
+    ``programmatic=True`` launches the warp/tensor-core kernels with programmatic stream
+    serialization (FlashInfer's ``enable_pdl``): their CTAs may start while the stream's
+    previous kernel ends and read the work list meanwhile, so the work list must not be
+    written by a kernel just before (``split_runner`` uploads its own once).
     """
     cfg = p.config()
     num_ctas = int(work.cta_indptr.shape[0]) - 1
@@ -598,9 +607,11 @@ def run_decode_work(p: DecodeProblem, work: WorkList, partial_o=None, partial_ls
     if cfg.path in ("warp", "tc"):
         ps = p.page_size
         shift = ps.bit_length() - 1 if ps & (ps - 1) == 0 else -1
-        decode_kernel(cfg)[num_ctas * n_hb, cfg.nthreads, p.stream](
-            p.q_w, p.kv_w, p.kv_indptr, p.kv_indices, p.kv_last, ps, shift, p.num_kv_heads,
-            p.num_qo_heads, n_hb, *work, *tail)
+        kern, grid = decode_kernel(cfg), num_ctas * n_hb
+        args = (p.q_w, p.kv_w, p.kv_indptr, p.kv_indices, p.kv_last, ps, shift, p.num_kv_heads,
+                p.num_qo_heads, n_hb, *work, *tail)
+        if not (programmatic and launch_programmatic(kern, grid, cfg.nthreads, p.stream, args)):
+            kern[grid, cfg.nthreads, p.stream](*args)
         return
     decode_kernel(cfg)[(num_ctas, n_hb), cfg.nthreads, p.stream](
         p.q_w, p.kv_w, p.kv_indptr, p.kv_indices, p.kv_last, p.page_size, p.num_kv_heads,
@@ -617,7 +628,10 @@ def split_runner(p: DecodeProblem, kv_chunk_size: int | None) -> Callable[[], No
     split requests, the merge of their partials in KV order, on ``p.stream`` as
     it is when called (so it can be captured in a CUDA graph and replayed).  The
     merge of up to 64 partials a row is launched programmatically: it starts
-    while the decode kernel runs and waits for the partials on the device."""
+    while the decode kernel runs and waits for the partials on the device.  So is
+    the decode kernel (``DECODE_PROGRAMMATIC``): its CTAs start while the
+    previous kernel on the stream (a previous step's merge, say) ends, and read
+    this work list before they wait for it."""
     from .merge import MergeMap, run_merge_partials
 
     (cta_indptr, req, ks, ke, slot, m_indptr, m_row, m_slots, n_slots) = split_work(
@@ -626,13 +640,14 @@ def split_runner(p: DecodeProblem, kv_chunk_size: int | None) -> Callable[[], No
     # allocated here, not per launch: a launch inside a CUDA-graph capture must not allocate
     po = cuda.device_array((max(n_slots, 1), p.num_qo_heads, p.head_dim), np.float32, stream=p.stream)
     pl = cuda.device_array((max(n_slots, 1), p.num_qo_heads), np.float32, stream=p.stream)
+    pdl = DECODE_PROGRAMMATIC
     if n_slots == 0:
-        return lambda: run_decode_work(p, work, po, pl)
+        return lambda: run_decode_work(p, work, po, pl, pdl)
     mmap = MergeMap(*_upload(p.stream, m_indptr, m_row, m_slots))
     most = int(np.diff(m_indptr).max())
 
     def run() -> None:
-        run_decode_work(p, work, po, pl)
+        run_decode_work(p, work, po, pl, pdl)
         run_merge_partials(po, pl, mmap, p.out_dev, p.lse_dev, code=p.code,
                            use_sigmoid=p.variant.use_sigmoid, max_partials=most, stream=p.stream)
     return run

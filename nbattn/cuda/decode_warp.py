@@ -52,7 +52,7 @@ from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, ele
                          load_v4_stream,
                          shfl_idx_f32, shfl_xor_f32, st_v4)
 from ._driver import jit_kernel
-from .mma import grid_dependents_launch
+from .mma import grid_dependency_wait, grid_dependents_launch
 from .variants import LOG2E, variant_device_fns
 
 __all__ = ["warp_eligible", "warp_heads_per_cta", "build_warp_kernel", "warp_geometry", "tc_eligible",
@@ -101,12 +101,19 @@ def page_slot(pos, page_size, ps_shift):
 def work_item(item, w_request, w_kv_start, w_kv_end, w_out_slot, kv_indptr, kv_last, page_size):
     """Work item ``item`` of a decode work list (module doc of :mod:`nbattn.cuda.decode`):
     ``(request, kv_start, kv_end, out_slot, first page index, query position)``; the
-    query sits at its request's last key, whatever chunk the item covers."""
+    query sits at its request's last key, whatever chunk the item covers.
+
+    The work list is the launcher's own, uploaded before the kernels that may run
+    ahead of this one (``decode.split_runner``): it is read before the programmatic
+    dependency wait, everything of the caller's (page table, q, K/V, outputs) after
+    it, through the request id the wait's zero is added to."""
     r = w_request[item]
+    kv_start, kv_end, slot = w_kv_start[item], w_kv_end[item], w_out_slot[item]
+    r += grid_dependency_wait()
     page_base = int64(kv_indptr[r])
     n_pages = kv_indptr[r + 1] - kv_indptr[r]
     kv_len = (n_pages - 1) * page_size + kv_last[r] if n_pages > 0 else 0
-    return r, w_kv_start[item], w_kv_end[item], w_out_slot[item], page_base, kv_len - 1
+    return r, kv_start, kv_end, slot, page_base, kv_len - 1
 
 
 def make_state_writer(HG: int, D: int, NT: int, ROWS: int, STRIDE: int, sigmoid: bool, store_elem):

@@ -63,7 +63,7 @@ from ..layout import LayoutError, dtype_of, to_numpy
 from ..reference.state import AttentionState
 from . import _arrays as A
 from ._driver import jit_kernel, launch_programmatic
-from .mma import grid_dependency_wait
+from .mma import grid_dependency_wait, grid_dependents_launch
 from .primitives import SIMULATOR, device_fn, element_io, ld_v4, shfl_idx_f32, shfl_xor_f32
 
 __all__ = ["merge_state", "merge_states", "merge_state_in_place", "MergeMap", "run_merge_partials",
@@ -324,6 +324,7 @@ def _few_partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, 
         ov = cuda.local.array(OV, np.float32)
         acc = cuda.local.array(ACC, np.float32)
         slots = cuda.local.array(PPS, np.int64)
+        grid_dependents_launch()       # a programmatically launched next decode may start its prologue
         m = cuda.blockIdx.x
         h = cuda.blockIdx.y
         tid = cuda.threadIdx.x

@@ -256,17 +256,34 @@ else:
 # the wait may only read data no earlier kernel writes.  ``grid_dependents_launch`` lets
 # such a follower start before this kernel ends.  Without a programmatic launch both do
 # nothing; in the simulator they are empty device functions.
+#
+# The wait returns an int32 zero that the compiler cannot see through.  The memory
+# clobber orders plain loads after the wait, but the ``ld.global.nc`` intrinsics
+# (``primitives.load_v4``) are side-effect-free asm that LLVM may hoist above it;
+# adding the zero into an index that every later load derives from (a request id)
+# makes those loads depend on the wait.
 __all__ += ["grid_dependency_wait", "grid_dependents_launch"]
 
 if AVAILABLE:
-    grid_dependency_wait = _bare("griddepcontrol.wait;")
+    @intrinsic
+    def grid_dependency_wait(typingctx):
+        sig = types.int32()
+
+        def codegen(context, builder, sig_, args):
+            fnty = ir.FunctionType(_u32, [])
+            call = ir.InlineAsm(fnty, "griddepcontrol.wait;\n\tmov.u32 $0, 0;", "=r,~{memory}",
+                                side_effect=True)
+            return builder.call(call, [])
+
+        return sig, codegen
+
     grid_dependents_launch = _bare("griddepcontrol.launch_dependents;")
 else:
     from numba import cuda as _cuda
 
     @_cuda.jit(device=True)
     def grid_dependency_wait():
-        return None
+        return 0
 
     @_cuda.jit(device=True)
     def grid_dependents_launch():
