@@ -120,18 +120,27 @@ def main():
     toggle = os.environ.get("B1_TOGGLE", "")
     if toggle:
         # B1_TOGGLE=NAME: a boolean switch of decode_warp, on then off; NAME=V1,V2,..: those
-        # values in turn (e.g. KV_STAGES=3,0); groups 4 and 8, in one process
+        # values in turn (e.g. KV_STAGES=3,0); DEC.NAME: a switch of decode (tuples as AxB,
+        # e.g. DEC.TC_SPLIT_SHAPE=8x1,4x2); groups 4 and 8, in one process
         name, _, values = toggle.partition("=")
-        default = getattr(WARP, name)
-        settings = [type(default)(v) for v in values.split(",")] if values else [True, False]
+        mod = WARP
+        if name.startswith("DEC."):
+            mod, name = DEC, name[4:]
+        default = getattr(mod, name)
+
+        def parse(v):
+            if isinstance(default, tuple):
+                return tuple(int(x) for x in v.split("x"))
+            return type(default)(v)
+        settings = [parse(v) for v in values.split(",")] if values else [True, False]
         for hkv in (8, 4):
             for value in settings:
-                setattr(WARP, name, value)
+                setattr(mod, name, value)
                 DEC._kernels.clear()
                 for r in case(hkv, copy_bw):
-                    r["case"][name.lower()] = value
+                    r["case"][name.lower()] = "x".join(map(str, value)) if isinstance(value, tuple) else value
                     recs.append(r)
-        setattr(WARP, name, default)
+        setattr(mod, name, default)
     elif mode == "both":
         for on in (True, False):
             WARP.STREAM_EVICT_FIRST = on

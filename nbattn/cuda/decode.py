@@ -91,13 +91,13 @@ TC_MIN_GROUP = 4
 TC_WARPS = 0
 TC_MIN_BLOCKS = 0
 # Small batches (the unsplit grid fills at most half the SMs, e.g. batch 1 x 32k) split
-# into about one CTA per SM of TC_SPLIT_WARPS warps instead.  H200, fp16, d128, batch 1 x
-# 32k, decode kernel alone: 39.0 us (group 4) / 24.6 us (group 8) as 8 warps x 1 CTA per SM,
-# vs 41.7 / 27.3 us as one wave of 6 x 2 / 4 x 3: fewer, longer CTAs pay the per-CTA start
-# (work-list, page-table and first K/V loads in a chain) and end fewer times.  With K one
-# step ahead (this shape only, decode_warp.build_tc_kernel): 38.5 us at group 4
-# (benchmarks/results/decode_b1.json).
-TC_SPLIT_WARPS = 8
+# into one wave of TC_SPLIT_SHAPE = (warps a CTA, CTAs an SM) instead.  H200, fp16, d128,
+# batch 1 x 32k, decode kernel alone: 39.0 us (group 4) / 24.6 us (group 8) as 8 warps x 1
+# CTA per SM, vs 41.7 / 27.3 us as one wave of 6 x 2 / 4 x 3: fewer, longer CTAs pay the
+# per-CTA start (work-list, page-table and first K/V loads in a chain) and end fewer times.
+# With K one step ahead (shapes of at most 8 warps an SM, decode_warp.build_tc_kernel):
+# 38.5 us at group 4 (benchmarks/results/decode_b1.json).
+TC_SPLIT_SHAPE = (8, 1)
 # split_runner launches the warp/tensor-core decode kernels with programmatic stream
 # serialization (run_decode_work's ``programmatic``; FlashInfer calls it enable_pdl).
 DECODE_PROGRAMMATIC = not SIMULATOR
@@ -165,7 +165,7 @@ def make_config(code: str, head_dim: int, group: int, kv_layout: str, variant: V
         hg = heads_per_cta(group)
         nw, mb = (4, 3) if hg > 4 else (6, 2)
         if batch_kv_heads is not None and 2 * batch_kv_heads * (group // hg) <= sm_count():
-            nw, mb = TC_SPLIT_WARPS, 1
+            nw, mb = TC_SPLIT_SHAPE
         nw, mb = TC_WARPS or nw, TC_MIN_BLOCKS or mb
         return DecodeConfig(code, head_dim, hg, kv_layout, kernel_variant_key(variant), 32 * nw, 16 * nw,
                             aligned, "tc", 1, mb)

@@ -403,8 +403,8 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     warps' states meet once at the end (SPEC 3 merge rule), as in the
     CUDA-core kernel.
 
-    With ``min_blocks == 1`` (the small-batch shape: one CTA per SM, registers
-    to spare) K runs one step ahead: a step issues its V loads and the next
+    With at most 8 warps an SM (the small-batch shapes: registers to spare) K
+    runs one step ahead: a step issues its V loads and the next
     step's K loads before its math, so a warp's loads stay in flight while it
     computes.
 
@@ -434,8 +434,10 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     NT = 32 * NW
     STEP = 16 * NW
     ACC_LEN, ML_LEN = NW * 8 * D, NW * 8
-    AHEAD = min_blocks == 1          # K one step ahead needs ~30 more registers (ptxas, sm_90:
-    LEAD = STEP if AHEAD else 0      # 242 at 8 warps x 1 CTA; 6 x 2 and 4 x 3 would spill)
+    # K one step ahead needs ~30 more registers (ptxas, sm_90: 242 at 8 warps x 1 CTA, i.e.
+    # at most 8 warps an SM; 6 x 2 and 4 x 3 would spill)
+    AHEAD = NW * min_blocks <= 8
+    LEAD = STEP if AHEAD else 0
     STREAM = AHEAD and STREAM_EVICT_FIRST
     NHD = cfg.kv_layout == "NHD"
     var = cfg.variant
