@@ -48,8 +48,9 @@ import math
 import numpy as np
 from numba import cuda, float32, int64, uint32
 
-from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f, load_i32_keep,
-                         load_v4, load_v4_stream, shfl_idx_f32, shfl_xor_f32, st_v4)
+from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f, load_v4,
+                         load_v4_stream,
+                         shfl_idx_f32, shfl_xor_f32, st_v4)
 from ._driver import jit_kernel
 from .mma import grid_dependency_wait, grid_dependents_launch
 from .variants import LOG2E, variant_device_fns
@@ -97,36 +98,22 @@ def page_slot(pos, page_size, ps_shift):
 
 
 @device_fn
-def plain_load(arr, i):
-    return arr[i]
+def work_item(item, w_request, w_kv_start, w_kv_end, w_out_slot, kv_indptr, kv_last, page_size):
+    """Work item ``item`` of a decode work list (module doc of :mod:`nbattn.cuda.decode`):
+    ``(request, kv_start, kv_end, out_slot, first page index, query position)``; the
+    query sits at its request's last key, whatever chunk the item covers.
 
-
-def make_work_item(meta_load):
-    """The device function ``work_item`` below, reading the page-table metadata
-    (``kv_indptr``, ``kv_last``) with ``meta_load(arr, i)``."""
-
-    @device_fn
-    def work_item(item, w_request, w_kv_start, w_kv_end, w_out_slot, kv_indptr, kv_last, page_size):
-        """Work item ``item`` of a decode work list (module doc of :mod:`nbattn.cuda.decode`):
-        ``(request, kv_start, kv_end, out_slot, first page index, query position)``; the
-        query sits at its request's last key, whatever chunk the item covers.
-
-        The work list is the launcher's own, uploaded before the kernels that may run
-        ahead of this one (``decode.split_runner``): it is read before the programmatic
-        dependency wait, everything of the caller's (page table, q, K/V, outputs) after
-        it, through the request id the wait's zero is added to."""
-        r = w_request[item]
-        kv_start, kv_end, slot = w_kv_start[item], w_kv_end[item], w_out_slot[item]
-        r += grid_dependency_wait()
-        first = meta_load(kv_indptr, r)
-        page_base = int64(first)
-        n_pages = meta_load(kv_indptr, r + 1) - first
-        kv_len = (n_pages - 1) * page_size + meta_load(kv_last, r) if n_pages > 0 else 0
-        return r, kv_start, kv_end, slot, page_base, kv_len - 1
-    return work_item
-
-
-work_item = make_work_item(plain_load)
+    The work list is the launcher's own, uploaded before the kernels that may run
+    ahead of this one (``decode.split_runner``): it is read before the programmatic
+    dependency wait, everything of the caller's (page table, q, K/V, outputs) after
+    it, through the request id the wait's zero is added to."""
+    r = w_request[item]
+    kv_start, kv_end, slot = w_kv_start[item], w_kv_end[item], w_out_slot[item]
+    r += grid_dependency_wait()
+    page_base = int64(kv_indptr[r])
+    n_pages = kv_indptr[r + 1] - kv_indptr[r]
+    kv_len = (n_pages - 1) * page_size + kv_last[r] if n_pages > 0 else 0
+    return r, kv_start, kv_end, slot, page_base, kv_len - 1
 
 
 def make_state_writer(HG: int, D: int, NT: int, ROWS: int, STRIDE: int, sigmoid: bool, store_elem):
@@ -382,11 +369,6 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
 # Off: H200, batch 1 x 32k, group 4, same run, decode kernel 39.58 us with it against
 # 38.53 us without (benchmarks/results/decode_b1_evict_first.json).
 STREAM_EVICT_FIRST = False
-# Page-table reads (kv_indptr, kv_last_page_len, kv_indices) of the tensor-core kernel with
-# an L2 evict-last policy (primitives.load_i32_keep): the first ones sit in each CTA's chain
-# of dependent loads before its first K row, and the KV stream of the previous launch has
-# evicted them from L2 otherwise.
-PAGE_TABLE_EVICT_LAST = False
 
 
 def tc_eligible(code: str, head_dim: int, aligned: bool, variant) -> bool:
@@ -457,8 +439,6 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     AHEAD = NW * min_blocks <= 8
     LEAD = STEP if AHEAD else 0
     STREAM = AHEAD and STREAM_EVICT_FIRST
-    meta = load_i32_keep if PAGE_TABLE_EVICT_LAST else plain_load
-    tc_work_item = make_work_item(meta)
     NHD = cfg.kv_layout == "NHD"
     var = cfg.variant
     ALIBI = var.has_alibi
@@ -485,7 +465,7 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
         if pos >= kv_end:
             return int64(-1)
         pi, _ = page_slot(pos, page_size, ps_shift)
-        return page_row(pos, kv_end, meta(kv_indices, page_base + int64(pi)), page_size, ps_shift, page_words,
+        return page_row(pos, kv_end, kv_indices[page_base + int64(pi)], page_size, ps_shift, page_words,
                         slot_words, my_off)
 
     @device_fn
@@ -544,7 +524,7 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
         zero = float32(0.0)
 
         for item in range(cta_indptr[cta], cta_indptr[cta + 1]):
-            r, kv_start, kv_end, slot, page_base, q_idx = tc_work_item(
+            r, kv_start, kv_end, slot, page_base, q_idx = work_item(
                 item, w_request, w_kv_start, w_kv_end, w_out_slot, kv_indptr, kv_last, page_size)
 
             for j in range(NJ):
@@ -572,7 +552,7 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                 pg[hf] = 0
                 if pos < kv_end:
                     pi, _ = page_slot(pos, page_size, ps_shift)
-                    pg[hf] = meta(kv_indices, page_base + int64(pi))
+                    pg[hf] = kv_indices[page_base + int64(pi)]
 
             for base in range(first, kv_end, STEP):      # the same trip count in all lanes of a warp
                 if not AHEAD:
@@ -591,7 +571,7 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                     pos = base + LEAD + STEP + 8 * hf + g
                     if pos < kv_end:
                         pi, _ = page_slot(pos, page_size, ps_shift)
-                        pg[hf] = meta(kv_indices, page_base + int64(pi))
+                        pg[hf] = kv_indices[page_base + int64(pi)]
 
                 # S: heads x 8 tokens per half; two independent chains per half
                 for hf in range(2):

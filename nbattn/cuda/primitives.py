@@ -16,9 +16,6 @@ Interface (stable; the prefill/sparse/cascade kernels use it too):
                                 kernel never writes.
     load_v4_stream(words, i) -> load_v4 with an L2 evict-first policy: for data a kernel
                                 streams once (KV), so reused data keeps its L2 lines.
-    load_i32_keep(arr, i)    -> int32 arr[i] of a 1-D int32 array with an L2 evict-last
-                                policy: small metadata every launch reads again (a page
-                                table), kept in L2 past the KV stream between launches.
     ld_v4(arr, i)            -> 4 elements i..i+3 of a 1-D 4-byte array (uint32 or
                                 float32), one 16-byte access (shared memory tiles:
                                 allocate them with alignment=SHARED_ALIGN)
@@ -54,7 +51,7 @@ import numpy as np
 
 from .._compat import simulator_enabled
 
-__all__ = ["load_v4", "load_v4_stream", "load_i32_keep", "ld_v4", "st_v4", "SHARED_ALIGN", "u32_as_f32", "f32_as_u32",
+__all__ = ["load_v4", "load_v4_stream", "ld_v4", "st_v4", "SHARED_ALIGN", "u32_as_f32", "f32_as_u32",
            "f16x2_to_f32", "bf16x2_to_f32", "f32_to_f16_bits", "f32_to_bf16_bits", "exp2f", "device_fn",
            "SIMULATOR", "shfl_xor_f32", "shfl_idx_f32", "warp_sync"]
 
@@ -92,9 +89,6 @@ if SIMULATOR:
         return words[i], words[i + 1], words[i + 2], words[i + 3]
 
     load_v4_stream = load_v4
-
-    def load_i32_keep(arr, i):
-        return arr[i]
 
     def ld_v4(arr, i):
         return arr[i], arr[i + 1], arr[i + 2], arr[i + 3]
@@ -195,21 +189,6 @@ else:  # pragma: no cover - needs a GPU
     load_v4_stream = _load_v4_intrinsic(
         "{ .reg .b64 pol; createpolicy.fractional.L2::evict_first.b64 pol, 1.0; "
         "ld.global.nc.L2::cache_hint.v4.u32 {$0, $1, $2, $3}, [$4], pol; }")
-
-    @intrinsic
-    def load_i32_keep(typingctx, arr, i):
-        if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype == types.int32):
-            return None
-
-        def codegen(context, builder, sig, args):
-            ptr = _element_ptr(context, builder, sig.args[0], args[0],
-                               context.cast(builder, args[1], sig.args[1], types.intp))
-            fnty = ir.FunctionType(_i32, [ptr.type])
-            asm = ir.InlineAsm(fnty, "{ .reg .b64 pol; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-                               "ld.global.L2::cache_hint.s32 $0, [$1], pol; }", "=r,l", side_effect=False)
-            return builder.call(asm, [ptr])
-
-        return types.int32(arr, i), codegen
 
     def _vec_ptr(context, builder, arrty, arr, idx):
         ptr = _element_ptr(context, builder, arrty, arr, context.cast(builder, idx, types.intp, types.intp))
