@@ -98,8 +98,14 @@ TC_MIN_BLOCKS = 0
 # With K one step ahead (shapes of at most 8 warps an SM, decode_warp.build_tc_kernel):
 # 38.5 us at group 4 (benchmarks/results/decode_b1.json).
 TC_SPLIT_SHAPE = (8, 1)
-# split_runner launches the warp/tensor-core decode kernels with programmatic stream
-# serialization (run_decode_work's ``programmatic``; FlashInfer calls it enable_pdl).
+# split_runner launches the small-batch tensor-core shape (one CTA per SM) with programmatic
+# stream serialization (run_decode_work's ``programmatic``; FlashInfer calls it enable_pdl):
+# its CTAs start, one per SM, while the previous call's merge ends.  H200, batch 1 x 32k,
+# group 4, CUDA-graph replays of consecutive calls: 39.0-39.3 us against 41.0 us launched
+# plainly (benchmarks/results/decode_b1.json).  Shapes of several CTAs per SM lost with it
+# (batch 64 x 32k, group 8, 4 warps x 3 CTAs: 0.82 of copy bandwidth against 1.05 at
+# fd5f05a): the next call's CTAs take SM slots as this call's free them, and the new
+# grid starts out unevenly spread over the SMs.
 DECODE_PROGRAMMATIC = not SIMULATOR
 
 
@@ -629,9 +635,9 @@ def split_runner(p: DecodeProblem, kv_chunk_size: int | None) -> Callable[[], No
     it is when called (so it can be captured in a CUDA graph and replayed).  The
     merge of up to 64 partials a row is launched programmatically: it starts
     while the decode kernel runs and waits for the partials on the device.  So is
-    the decode kernel (``DECODE_PROGRAMMATIC``): its CTAs start while the
-    previous kernel on the stream (a previous step's merge, say) ends, and read
-    this work list before they wait for it."""
+    the decode kernel in its small-batch shape (``DECODE_PROGRAMMATIC``): its
+    CTAs start while the previous kernel on the stream (a previous step's merge,
+    say) ends, and read this work list before they wait for it."""
     from .merge import MergeMap, run_merge_partials
 
     (cta_indptr, req, ks, ke, slot, m_indptr, m_row, m_slots, n_slots) = split_work(
@@ -640,7 +646,8 @@ def split_runner(p: DecodeProblem, kv_chunk_size: int | None) -> Callable[[], No
     # allocated here, not per launch: a launch inside a CUDA-graph capture must not allocate
     po = cuda.device_array((max(n_slots, 1), p.num_qo_heads, p.head_dim), np.float32, stream=p.stream)
     pl = cuda.device_array((max(n_slots, 1), p.num_qo_heads), np.float32, stream=p.stream)
-    pdl = DECODE_PROGRAMMATIC
+    cfg = p.config()
+    pdl = DECODE_PROGRAMMATIC and cfg.path == "tc" and cfg.min_blocks == 1
     if n_slots == 0:
         return lambda: run_decode_work(p, work, po, pl, pdl)
     mmap = MergeMap(*_upload(p.stream, m_indptr, m_row, m_slots))
