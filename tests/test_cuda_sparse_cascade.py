@@ -123,6 +123,33 @@ def test_cascade_split_merges_only_written_states(kw, monkeypatch):
     check(got, R.cascade(q, levels, cache, return_lse=lse, **kw))
 
 
+@pytest.mark.parametrize("kw, as_decode", [(dict(), True), (dict(causal=True, logits_soft_cap=20.0), True),
+                                            (dict(causal=True, window_left=4), False), (dict(use_sigmoid=True), False)])
+def test_cascade_decode_step_levels(kw, as_decode, monkeypatch):
+    """A decode step (one query row per request, GQA group 4): the suffix level
+    is run by the batch-decode kernel unless a variant reads key positions (the
+    prefix level, one group of four rows, by the prefill tile); both ways agree
+    with the golden model and with flat attention.  Large logits, an empty
+    suffix, a non-full last page."""
+    import importlib
+
+    C = importlib.import_module("nbattn.cuda.cascade")
+    taken = []
+    real = C._decode_level
+    monkeypatch.setattr(C, "_decode_level", lambda *a: taken.append(real(*a)) or taken[-1])
+    rng = np.random.default_rng(18)
+    q, cache, qo, pkv = shared_prefix_batch(rng, 3, [5, 0, 7, 2], [1, 1, 1, 1], hq=8, hk=2)
+    q *= 30                                         # logits in the hundreds
+    levels = L.cascade_decompose(qo, pkv)
+    lse = not kw.get("use_sigmoid")
+    got = cuda_cascade(q, levels, cache, return_lse=lse, **kw)
+    check(got, R.cascade(q, levels, cache, return_lse=lse, **kw))
+    flat = R.batch_prefill_paged(q, cache, qo, pkv.paged_kv_indptr, pkv.paged_kv_indices,
+                                 pkv.paged_kv_last_page_len, return_lse=lse, **kw)
+    check(got, flat)
+    assert taken == [False, as_decode]
+
+
 def test_cascade_rejects_bad_levels():
     rng = np.random.default_rng(15)
     q, cache, qo, pkv = shared_prefix_batch(rng, 1, [2, 2], [1, 1])

@@ -187,8 +187,13 @@ def launch(kernel, grid, threads, stream, args) -> None:
     Past 48 KB a launch fails unless the function's ``MAX_DYNAMIC_SHARED_SIZE_BYTES``
     attribute was raised first; numba's launch does not do it, so this sets it
     once per compiled kernel, the way numba's own ``set_shared_memory_carveout``
-    sets its attribute."""
+    sets its attribute.  A kernel marked ``programmatic`` (it waits for its
+    predecessor with ``griddepcontrol.wait``: the one-round merge) is launched by
+    :func:`launch_programmatic`."""
     smem = int(getattr(kernel, "dynamic_smem", 0))
+    if smem == 0 and getattr(kernel, "programmatic", False) and launch_programmatic(kernel, grid, threads,
+                                                                                   stream, args):
+        return
     if smem > 48 * 1024 and not SIMULATOR:
         compiled = kernel._compile_for_args(*args)
         if getattr(compiled, "_nbattn_smem", 0) < smem:

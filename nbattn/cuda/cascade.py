@@ -15,6 +15,11 @@ How it runs:
    whole group (SPEC section 6: ``P + nS`` tokens read instead of ``n(P+S)``).
    Each row carries its own request, query position and the position of the
    level's first key (its ``kvoff``: the lengths of its earlier levels).
+   A level whose groups are single decode rows (the unique suffixes of a
+   decode step) is a batch decode over the level's page table instead
+   (:mod:`nbattn.cuda.decode`, writing its states into the same slots) when
+   no variant needs key positions: a query tile of one row would waste all
+   but a few of its rows.
 2. A level whose work is too little to fill the GPU (a long shared prefix
    read by one group) has its keys split into chunks; each chunk writes a
    partial state (float32).
@@ -52,6 +57,8 @@ __all__ = ["cascade"]
 # variant builds of the same tile want ~240 registers, head_dim 256 all 255.
 MIN_BLOCKS = 2
 MIN_BLOCKS_SPLIT = 3
+# levels of single decode rows run as a batch decode (_decode_level); False: always the prefill tile
+DECODE_LEVELS = True
 MIN_CHUNK = 256          # keys: below this a chunk's fixed cost (Q tile, first K load, one more state) dominates
 
 
@@ -104,7 +111,10 @@ def cascade(q, levels, paged_kv_cache, *, kv_layout: str = "NHD", return_lse: bo
     states_o = cuda.device_array((n_states * rows, hq, d), np.float32, stream=stream)
     states_lse = cuda.device_array((n_states * rows, hq), np.float32, stream=stream)
     if rows:
-        for pkv, work, kvoff, blocks in plans:
+        for (qo, _), (pkv, work, kvoff, blocks), (first, n, _) in zip(lv, plans, states):
+            if _decode_level(qo, pkv, n, var, kind, kv_layout, dims, dq, cache, first * rows, states_o,
+                             states_lse, outs, stream):
+                continue
             _launch(spec, blocks, dq, cache, pkv.paged_kv_indices, work, row_pos, kvoff, row_req,
                     dims.page_size, dims.num_kv_heads, states_o, states_lse, stream)
         host_map = _merge_map(states, rows)
@@ -147,6 +157,36 @@ def _launch(spec, min_blocks, q, cache, kv_indices, work, row_pos, row_kvoff, ro
     meta = [A.device_meta(x, x, stream) for x in (idx, work, row_pos, row_kvoff, row_req)]
     args = (q, cache, cache, *meta, cuda.to_device(slopes, stream=stream), np.int32(block), np.int32(0), out, lse)
     P.enqueue(_level_kernel(spec, min_blocks), (len(work), num_kv_heads), spec.threads, stream, args)
+
+
+def _decode_level(qo: L.RaggedQ, pkv: L.PagedKV, n_states: int, var, code: str, kv_layout: str, dims, dq, cache,
+                  slot0: int, states_o, states_lse, outs, stream) -> bool:
+    """Launch one level as a batch decode (module doc, step 1) when it is one: every
+    group a single query row, one state per row (no KV split), contiguous q and
+    cache, and no variant that reads key positions (the decode kernel puts the
+    query at the level's last key).  Row g's state goes to slot ``slot0 + g``."""
+    from . import decode as Dec
+
+    positional = (int(var.window_left) >= 0 or var.sink_size or var.has_alibi or var.score_mod is not None
+                  or var.mask_mod is not None or var.use_sigmoid)
+    if (not DECODE_LEVELS or positional or n_states != 1 or not np.all(qo.lengths == 1)
+            or not (dq.is_c_contiguous() and cache.is_c_contiguous())):
+        return False
+    g = qo.batch_size
+    hq = int(dq.shape[1])
+    meta = [A.device_meta(x, x, stream) for x in (pkv.paged_kv_indptr,
+                                                 pkv.paged_kv_indices if len(pkv.paged_kv_indices)
+                                                 else np.zeros(1, np.int32), pkv.paged_kv_last_page_len)]
+    prob = Dec.DecodeProblem(code, "device", stream, var, var.scale(dims.head_dim), g, hq, dims.num_kv_heads,
+                             dims.head_dim, dims.page_size, kv_layout, pkv.kv_lens.astype(np.int32),
+                             A.words(dq), A.words(cache), *meta,
+                             cuda.to_device(np.zeros(hq, np.float32), stream=stream), None, outs.d_out, None,
+                             outs.d_lse, Dec._aligned(dq, cache))
+    work = Dec.WorkList(*Dec._upload(stream, np.arange(g + 1), np.arange(g), np.zeros(g), pkv.kv_lens,
+                                     slot0 + np.arange(g)))
+    kernel, grid, threads, args = Dec.decode_launch(prob, work, states_o, states_lse)
+    P.enqueue(kernel, grid, threads, stream, args)
+    return True
 
 
 def _merge_map(states, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

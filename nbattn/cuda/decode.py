@@ -67,7 +67,7 @@ from . import decode_warp as WARP
 from .variants import LOG2E, kernel_variant_key, variant_device_fns
 
 __all__ = ["batch_decode_paged", "single_decode", "DecodeProblem", "WorkList", "prepare_decode", "run_decode_work",
-           "split_work", "split_runner", "decode_kernel", "DecodeConfig", "MAX_HEAD_DIM"]
+           "decode_launch", "split_work", "split_runner", "decode_kernel", "DecodeConfig", "MAX_HEAD_DIM"]
 
 MAX_HEAD_DIM = 256
 NEG_INF = float32(-math.inf)
@@ -585,25 +585,18 @@ def choose_chunk(p: DecodeProblem) -> int | None:
     return None if chunk >= longest else chunk
 
 
-def run_decode_work(p: DecodeProblem, work: WorkList, partial_o=None, partial_lse=None,
-                    programmatic: bool = False) -> None:
-    """Launch the decode kernel over a work list (device int32 arrays).
+def decode_launch(p: DecodeProblem, work: WorkList, partial_o=None, partial_lse=None):
+    """``(kernel, grid, threads, args)`` of the decode kernel over a work list (device
+    int32 arrays); None for an empty list.
 
     ``partial_o [slots, num_qo_heads, head_dim]`` / ``partial_lse [slots,
     num_qo_heads]`` (float32 device arrays) receive items with ``out_slot >= 0``;
     items with ``-1`` write ``p.out_dev`` / ``p.lse_dev``.  Grid ``(len(work.cta_indptr)-1,
-    num_qo_heads // heads_per_cta)`` (flattened to 1-D on the warp path).  Asynchronous on
-    ``p.stream``.
-
-    ``programmatic=True`` launches the warp/tensor-core kernels with programmatic stream
-    serialization (FlashInfer's ``enable_pdl``): their CTAs may start while the stream's
-    previous kernel ends and read the work list meanwhile, so the work list must not be
-    written by a kernel just before (``split_runner`` uploads its own once).
-    """
+    num_qo_heads // heads_per_cta)`` (flattened to 1-D on the warp path)."""
     cfg = p.config()
     num_ctas = int(work.cta_indptr.shape[0]) - 1
     if num_ctas <= 0:
-        return
+        return None
     if partial_o is None:
         partial_o = cuda.device_array(1, np.float32, stream=p.stream)
         partial_lse = cuda.device_array(1, np.float32, stream=p.stream)
@@ -613,15 +606,30 @@ def run_decode_work(p: DecodeProblem, work: WorkList, partial_o=None, partial_ls
     if cfg.path in ("warp", "tc"):
         ps = p.page_size
         shift = ps.bit_length() - 1 if ps & (ps - 1) == 0 else -1
-        kern, grid = decode_kernel(cfg), num_ctas * n_hb
-        args = (p.q_w, p.kv_w, p.kv_indptr, p.kv_indices, p.kv_last, ps, shift, p.num_kv_heads,
-                p.num_qo_heads, n_hb, *work, *tail)
-        if not (programmatic and launch_programmatic(kern, grid, cfg.nthreads, p.stream, args)):
-            kern[grid, cfg.nthreads, p.stream](*args)
-        return
-    decode_kernel(cfg)[(num_ctas, n_hb), cfg.nthreads, p.stream](
+        return decode_kernel(cfg), num_ctas * n_hb, cfg.nthreads, (
+            p.q_w, p.kv_w, p.kv_indptr, p.kv_indices, p.kv_last, ps, shift, p.num_kv_heads,
+            p.num_qo_heads, n_hb, *work, *tail)
+    return decode_kernel(cfg), (num_ctas, n_hb), cfg.nthreads, (
         p.q_w, p.kv_w, p.kv_indptr, p.kv_indices, p.kv_last, p.page_size, p.num_kv_heads,
         p.num_qo_heads, *work, *tail)
+
+
+def run_decode_work(p: DecodeProblem, work: WorkList, partial_o=None, partial_lse=None,
+                    programmatic: bool = False) -> None:
+    """Launch :func:`decode_launch`'s kernel, asynchronously on ``p.stream``.
+
+    ``programmatic=True`` launches the warp/tensor-core kernels with programmatic stream
+    serialization (FlashInfer's ``enable_pdl``): their CTAs may start while the stream's
+    previous kernel ends and read the work list meanwhile, so the work list must not be
+    written by a kernel just before (``split_runner`` uploads its own once).
+    """
+    launch = decode_launch(p, work, partial_o, partial_lse)
+    if launch is None:
+        return
+    kern, grid, threads, args = launch
+    if not (programmatic and p.config().path in ("warp", "tc")
+            and launch_programmatic(kern, grid, threads, p.stream, args)):
+        kern[grid, threads, p.stream](*args)
 
 
 def _upload(stream, *arrays):
