@@ -301,14 +301,15 @@ def bench_cascade(recs, copy_bw):
                 flat_runner_err = None
             C = sys.modules["nbattn.cuda.cascade"]
 
-            def measure(split_blocks, kv_chunk=None, parts=True):
+            def measure(split_blocks, kv_chunk=None, parts=True, decode_levels=True):
                 """The cascade's recorded launches timed whole and (parts) pass by pass, with
-                its split levels built for ``split_blocks`` CTAs per SM."""
-                C.MIN_BLOCKS_SPLIT = split_blocks
+                its split levels built for ``split_blocks`` CTAs per SM (and single-row levels
+                as batch decodes, or on the prefill tile)."""
+                C.MIN_BLOCKS_SPLIT, C.DECODE_LEVELS = split_blocks, decode_levels
                 try:
                     rec, oc, first = ours(cuda_cascade, q, levels, cache, kv_chunk=kv_chunk)
                 finally:
-                    C.MIN_BLOCKS_SPLIT = default_blocks
+                    C.MIN_BLOCKS_SPLIT, C.DECODE_LEVELS = default_blocks, True
                 run_c = replay_fn(rec.launches)
                 m = {"written": poisoned(run_c, oc), "err": rel_err(oc, flat), "first": first}
                 m["us"], m["graphed"] = graph_ms(run_c)
@@ -333,7 +334,9 @@ def bench_cascade(recs, copy_bw):
             # what the prefix pass would need for 10x over flat, the rest unchanged
             budget = ms_f / 10 - ms_rest
             need = pre_flops / (budget * 1e-3) / 1e12 if budget > 0 else None      # None: unreachable
-            other = {}
+            tile = measure(default_blocks, decode_levels=False)      # the suffix level on the prefill tile
+            other = {"suffix_on_prefill_tile": {k: tile[k] for k in ("us", "prefix_us", "suffix_us", "merge_us",
+                                                                     "err", "written")}}
             for mb in (2, 3):
                 if mb == default_blocks:
                     continue
@@ -354,7 +357,8 @@ def bench_cascade(recs, copy_bw):
                 except Exception as e:  # noqa: BLE001
                     print(f"  sweep {ch} failed: {e!r}"[:200])
             print(f"  batch {batch} prefix {prefix}: flat {ms_f * 1e3:.1f} us, cascade {main['us']:.1f} "
-                  f"(prefix {main['prefix_us']:.1f}, suffix {main['suffix_us']:.1f}, merge {main['merge_us']:.1f}) "
+                  f"(prefix {main['prefix_us']:.1f}, suffix {main['suffix_us']:.1f}, merge {main['merge_us']:.1f}; "
+                  f"suffix on the prefill tile: {tile['us']:.1f} = suffix {tile['suffix_us']:.1f}) "
                   f"other split min_blocks { {k: round(v['us'], 1) for k, v in other.items()} } sweep "
                   f"{ {k: round(v, 1) for k, v in sw.items() if not k.endswith('_err')} }", flush=True)
             record(recs, case, "latency_us", ms_c * 1e3, "us", {"flat_decode": ms_f * 1e3},
