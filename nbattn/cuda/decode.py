@@ -585,14 +585,16 @@ def choose_chunk(p: DecodeProblem) -> int | None:
     return None if chunk >= longest else chunk
 
 
-def decode_launch(p: DecodeProblem, work: WorkList, partial_o=None, partial_lse=None):
+def decode_launch(p: DecodeProblem, work: WorkList, partial_o=None, partial_lse=None, prefetch: bool = False):
     """``(kernel, grid, threads, args)`` of the decode kernel over a work list (device
     int32 arrays); None for an empty list.
 
     ``partial_o [slots, num_qo_heads, head_dim]`` / ``partial_lse [slots,
     num_qo_heads]`` (float32 device arrays) receive items with ``out_slot >= 0``;
     items with ``-1`` write ``p.out_dev`` / ``p.lse_dev``.  Grid ``(len(work.cta_indptr)-1,
-    num_qo_heads // heads_per_cta)`` (flattened to 1-D on the warp path)."""
+    num_qo_heads // heads_per_cta)`` (flattened to 1-D on the warp path).  ``prefetch``: the
+    small-batch tensor-core shape prefetches its first K/V into L2 before its programmatic
+    dependency wait (``decode_warp.PREFETCH_STEPS``; only worth it in a programmatic launch)."""
     cfg = p.config()
     num_ctas = int(work.cta_indptr.shape[0]) - 1
     if num_ctas <= 0:
@@ -608,7 +610,7 @@ def decode_launch(p: DecodeProblem, work: WorkList, partial_o=None, partial_lse=
         shift = ps.bit_length() - 1 if ps & (ps - 1) == 0 else -1
         return decode_kernel(cfg), num_ctas * n_hb, cfg.nthreads, (
             p.q_w, p.kv_w, p.kv_indptr, p.kv_indices, p.kv_last, ps, shift, p.num_kv_heads,
-            p.num_qo_heads, n_hb, *work, *tail)
+            p.num_qo_heads, n_hb, np.int64(bool(prefetch)), *work, *tail)
     return decode_kernel(cfg), (num_ctas, n_hb), cfg.nthreads, (
         p.q_w, p.kv_w, p.kv_indptr, p.kv_indices, p.kv_last, p.page_size, p.num_kv_heads,
         p.num_qo_heads, *work, *tail)
@@ -623,7 +625,7 @@ def run_decode_work(p: DecodeProblem, work: WorkList, partial_o=None, partial_ls
     previous kernel ends and read the work list meanwhile, so the work list must not be
     written by a kernel just before (``split_runner`` uploads its own once).
     """
-    launch = decode_launch(p, work, partial_o, partial_lse)
+    launch = decode_launch(p, work, partial_o, partial_lse, prefetch=programmatic)
     if launch is None:
         return
     kern, grid, threads, args = launch

@@ -48,9 +48,8 @@ import math
 import numpy as np
 from numba import cuda, float32, int64, uint32
 
-from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f, load_v4,
-                         load_v4_stream,
-                         shfl_idx_f32, shfl_xor_f32, st_v4)
+from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f, load_i32_cg,
+                         load_v4, load_v4_stream, prefetch_l2, shfl_idx_f32, shfl_xor_f32, st_v4)
 from ._driver import jit_kernel
 from .mma import grid_dependency_wait, grid_dependents_launch
 from .variants import LOG2E, variant_device_fns
@@ -192,7 +191,7 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
     write_states = make_state_writer(HG, D, NT, R, HG, SIGMOID, store_elem)
 
     def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, ps_shift, num_kv_heads,
-               num_qo_heads, n_head_blocks, cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
+               num_qo_heads, n_head_blocks, prefetch, cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
                out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias):
         st_acc = cuda.shared.array(ACC_LEN, np.float32, alignment=SHARED_ALIGN)
         st_m = cuda.shared.array(ML_LEN, np.float32)
@@ -369,6 +368,14 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
 # Off: H200, batch 1 x 32k, group 4, same run, decode kernel 39.58 us with it against
 # 38.53 us without (benchmarks/results/decode_b1_evict_first.json).
 STREAM_EVICT_FIRST = False
+# Steps of K/V (16 tokens a warp each) that the small-batch tensor-core shape prefetches into
+# L2 before its programmatic dependency wait, when launched with ``prefetch`` (split_runner's
+# programmatic launches): while the previous call's merge ends, HBM would otherwise idle.
+# The page ids for it are read before the wait, so they are hints only: read through L2
+# (load_i32_cg), clamped into the page table and the pool, and used for nothing but
+# prefetches; the loads after the wait read the page table again.  L2 is where every
+# write lands, so a prefetched line is never stale.
+PREFETCH_STEPS = 2
 
 
 def tc_eligible(code: str, head_dim: int, aligned: bool, variant) -> bool:
@@ -439,6 +446,8 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     AHEAD = NW * min_blocks <= 8
     LEAD = STEP if AHEAD else 0
     STREAM = AHEAD and STREAM_EVICT_FIRST
+    PF = PREFETCH_STEPS if AHEAD else 0
+    PFL = max(1, 2 * PF)
     NHD = cfg.kv_layout == "NHD"
     var = cfg.variant
     ALIBI = var.has_alibi
@@ -485,7 +494,7 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
             dst[o + 3] = w3
 
     def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, ps_shift, num_kv_heads,
-               num_qo_heads, n_head_blocks, cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
+               num_qo_heads, n_head_blocks, prefetch, cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
                out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias):
         st_acc = cuda.shared.array(ACC_LEN, np.float32)
         st_m = cuda.shared.array(ML_LEN, np.float32)
@@ -498,6 +507,7 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
         acc = cuda.local.array(AL, np.float32)
         sc = cuda.local.array(4, np.float32)
         pg = cuda.local.array(2, np.int64)
+        pf_row = cuda.local.array(PFL, np.int64)
 
         grid_dependents_launch()     # a programmatically launched merge may start its prologue now
         tid = cuda.threadIdx.x
@@ -522,6 +532,26 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
         qscale = float32(sm_scale * float32(LOG2E))
         slope = slopes[h_row] if ALIBI else float32(0.0)
         zero = float32(0.0)
+
+        # before the dependency wait: the first PF steps of my first item into L2 (PREFETCH_STEPS);
+        # lanes t = 0, 1 take the two 128-byte lines of a token's K row, t = 2, 3 those of V
+        c0 = cta_indptr[cta]
+        if PF > 0 and prefetch != 0 and c0 < cta_indptr[cta + 1]:
+            ks0, ke0 = w_kv_start[c0], w_kv_end[c0]
+            pb = int64(load_i32_cg(kv_indptr, w_request[c0]))
+            last_idx = int64(kv_indices.shape[0]) - 1
+            last_page = int64(kv_w.shape[0]) // page_words - 1
+            line = my_off - t * 4 + (t & 1) * 32 + (v_off if t >= 2 else int64(0))
+            for e in range(2 * PF):
+                pos = ks0 + (e >> 1) * STEP + warp * 16 + 8 * (e & 1) + g
+                pf_row[e] = -1
+                if pos < ke0:
+                    pi, within = page_slot(pos, page_size, ps_shift)
+                    page = int64(load_i32_cg(kv_indices, min(max(pb + int64(pi), int64(0)), last_idx)))
+                    pf_row[e] = min(max(page, int64(0)), last_page) * page_words + int64(within * slot_words)
+            for e in range(2 * PF):
+                if pf_row[e] >= 0:
+                    prefetch_l2(kv_w, pf_row[e] + line)
 
         for item in range(cta_indptr[cta], cta_indptr[cta + 1]):
             r, kv_start, kv_end, slot, page_base, q_idx = work_item(

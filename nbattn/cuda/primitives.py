@@ -16,6 +16,12 @@ Interface (stable; the prefill/sparse/cascade kernels use it too):
                                 kernel never writes.
     load_v4_stream(words, i) -> load_v4 with an L2 evict-first policy: for data a kernel
                                 streams once (KV), so reused data keeps its L2 lines.
+    load_i32_cg(arr, i)      -> int32 arr[i] of a 1-D int32 array read through L2 only
+                                (ld.global.cg): a value read before a programmatic
+                                dependency wait as a hint, so that no stale L1 line
+                                outlives the wait.
+    prefetch_l2(words, i)    -> hint: bring the line holding uint32 word i of a 1-D
+                                uint32 array into L2 (prefetch.global.L2); no result.
     ld_v4(arr, i)            -> 4 elements i..i+3 of a 1-D 4-byte array (uint32 or
                                 float32), one 16-byte access (shared memory tiles:
                                 allocate them with alignment=SHARED_ALIGN)
@@ -51,7 +57,7 @@ import numpy as np
 
 from .._compat import simulator_enabled
 
-__all__ = ["load_v4", "load_v4_stream", "ld_v4", "st_v4", "SHARED_ALIGN", "u32_as_f32", "f32_as_u32",
+__all__ = ["load_v4", "load_v4_stream", "load_i32_cg", "prefetch_l2", "ld_v4", "st_v4", "SHARED_ALIGN", "u32_as_f32", "f32_as_u32",
            "f16x2_to_f32", "bf16x2_to_f32", "f32_to_f16_bits", "f32_to_bf16_bits", "exp2f", "device_fn",
            "SIMULATOR", "shfl_xor_f32", "shfl_idx_f32", "warp_sync"]
 
@@ -89,6 +95,12 @@ if SIMULATOR:
         return words[i], words[i + 1], words[i + 2], words[i + 3]
 
     load_v4_stream = load_v4
+
+    def load_i32_cg(arr, i):
+        return arr[i]
+
+    def prefetch_l2(words, i):
+        return None
 
     def ld_v4(arr, i):
         return arr[i], arr[i + 1], arr[i + 2], arr[i + 3]
@@ -189,6 +201,37 @@ else:  # pragma: no cover - needs a GPU
     load_v4_stream = _load_v4_intrinsic(
         "{ .reg .b64 pol; createpolicy.fractional.L2::evict_first.b64 pol, 1.0; "
         "ld.global.nc.L2::cache_hint.v4.u32 {$0, $1, $2, $3}, [$4], pol; }")
+
+    def _ptr_arg(sig, context, builder, args):
+        return _element_ptr(context, builder, sig.args[0], args[0],
+                            context.cast(builder, args[1], sig.args[1], types.intp))
+
+    @intrinsic
+    def load_i32_cg(typingctx, arr, i):
+        if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype == types.int32):
+            return None
+
+        def codegen(context, builder, sig, args):
+            ptr = _ptr_arg(sig, context, builder, args)
+            asm = ir.InlineAsm(ir.FunctionType(_i32, [ptr.type]), "ld.global.cg.s32 $0, [$1];", "=r,l",
+                               side_effect=True)
+            return builder.call(asm, [ptr])
+
+        return types.int32(arr, i), codegen
+
+    @intrinsic
+    def prefetch_l2(typingctx, words, i):
+        if not (isinstance(words, types.Array) and words.ndim == 1 and words.dtype == types.uint32):
+            return None
+
+        def codegen(context, builder, sig, args):
+            ptr = _ptr_arg(sig, context, builder, args)
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ptr.type]), "prefetch.global.L2 [$0];", "l",
+                               side_effect=True)
+            builder.call(asm, [ptr])
+            return context.get_dummy_value()
+
+        return types.none(words, i), codegen
 
     def _vec_ptr(context, builder, arrty, arr, idx):
         ptr = _element_ptr(context, builder, arrty, arr, context.cast(builder, idx, types.intp, types.intp))
