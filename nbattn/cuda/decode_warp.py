@@ -374,8 +374,12 @@ STREAM_EVICT_FIRST = False
 # The page ids for it are read before the wait, so they are hints only: read through L2
 # (load_i32_cg), clamped into the page table and the pool, and used for nothing but
 # prefetches; the loads after the wait read the page table again.  L2 is where every
-# write lands, so a prefetched line is never stale.
-PREFETCH_STEPS = 2
+# write lands, so a prefetched line is never stale.  H200, batch 1 x 32k, same process,
+# decode + merge per call (benchmarks/results/decode_b1_prefetch.json), steps 0/1/2/4/8:
+# blocks of 4 heads 39.96 / 38.80 / 38.82 / 40.33 / 44.44 us; blocks of 8 heads (group 8,
+# chunks half as long) 25.77 / 26.56 / 26.92 / 27.90 / 30.26 us, so those do not prefetch.
+PREFETCH_STEPS = 1
+PREFETCH_MAX_HEADS = 4
 
 
 def tc_eligible(code: str, head_dim: int, aligned: bool, variant) -> bool:
@@ -446,7 +450,7 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     AHEAD = NW * min_blocks <= 8
     LEAD = STEP if AHEAD else 0
     STREAM = AHEAD and STREAM_EVICT_FIRST
-    PF = PREFETCH_STEPS if AHEAD else 0
+    PF = PREFETCH_STEPS if AHEAD and HG <= PREFETCH_MAX_HEADS else 0
     PFL = max(1, 2 * PF)
     NHD = cfg.kv_layout == "NHD"
     var = cfg.variant
