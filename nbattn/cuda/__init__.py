@@ -14,7 +14,7 @@ Building blocks for other kernels and the scheduler's plan()/run():
     nbattn.cuda._arrays     input kinds, streams, raw word views
     nbattn.cuda.primitives  16-byte loads, fp16/bf16 unpack, exp2 (GPU + simulator faces)
     nbattn.cuda.variants    variant_device_fns(variant) -> (transform, keep)
-    nbattn.cuda.decode      prepare_decode, WorkList, run_decode_work, split_work
+    nbattn.cuda.decode      prepare_decode, WorkList, decode_launch, run_decode_work, split_work
     nbattn.cuda.merge       MergeMap, run_merge_partials
 """
 from .. import _compat  # noqa: F401  (numpy shim + simulator choice before numba.cuda)
