@@ -202,36 +202,26 @@ else:  # pragma: no cover - needs a GPU
         "{ .reg .b64 pol; createpolicy.fractional.L2::evict_first.b64 pol, 1.0; "
         "ld.global.nc.L2::cache_hint.v4.u32 {$0, $1, $2, $3}, [$4], pol; }")
 
-    def _ptr_arg(sig, context, builder, args):
-        return _element_ptr(context, builder, sig.args[0], args[0],
-                            context.cast(builder, args[1], sig.args[1], types.intp))
+    def _pointer_asm(dtype, ret_ir, ret, ptx: str, constraints: str):
+        """An intrinsic ``(arr, i)`` running ``ptx`` on the address of ``arr[i]`` (a 1-D
+        array of ``dtype``); it returns ``ret`` (``types.none``: nothing)."""
+        @intrinsic
+        def op(typingctx, arr, i):
+            if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype == dtype):
+                return None
 
-    @intrinsic
-    def load_i32_cg(typingctx, arr, i):
-        if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype == types.int32):
-            return None
+            def codegen(context, builder, sig, args):
+                ptr = _element_ptr(context, builder, sig.args[0], args[0],
+                                   context.cast(builder, args[1], sig.args[1], types.intp))
+                asm = ir.InlineAsm(ir.FunctionType(ret_ir, [ptr.type]), ptx, constraints, side_effect=True)
+                value = builder.call(asm, [ptr])
+                return context.get_dummy_value() if ret == types.none else value
 
-        def codegen(context, builder, sig, args):
-            ptr = _ptr_arg(sig, context, builder, args)
-            asm = ir.InlineAsm(ir.FunctionType(_i32, [ptr.type]), "ld.global.cg.s32 $0, [$1];", "=r,l",
-                               side_effect=True)
-            return builder.call(asm, [ptr])
+            return ret(arr, i), codegen
+        return op
 
-        return types.int32(arr, i), codegen
-
-    @intrinsic
-    def prefetch_l2(typingctx, words, i):
-        if not (isinstance(words, types.Array) and words.ndim == 1 and words.dtype == types.uint32):
-            return None
-
-        def codegen(context, builder, sig, args):
-            ptr = _ptr_arg(sig, context, builder, args)
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ptr.type]), "prefetch.global.L2 [$0];", "l",
-                               side_effect=True)
-            builder.call(asm, [ptr])
-            return context.get_dummy_value()
-
-        return types.none(words, i), codegen
+    load_i32_cg = _pointer_asm(types.int32, _i32, types.int32, "ld.global.cg.s32 $0, [$1];", "=r,l")
+    prefetch_l2 = _pointer_asm(types.uint32, ir.VoidType(), types.none, "prefetch.global.L2 [$0];", "l")
 
     def _vec_ptr(context, builder, arrty, arr, idx):
         ptr = _element_ptr(context, builder, arrty, arr, context.cast(builder, idx, types.intp, types.intp))
