@@ -29,6 +29,7 @@ import datetime
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -495,8 +496,32 @@ def extras():
         log(name, res[name + "_first_call_s"])
     res["sanitizer"] = sanitize(env_extra={"NUMBA_CACHE_DIR": cache_dir})   # kernels compiled above load
     log("sanitizer", json.dumps(res["sanitizer"])[:2000])
-    with open(os.path.join(OUT, "decode_extras.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    write_gpu_suite("decode_extras", extras_records(res), None, OUT, "gpu_decode.py extras")
+
+
+def extras_records(res: dict) -> list:
+    """The extras run as result records: the first decode call of each process (the
+    second one loads the first one's on-disk cache) and, per sanitizer run, the count
+    its summary line reports (with the lines themselves)."""
+    first = res.get("first_process_first_call_s")
+    recs = []
+    for n, name in enumerate(("first_process", "second_process"), 1):
+        v = res.get(name + "_first_call_s")
+        if isinstance(v, (int, float)):
+            recs.append(dict(case={"process": n, "cache_dir": "fresh NUMBA_CACHE_DIR"},
+                             metric="decode_first_call_s", value=float(v), unit="s",
+                             peers={"first_process": float(first)} if n == 2 and isinstance(first, float) else {}))
+    for key, run in (res.get("sanitizer") or {}).items():
+        if not isinstance(run, dict) or "summary" not in run:
+            continue
+        tool, _, path = key.partition("_")
+        counts = [int(m) for line in run["summary"] if "SUMMARY" in line
+                  for m in re.findall(r"(\d+) (?:errors|hazards)", line)[:1]]
+        if counts:
+            recs.append(dict(case={"tool": tool, "decode_path": path, "case": "small split-KV"},
+                             metric="sanitizer_reported", value=float(counts[-1]), unit="errors or hazards",
+                             peers={}, rc=run["rc"], summary=list(run["summary"])))
+    return recs
 
 
 # ---------------------------------------------------------------------------
