@@ -620,17 +620,16 @@ def run_decode_work(p: DecodeProblem, work: WorkList, partial_o=None, partial_ls
                     programmatic: bool = False) -> None:
     """Launch :func:`decode_launch`'s kernel, asynchronously on ``p.stream``.
 
-    ``programmatic=True`` launches the warp/tensor-core kernels with programmatic stream
-    serialization (FlashInfer's ``enable_pdl``): their CTAs may start while the stream's
-    previous kernel ends and read the work list meanwhile, so the work list must not be
-    written by a kernel just before (``split_runner`` uploads its own once).
+    ``programmatic=True`` launches with programmatic stream serialization (FlashInfer's
+    ``enable_pdl``): the CTAs may start while the stream's previous kernel ends and read
+    the work list meanwhile (``decode_warp.work_item`` waits after it), so the work list
+    must not be written by a kernel just before (``split_runner`` uploads its own once).
     """
     launch = decode_launch(p, work, partial_o, partial_lse, prefetch=programmatic)
     if launch is None:
         return
     kern, grid, threads, args = launch
-    if not (programmatic and p.config().path in ("warp", "tc")
-            and launch_programmatic(kern, grid, threads, p.stream, args)):
+    if not (programmatic and launch_programmatic(kern, grid, threads, p.stream, args)):
         kern[grid, threads, p.stream](*args)
 
 
