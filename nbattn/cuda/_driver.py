@@ -19,8 +19,10 @@ per process, so the index never matched in a new process: every process
 recompiled (measured on the H200: 2.64 s vs 3.18 s first call, i.e. no hit).
 :func:`stable_key` describes a closure by value instead -- numbers, strings,
 tuples, dataclasses field by field, functions (and the Python functions behind
-dispatchers and intrinsics) by module, name, bytecode, constants and their own
-closures, recursively -- and adds a digest of nbattn's own source files, so any
+dispatchers and intrinsics) by module, name, bytecode, constants, their own
+closures and the globals they load (numba compiles a global's value into the
+kernel; the source-built micro-kernels reach every helper, the variant's
+``score_mod`` included, only this way), recursively -- and adds a digest of nbattn's own source files, so any
 edit to the package invalidates every entry (numba itself only watches the file
 that defines the kernel).  Anything else (an arbitrary object a user function
 closes over) makes the key None and the kernel compiles in memory as before.
@@ -32,6 +34,8 @@ import enum
 import hashlib
 import logging
 import pathlib
+import struct
+import types
 
 import numpy as np
 from numba import cuda
@@ -61,6 +65,21 @@ def _package_digest() -> str:
     return _source_digest
 
 
+def _names(code) -> set:
+    """Global (and attribute) names a code object and the code nested in it load."""
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _names(c)
+    return names
+
+
+def _describe_code(code, seen: set) -> str:
+    consts = ",".join(_describe_code(c, seen) if isinstance(c, types.CodeType) else _describe(c, seen)
+                      for c in code.co_consts)
+    return f"{hashlib.sha256(code.co_code).hexdigest()}:{','.join(code.co_names)}:[{consts}]"
+
+
 def _describe(obj, seen: set) -> str:
     if obj is None or isinstance(obj, (bool, int, float, str, bytes, complex, np.generic, np.dtype)):
         return f"{type(obj).__name__}:{obj!r}"
@@ -78,16 +97,23 @@ def _describe(obj, seen: set) -> str:
     inner = getattr(obj, "py_func", None) or getattr(obj, "_defn", None)   # dispatcher / intrinsic
     if inner is not None and inner is not obj:
         return f"{type(obj).__name__}[{_describe(inner, seen)}]"
+    if isinstance(obj, types.ModuleType):
+        return f"module:{obj.__name__}"
+    if isinstance(obj, struct.Struct):
+        return f"struct:{obj.format}"
     code = getattr(obj, "__code__", None)
     if code is not None:
         if id(obj) in seen:           # recursion through closures
             return f"fn-cycle:{obj.__qualname__}"
         seen.add(id(obj))
-        consts = ",".join(_describe(c, seen) if not hasattr(c, "co_code") else
-                          hashlib.sha256(c.co_code).hexdigest() for c in code.co_consts)
         cells = ",".join(_describe(c.cell_contents, seen) for c in (obj.__closure__ or ()))
-        return (f"fn:{obj.__module__}.{obj.__qualname__}:{hashlib.sha256(code.co_code).hexdigest()}"
-                f":[{consts}]:[{cells}]")
+        # numba freezes a function's globals into the code it compiles, so they are part of
+        # what the kernel computes: a function built by exec() reaches its helpers this way
+        glob = getattr(obj, "__globals__", {})
+        used = sorted(n for n in _names(code) if n in glob)
+        globs = ",".join(f"{n}={_describe(glob[n], seen)}" for n in used)
+        return (f"fn:{obj.__module__}.{obj.__qualname__}:{_describe_code(code, seen)}"
+                f":[{cells}]:[{globs}]")
     if type(obj).__module__.startswith("llvmlite"):
         # inline PTX (llvmlite.ir.InlineAsm) and IR types: their text is their meaning
         text = f"{obj}|{getattr(obj, 'type', '')}|{getattr(obj, 'asm', '')}|{getattr(obj, 'constraint', '')}"
