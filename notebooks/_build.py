@@ -371,11 +371,16 @@ def nb01():
     pl = (rng.normal(size=(1, n, 1)) * 10).astype(np.float32)
     fwd = merge_states(po, pl).o
     rev = merge_states(po[:, ::-1].copy(), pl[:, ::-1].copy()).o
-    print("same order twice bitwise equal:", np.array_equal(fwd, merge_states(po, pl).o))
+    same = np.array_equal(fwd, merge_states(po, pl).o)
+    print("same order twice bitwise equal:", same)
+    assert same
     print("reversed order, max difference:", np.abs(fwd - rev).max(), "(float32 rounding)")
+    np.testing.assert_allclose(fwd, rev, rtol=1e-5, atol=1e-6)     # equal up to float32 rounding
 
     o_dup, lse_dup = merge_state(oA, np.array(lseA), oA, np.array(lseA))
     print("A merged with itself: o unchanged", np.allclose(o_dup, oA), "; lse grew by", lse_dup - lseA)
+    np.testing.assert_allclose(o_dup, oA, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(lse_dup - lseA, 1.0, rtol=1e-6)    # base 2: two equal halves add one
 
     o_sig = split_kv(q, k, v, chunks, sm_scale=1.0, use_sigmoid=True)
     o_sig_parts = sum(split_kv(q, k[a:b], v[a:b], np.array([0, b - a], np.int32), sm_scale=1.0,
@@ -637,6 +642,7 @@ def nb02():
     o_bsr = ref.block_sparse(q_dec, k_pool, v_pool, exact)
     o_dec = ref.batch_decode_paged(q_dec, cache, kv_indptr, kv_indices, last_page_len)
     print("block_sparse over the pool == batch_decode_paged:", np.allclose(o_bsr, o_dec, atol=1e-6))
+    np.testing.assert_allclose(o_bsr, o_dec, atol=1e-6, rtol=1e-6)
 
     import nbattn.cuda as nbcuda            # the kernel reads the same BSR view (simulator without a GPU)
     ok = np.allclose(nbcuda.block_sparse(q_dec, k_pool, v_pool, exact), o_bsr, atol=TOL, rtol=TOL)
@@ -695,6 +701,7 @@ def nb02():
     o_flat = ref.batch_decode_paged(q4, cache2, indptr, indices, last)
     o_casc = ref.cascade(q4, levels, cache2)
     print("cascade (two levels, merged) == flat decode:", np.allclose(o_flat, o_casc, atol=1e-6))
+    np.testing.assert_allclose(o_casc, o_flat, atol=1e-6, rtol=1e-6)
     ok = np.allclose(nbcuda.cascade(q4, levels, cache2), o_casc, atol=TOL, rtol=TOL)
     print("kernel nbattn.cuda.cascade == golden:", ok)
     assert ok
@@ -961,7 +968,9 @@ def nb03():
         """),
         code("""
     again_o, again_lse = run_items(dec.prepare_decode(q, cache, *table, return_lse=True))
-    print("bitwise identical partial states:", np.array_equal(again_o, part_o) and np.array_equal(again_lse, part_lse))
+    same = np.array_equal(again_o, part_o) and np.array_equal(again_lse, part_lse)
+    print("bitwise identical partial states:", same)
+    assert same
     """),
         md("""
         Why bother? A single long request is the worst case for an unsplit decode: a handful of
@@ -1111,6 +1120,7 @@ def nb04():
     o_tiled, loaded = tiled_prefill(q1, k1, v1, 16, 16, causal=True)
     o_gold = ref.single_prefill(q1[:, None], k1[:, None], v1[:, None], causal=True, dtype=np.float64)[:, 0]
     print(f"max |tiled - golden| = {np.abs(o_tiled - o_gold).max():.1e};  loaded {loaded} of {(Q // 16) * (K // 16)} tiles")
+    np.testing.assert_allclose(o_tiled, o_gold, rtol=1e-10, atol=1e-12)   # both float64
     """),
         code("""
     def tile_kinds(Q, K, T_q, T_k):
@@ -1524,6 +1534,7 @@ def nb05():
     o_ref = np.stack([ref.single_decode(q[r], ks[r], vs[r]) for r in range(batch)])
     print(f"{p_run.num_partials} partials, {p_run.num_merges} merged tiles; "
           f"max |plan - golden| = {np.abs(o_plan - o_ref).max():.2e}")
+    np.testing.assert_allclose(o_plan, o_ref, atol=1e-5, rtol=1e-5)       # float32 partials merged
     """),
         md("""
         ### Exercise 3 — determinism
@@ -1853,10 +1864,12 @@ def nb06():
     v = rng.normal(size=(K, H, D)).astype(np.float32)
 
     def compare(**variant):
-        \"\"\"Run the kernel and the golden model with the same variant; return max |difference|.\"\"\"
-        o_kernel = nbcuda.single_prefill(q, k, v, **variant)
+        \"\"\"Run the kernel and the golden model with the same variant; assert they agree
+        within TOL (absolute and relative) and return the max |difference|.\"\"\"
+        o_kernel = np.asarray(nbcuda.single_prefill(q, k, v, **variant), np.float32)
         o_golden = ref.single_prefill(q, k, v, **variant)
-        return float(np.abs(np.asarray(o_kernel, np.float32) - o_golden).max())
+        np.testing.assert_allclose(o_kernel, o_golden, atol=TOL, rtol=TOL, err_msg=str(variant))
+        return float(np.abs(o_kernel - o_golden).max())
     """),
         md("""
         ## 1. One dataclass describes what is computed
