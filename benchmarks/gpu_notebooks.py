@@ -90,7 +90,16 @@ def run_notebook(path: Path, tmp: Path, timeout: float) -> dict:
         rep = json.loads(line[len("@@REPORT@@"):])
     rep["wall"] = time.perf_counter() - t0
     rep["stderr_tail"] = proc.stderr[-1500:]
+    rep["grid_warnings"] = (proc.stderr + proc.stdout).count("will likely result in GPU under-utilization")
     return rep
+
+
+def _numba_cuda_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("numba-cuda")
+    except Exception:  # noqa: BLE001
+        return "unknown"
 
 
 def main(argv=None) -> int:
@@ -98,6 +107,7 @@ def main(argv=None) -> int:
     ap.add_argument("--commit", required=True, help="the nbattn commit being run (recorded in the file)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/nbattn_out"), help="directory for the result file")
     ap.add_argument("--timeout", type=float, default=400.0, help="seconds per notebook")
+    ap.add_argument("--jobs", type=int, default=6, help="notebooks run at once (one process each)")
     ap.add_argument("--only", nargs="*", default=None, help="notebook name prefixes (e.g. 03 06)")
     args = ap.parse_args(argv)
 
@@ -110,12 +120,14 @@ def main(argv=None) -> int:
 
     tmp = Path(args.out) / "nb_tmp"
     tmp.mkdir(parents=True, exist_ok=True)
+    paths = [p for p in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+             if not args.only or any(p.name.startswith(o) for o in args.only)]
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:     # each notebook is its own process
+        reports = list(pool.map(lambda p: run_notebook(p, tmp, args.timeout), paths))
     recs = []
     ok_all = True
-    for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
-        if args.only and not any(path.name.startswith(p) for p in args.only):
-            continue
-        rep = run_notebook(path, tmp, args.timeout)
+    for path, rep in zip(paths, reports):
         ok = rep["failed_cell"] == -1 and rep["cells_run"] == rep["cells"]
         ok_all &= ok
         print(f"{path.name}: {'ok' if ok else 'FAILED'} ({rep['cells_run']}/{rep['cells']} cells, "
@@ -126,13 +138,16 @@ def main(argv=None) -> int:
         recs.append({"case": case, "metric": "ok", "value": 1.0 if ok else 0.0, "unit": "bool"})
         recs.append({"case": {"notebook": path.stem}, "metric": "seconds", "value": round(rep["wall"], 2),
                      "unit": "s"})
+        recs.append({"case": {"notebook": path.stem}, "metric": "grid_size_warnings",
+                     "value": rep.get("grid_warnings", 0), "unit": "count"})
         recs.append({"case": {"notebook": path.stem}, "metric": "cells_run", "value": rep["cells_run"],
                      "unit": "cells"})
     results.write_suite(
         "notebooks_gpu", recs, gpu=torch.cuda.get_device_name(),
         command=f"PYTHONPATH=$PWD python3 benchmarks/gpu_notebooks.py --commit {args.commit}",
         versions={"nbattn_commit": args.commit, "numba": numba.__version__, "numpy": np.__version__,
-                  "torch": torch.__version__, "python": platform.python_version()},
+                  "numba_cuda": _numba_cuda_version(), "torch": torch.__version__,
+                  "python": platform.python_version()},
         date=datetime.date.today().isoformat(), root=args.out)
     return 0 if ok_all else 1
 

@@ -1,0 +1,187 @@
+"""Every variant on every GPU-only kernel path, against the golden model in float64.
+
+The simulator runs one prefill tile and one decode kernel at tiny shapes; a GPU
+runs others: the register-tiled CUDA-core prefill tile at its real shape (fp32,
+and fp16/bf16 when tensor cores are turned off), the tensor-core prefill tiles
+(pipelined for head_dim 64/128, the plain mma tile for other head dims), and
+the warp and tensor-core decode kernels.  Query and key lengths differ, last
+pages are not full, pages are shuffled, and GQA fuses heads.
+
+Run on a GPU with ``python -m pytest -n 8 tests/test_gpu_variants.py`` (the
+cost is compilation, one kernel per case: spread it over processes).
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+import nbattn  # noqa: F401  (simulator choice first)
+from nbattn import reference as R
+from nbattn.cuda import decode as DEC
+from nbattn.cuda import prefill as P
+from nbattn.cuda import batch_decode_paged, batch_prefill_paged, single_prefill
+from nbattn.cuda.primitives import SIMULATOR
+
+from brute import random_paged_batch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(SIMULATOR, reason="needs a real GPU")]
+
+
+def tilt_pos(score, b, h, q_idx, kv_idx):          # depends on positions only
+    return score - 0.05 * (q_idx - kv_idx)
+
+
+def scale_head_batch(score, b, h, q_idx, kv_idx):  # depends on the head and the request
+    return score * (1.0 + 0.25 * h) + 0.5 * b * (score > 0)
+
+
+def dilated(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx) % 3 != 1
+
+
+VARIANTS = {
+    "score_mod_positions": dict(causal=True, score_mod=tilt_pos),
+    "score_mod_head_batch": dict(score_mod=scale_head_batch),
+    "mask_mod": dict(causal=True, mask_mod=dilated),
+    "soft_cap": dict(logits_soft_cap=4.0),
+    "alibi": dict(causal=True, pos_encoding_mode="ALIBI"),
+    "window_sinks": dict(causal=True, window_left=37, sink_size=3),
+    "sigmoid": dict(use_sigmoid=True, sigmoid_bias=-1.0),
+    "combined": dict(causal=True, logits_soft_cap=8.0, pos_encoding_mode="ALIBI", window_left=80, sink_size=2,
+                     score_mod=tilt_pos, mask_mod=dilated),
+}
+
+PREFILL_LENS = ([37, 1, 70, 0], [300, 129, 70, 5])
+DECODE_LENS = [0, 1, 17, 700, 2500, 33]
+SINGLE_LENS = (128, 1024, 1024)
+TOL = {"f32": 2e-4, "f16": 6e-3, "bf16": 4e-2}
+NP = {"f32": np.float32, "f16": np.float16}
+
+
+def _cast(x, code):
+    if code == "bf16":
+        import torch
+        return torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(torch.bfloat16).cuda()
+    return x.astype(NP[code])
+
+
+def _f64(x) -> np.ndarray:
+    if hasattr(x, "detach"):
+        return x.detach().float().cpu().numpy().astype(np.float64)
+    return np.asarray(x).astype(np.float64)
+
+
+def _golden_inputs(*xs):
+    return [_f64(x) for x in xs]
+
+
+def _check(o, lse, ro, rlse, code, sigmoid):
+    o = _f64(o)
+    scale = 1.0 + np.abs(ro).max()
+    np.testing.assert_allclose(o, ro, atol=TOL[code] * scale, rtol=TOL[code])
+    if not sigmoid:
+        lse = _f64(lse)
+        assert np.array_equal(np.isneginf(lse), np.isneginf(rlse))
+        fin = np.isfinite(rlse)
+        np.testing.assert_allclose(lse[fin], rlse[fin], atol=10 * TOL[code], rtol=10 * TOL[code])
+
+
+# Prefill paths: (kind, head_dim, tensor_cores) -> the tile it must build.
+PREFILL_PATHS = {
+    "cuda_core_f32": ("f32", 64, False),
+    "cuda_core_f16": ("f16", 128, False),
+    "tensor_core_pipelined_f16": ("f16", 128, True),
+    "tensor_core_pipelined_bf16_d64": ("bf16", 64, True),
+    "tensor_core_plain_d96": ("f16", 96, True),
+}
+
+
+def _prefill_spec(mode, code, head_dim, hq, hkv, variant_kw, tc):
+    from nbattn.variants import variant_from_kwargs
+    return P.make_spec(mode, "NHD", code, head_dim, hq, hkv, variant_from_kwargs(dict(variant_kw)), tc)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("path", list(PREFILL_PATHS))
+def test_paged_prefill_variant_on_path(path, variant):
+    code, head_dim, tc = PREFILL_PATHS[path]
+    kw = VARIANTS[variant]
+    rng = np.random.default_rng([zlib.crc32(path.encode()), zlib.crc32(variant.encode())])
+    qo_lens, kv_lens = PREFILL_LENS                                # q shorter than kv, one q == kv, one empty q
+    b = random_paged_batch(rng, qo_lens=qo_lens, kv_lens=kv_lens, page_size=16, num_kv_heads=2, group=4,
+                           head_dim=head_dim, share_first_page=True)
+    if kw.get("logits_soft_cap"):
+        b["q"] *= 8.0                                              # logits well past the cap
+    spec = _prefill_spec("paged", code, head_dim, 8, 2, kw, tc)
+    assert spec.tensor_cores == tc
+    if not tc:
+        from nbattn.cuda import prefill_cc as CC
+        assert CC.covers(spec), "the register-tiled CUDA-core tile should take this case"
+    q, cache = _cast(b["q"], code), _cast(b["cache"], code)
+    sig = bool(kw.get("use_sigmoid"))
+    res = batch_prefill_paged(q, cache, b["qo_indptr"], b["indptr"], b["indices"], b["last"],
+                              return_lse=not sig, tensor_cores=tc, **kw)
+    o, lse = (res, None) if sig else res
+    qg, cg = _golden_inputs(q, cache)
+    gold = R.batch_prefill_paged(qg, cg, b["qo_indptr"], b["indptr"], b["indices"], b["last"],
+                                 return_lse=not sig, dtype=np.float64, **kw)
+    ro, rlse = (gold, None) if sig else gold
+    _check(o, lse, ro, rlse, code, sig)
+
+
+@pytest.mark.parametrize("variant", ["score_mod_positions", "mask_mod", "window_sinks", "combined"])
+@pytest.mark.parametrize("path", ["cuda_core_f32", "tensor_core_pipelined_f16"])
+def test_single_prefill_variant_on_path(path, variant):
+    """Contiguous K/V, the notebooks' shape: 128 queries over 1024 keys, 8 heads."""
+    code, head_dim, tc = PREFILL_PATHS[path]
+    kw = VARIANTS[variant]
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((n, 8, head_dim)).astype(np.float32) for n in SINGLE_LENS)
+    o, lse = single_prefill(_cast(q, code), _cast(k, code), _cast(v, code), return_lse=True, tensor_cores=tc, **kw)
+    ro, rlse = R.single_prefill(*_golden_inputs(_cast(q, code), _cast(k, code), _cast(v, code)),
+                                return_lse=True, dtype=np.float64, **kw)
+    _check(o, lse, ro, rlse, code, False)
+
+
+# Decode paths: (kind, head_dim, group, forced path)
+DECODE_PATHS = {
+    "warp_f16": ("f16", 128, 2, "warp"),
+    "warp_f32": ("f32", 64, 4, "warp"),
+    "tensor_core_f16": ("f16", 128, 4, "tc"),
+    "tensor_core_bf16_g8": ("bf16", 64, 8, "tc"),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("path", list(DECODE_PATHS))
+def test_decode_variant_on_path(monkeypatch, path, variant):
+    code, head_dim, group, forced = DECODE_PATHS[path]
+    kw = VARIANTS[variant]
+    if forced == "tc" and kw.get("use_sigmoid"):
+        pytest.skip("the tensor-core decode takes softmax variants only (sigmoid runs on the warp path)")
+    monkeypatch.setattr(DEC, "DECODE_PATH", forced)
+    rng = np.random.default_rng([zlib.crc32(path.encode()), zlib.crc32(variant.encode()), 3])
+    kv_lens = DECODE_LENS
+    b = random_paged_batch(rng, qo_lens=[1] * len(kv_lens), kv_lens=kv_lens, page_size=16, num_kv_heads=2,
+                           group=group, head_dim=head_dim, share_first_page=True)
+    if kw.get("logits_soft_cap"):
+        b["q"] *= 8.0
+    dkw = {k: v for k, v in kw.items() if k != "causal"}          # one query row: causal changes nothing
+    q, cache = _cast(b["q"], code), _cast(b["cache"], code)
+    sig = bool(kw.get("use_sigmoid"))
+    qg, cg = _golden_inputs(q, cache)
+    for chunk in (None, 256):                                       # unsplit, and split + merge
+        p = DEC.prepare_decode(q, cache, b["indptr"], b["indices"], b["last"], return_lse=not sig, **dkw)
+        assert p.config().path == forced
+        DEC.run_split(p, chunk)
+        res = DEC.finish_decode(p, not sig)
+        o, lse = (res, None) if sig else res
+        gold = R.batch_decode_paged(qg, cg, b["indptr"], b["indices"], b["last"], return_lse=not sig,
+                                    dtype=np.float64, **dkw)
+        ro, rlse = (gold, None) if sig else gold
+        _check(o, lse, ro, rlse, code, sig)
+    # and the public call as a user makes it
+    res = batch_decode_paged(q, cache, b["indptr"], b["indices"], b["last"], return_lse=not sig, **dkw)
+    _check(res if sig else res[0], None if sig else res[1], ro, rlse, code, sig)
