@@ -38,6 +38,8 @@ except ImportError:
     disp.Image = Image
     disp.display = lambda *objs, **k: print(*objs)
     ip.display = disp
+    ip.get_ipython = lambda: None          # matplotlib asks; None: not inside IPython
+    ip.version_info = (8, 30, 0)
     sys.modules["IPython"] = ip; sys.modules["IPython.display"] = disp
 import matplotlib
 matplotlib.use("Agg")

@@ -135,3 +135,24 @@ def test_merge_partials_matches_fold_and_is_deterministic(n_parts, head_dim, few
     assert np.array_equal(np.isneginf(lse[order]), np.isneginf(rlse))
     np.testing.assert_allclose(lse[order][fin], rlse[fin], rtol=1e-6)
     assert np.all(o[2] == 0) and np.all(np.isneginf(lse[2]))
+
+
+def test_merge_states_of_fancy_indexed_host_states():
+    """``v[slots][None]``: NumPy gives the new axis stride 0 and still calls it
+    contiguous; the device copy must flatten all the same (notebook 03's check)."""
+    rng = np.random.default_rng(41)
+    v = rng.standard_normal((9, 4, 16)).astype(np.float32)
+    s = (rng.standard_normal((9, 4)) * 5).astype(np.float32)
+    slots = np.array([5, 2, 7])
+    got = C.merge_states(v[slots][None], s[slots][None])
+    want = R.merge_states(v[slots][None].astype(np.float64), s[slots][None].astype(np.float64))
+    np.testing.assert_allclose(np.asarray(got.o), want.o, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got.lse), want.lse, atol=1e-5, rtol=1e-5)
+
+
+def test_host_copies_get_c_strides():
+    from nbattn.cuda import _arrays as A
+    a = np.zeros((3, 4), np.float32)[[0, 2]][None]
+    assert a.strides[0] == 0 and a.flags.c_contiguous
+    assert A.c_strided(a).strides == (32, 16, 4)
+    assert A._host_raw(a, "f32").strides == (32, 16, 4)

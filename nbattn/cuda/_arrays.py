@@ -124,7 +124,22 @@ def _host_raw(x: Any, code: str) -> np.ndarray:
         arr = t.view(torch.int16).numpy().view(np.uint16) if code == "bf16" else t.numpy()
     else:
         arr = np.asarray(x)
-    return np.ascontiguousarray(arr).view(RAW[code])
+    return c_strided(np.ascontiguousarray(arr)).view(RAW[code])
+
+
+def c_strided(arr: np.ndarray) -> np.ndarray:
+    """``arr`` (C-contiguous) with the strides of a fresh C array: NumPy calls an
+    array with any stride on a length-1 axis contiguous (``a[None]`` has stride 0
+    there), numba's device arrays do not, and would refuse to flatten a copy of it."""
+    want = np.empty((0,), arr.dtype).itemsize
+    strides = []
+    for n in reversed(arr.shape):
+        strides.append(want)
+        want *= n
+    strides = tuple(reversed(strides))
+    if arr.strides == strides:
+        return arr
+    return np.lib.stride_tricks.as_strided(arr, arr.shape, strides)
 
 
 def to_device(x: Any, name: str, stream=0, code: str | None = None, *, strided: bool = False):
@@ -155,8 +170,20 @@ def to_device(x: Any, name: str, stream=0, code: str | None = None, *, strided: 
 
 
 def flat(dev):
-    """1-D view of a contiguous device array."""
-    return dev.reshape(int(np.prod(dev.shape)))
+    """1-D view of a contiguous device array (any stride on a length-1 axis)."""
+    n = int(np.prod(dev.shape))
+    if SIMULATOR or dev.is_c_contiguous():
+        return dev.reshape(n)
+    dense = [(size, st) for size, st in zip(dev.shape, dev.strides) if size != 1]
+    step = np.dtype(dev.dtype).itemsize
+    for size, st in reversed(dense):
+        if st != step:
+            raise LayoutError(f"device array of shape {tuple(dev.shape)} and strides {tuple(dev.strides)}: "
+                              "must be C-contiguous")
+        step *= size
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+    return DeviceNDArray((n,), (np.dtype(dev.dtype).itemsize,), dev.dtype, stream=dev.stream,
+                         gpu_data=dev.gpu_data)
 
 
 def words(dev):
