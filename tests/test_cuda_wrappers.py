@@ -333,3 +333,86 @@ def test_gpu_prefill_cuda_graph_replay_after_replan():
             torch.cuda.synchronize()
             ref = R.batch_prefill_paged(q.cpu().numpy(), cache.cpu().numpy(), *t, causal=True)
             np.testing.assert_allclose(out.float().cpu().numpy(), ref, rtol=5e-3, atol=5e-3)
+
+
+# ---------------------------------------------------------------------------
+# run(): the bound launches (split schedule, re-plans, constant Python work)
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_decode_split_schedule_matches_golden_and_replans(layout):
+    """The small-batch schedule (every request in equal chunks, one-round merge) with
+    an empty request, a non-full last page and a re-plan of the same batch."""
+    rng = np.random.default_rng([61, len(layout)])
+    w = BatchDecodeWithPagedKVCacheWrapper(workspace(WS), layout, num_ctas=C)
+    for lens in ([0, 37], [40, 1], [6, 29]):
+        b = decode_batch(rng, lens, layout)
+        w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, schedule="split",
+               window_left=9, sink_size=1)
+        assert w.last_plan.num_partials == w.last_plan.num_items == 4        # 2 chunks a request
+        got = w.run(b["q"], b["cache"], return_lse=True)
+        close(got, ref_decode(b, layout, window_left=9, sink_size=1))
+
+
+def test_decode_lpt_and_split_agree():
+    rng = np.random.default_rng(62)
+    b = decode_batch(rng, [19, 3, 0, 33])
+    outs = []
+    for sched in ("lpt", "split"):
+        w = BatchDecodeWithPagedKVCacheWrapper(workspace(WS), "NHD", num_ctas=C)
+        w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, schedule=sched)
+        outs.append(w.run(b["q"], b["cache"], return_lse=True))
+    close(outs[0], (np.asarray(outs[1][0], np.float32), outs[1][1]))
+    close(outs[1], ref_decode(b))
+
+
+def test_decode_run_bad_input_raises_before_launch(monkeypatch):
+    from nbattn.cuda import _driver
+    rng = np.random.default_rng(63)
+    b = decode_batch(rng, [4, 9])
+    w = BatchDecodeWithPagedKVCacheWrapper(workspace(WS), "NHD", num_ctas=C)
+    w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE)
+    launched = []
+    monkeypatch.setattr(_driver.BoundLaunch, "__call__", lambda self, stream=0: launched.append(1))
+    for bad, match in ((b["q"][:1], "q: must have shape"), (b["q"].astype(np.float32), "q: dtype"),
+                       (b["q"], "paged_kv_cache: .page_size")):
+        cache = b["cache"][:, :, :2] if match.startswith("paged") else b["cache"]
+        with pytest.raises(Exception, match=match):
+            w.run(bad, cache)
+    assert not launched
+
+
+def _count_run_calls(w, b, monkeypatch):
+    """Python function calls made by one run() (kernels not executed), and their names."""
+    import sys
+    from nbattn.cuda import _driver
+    monkeypatch.setattr(_driver.BoundLaunch, "__call__", lambda self, stream=0: None)
+    w.run(b["q"], b["cache"])                         # binds the launches (once per configuration)
+    names = []
+
+    def prof(frame, event, arg):
+        if event == "call":
+            names.append(frame.f_code.co_qualname if hasattr(frame.f_code, "co_qualname") else frame.f_code.co_name)
+    sys.setprofile(prof)
+    try:
+        w.run(b["q"], b["cache"])
+    finally:
+        sys.setprofile(None)
+    return names
+
+
+def test_decode_run_python_work_is_constant(monkeypatch):
+    """run() checks shapes and launches: no metadata validation, no per-request loop
+    (its Python calls do not grow with the batch)."""
+    rng = np.random.default_rng(64)
+    counts = []
+    for lens in ([5, 9], list(rng.integers(1, 30, size=40))):
+        b = decode_batch(rng, lens)
+        w = BatchDecodeWithPagedKVCacheWrapper(workspace(WS), "NHD", num_ctas=C)
+        w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, schedule="lpt")
+        names = _count_run_calls(w, b, monkeypatch)
+        metadata_work = {"validate", "as_int32", "from_cache", "plan", "host_meta", "split_work", "build_work",
+                         "check_causal_lengths", "kv_lens", "_page_table"}
+        assert not [n for n in names if n.rsplit(".", 1)[-1] in metadata_work], names
+        counts.append(len(names))
+    assert counts[0] == counts[1], counts

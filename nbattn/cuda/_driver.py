@@ -29,6 +29,7 @@ closes over) makes the key None and the kernel compiles in memory as before.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import enum
 import hashlib
@@ -44,7 +45,8 @@ from .primitives import SIMULATOR
 
 log = logging.getLogger("nbattn")
 
-__all__ = ["jit_kernel", "stable_key", "sm_count"]
+__all__ = ["jit_kernel", "stable_key", "sm_count", "BoundLaunch", "launch", "launch_programmatic",
+           "data_ptr", "stream_handle"]
 
 _PACKAGE = pathlib.Path(__file__).resolve().parents[1]
 _source_digest: str | None = None
@@ -179,56 +181,212 @@ def jit_kernel(fn, **kw):
     return dispatcher
 
 
+# ---------------------------------------------------------------------------
+# The launch layer: a kernel bound once, launched many times
+# ---------------------------------------------------------------------------
+
+def _dim3(d) -> tuple[int, int, int]:
+    d = (d,) if isinstance(d, int) else tuple(int(x) for x in d)
+    return (d + (1, 1, 1))[:3]
+
+
+def data_ptr(x) -> int:
+    """Device address of a torch CUDA tensor or a CUDA-array-interface object."""
+    f = getattr(x, "data_ptr", None)
+    if f is not None:
+        return f()
+    return x.__cuda_array_interface__["data"][0]
+
+
+def stream_handle(*arrays) -> int:
+    """The stream a call runs on, as a driver handle: torch's current stream of the
+    first torch CUDA tensor among ``arrays``, else 0 (the default stream)."""
+    for a in arrays:
+        if a is not None and getattr(a, "is_cuda", False):
+            import torch
+            return torch.cuda.current_stream(a.device).cuda_stream
+    return 0
+
+
+class _Libcuda:
+    """``cuLaunchKernel`` / ``cuLaunchKernelEx`` of the driver library through ctypes: a
+    launch is one foreign call with a prebuilt argument buffer."""
+
+    class Attr(ctypes.Structure):              # CUlaunchAttribute: id, padding, a 64-byte union
+        _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+    class Config(ctypes.Structure):            # CUlaunchConfig
+        _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                    ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                    ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                    ("attrs", ctypes.c_void_p), ("numAttrs", ctypes.c_uint)]
+
+    PROGRAMMATIC_STREAM_SERIALIZATION = 6      # CUlaunchAttributeID
+
+    def __init__(self):
+        lib = ctypes.CDLL("libcuda.so.1")
+        vp, u = ctypes.c_void_p, ctypes.c_uint
+        self.launch = lib.cuLaunchKernel
+        self.launch.argtypes = [vp, u, u, u, u, u, u, u, vp, vp, vp]
+        self.launch.restype = ctypes.c_int
+        self.launch_ex = lib.cuLaunchKernelEx
+        self.launch_ex.argtypes = [vp, vp, vp, vp]
+        self.launch_ex.restype = ctypes.c_int
+
+
+_LIBCUDA: _Libcuda | None = None
+
+
+def _libcuda() -> _Libcuda:
+    global _LIBCUDA
+    if _LIBCUDA is None:
+        _LIBCUDA = _Libcuda()
+    return _LIBCUDA
+
+
+def _opt_in_shared(compiled, smem: int) -> None:
+    """Past 48 KB of dynamic shared memory a launch fails unless the function's
+    ``MAX_DYNAMIC_SHARED_SIZE_BYTES`` attribute was raised first (numba does not)."""
+    if smem <= 48 * 1024 or getattr(compiled, "_nbattn_smem", 0) >= smem:
+        return
+    from numba.cuda.cudadrv.driver import binding, driver
+
+    cufunc = compiled._codelibrary.get_cufunc()
+    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.cuKernelSetAttribute(attr, smem, cufunc.handle, cufunc.device.id)
+    compiled._nbattn_smem = smem
+
+
+class BoundLaunch:
+    """One kernel compiled and bound once to its grid, block, dynamic shared memory
+    and argument list; a call patches what changes and launches.
+
+    ``BoundLaunch(kernel, grid, threads, args)`` compiles ``kernel`` for ``args``
+    (numba's own typing, once) and packs them as the driver reads them: every
+    argument flattened (an array is its meminfo, parent, size, itemsize, data
+    pointer, shape and strides) into values behind one ``void*[]``.  Per call,
+    ``set(i, x)`` replaces array argument ``i``'s data pointer with ``x``'s (a
+    torch CUDA tensor or any ``__cuda_array_interface__`` object of the same
+    shape), ``set_scalar(i, v)`` a scalar, and ``bl(stream)`` launches on a
+    driver stream handle (:func:`stream_handle`) -- programmatically when the
+    kernel is marked ``programmatic`` (it waits for its predecessor with
+    ``griddepcontrol.wait``) or ``programmatic=True`` is passed.
+
+    In the simulator the same interface keeps numba's ordinary launch: ``set``
+    converts its argument with the ``convert[i]`` function given at binding
+    (the raw-typed device view the kernel reads) and the call launches
+    ``kernel[grid, threads](*args)``.
+    """
+
+    def __init__(self, kernel, grid, threads, args, *, programmatic: bool | None = None,
+                 convert: dict | None = None):
+        self.kernel = kernel
+        self.grid, self.threads = grid, threads
+        self.smem = int(getattr(kernel, "dynamic_smem", 0))
+        self.programmatic = bool(getattr(kernel, "programmatic", False) if programmatic is None
+                                 else programmatic)
+        self._convert = convert or {}
+        self._args = list(args)
+        if SIMULATOR:
+            return
+        from numba.core import types
+
+        compiled = kernel._compile_for_args(*args)
+        _opt_in_shared(compiled, self.smem)
+        self._fn = int(compiled._codelibrary.get_cufunc().handle)
+        cells, self._data, self._sizes, self._scalar = [], {}, {}, {}
+        for i, (ty, val) in enumerate(zip(compiled.argument_types, args)):
+            flat: list = []
+            compiled._prepare_args(ty, val, 0, [], flat)
+            first = len(cells)
+            cells += [x if isinstance(x, ctypes._SimpleCData) else ctypes.c_int64(int(x)) for x in flat]
+            if isinstance(ty, types.Array):
+                self._data[i] = cells[first + 4]
+                self._sizes[i] = (cells[first + 2], cells[first + 5])     # nitems, shape[0]
+            else:
+                self._scalar[i] = cells[first]
+        self._cells = cells                      # keeps the values alive behind the pointers
+        self._params = (ctypes.c_void_p * len(cells))(*[ctypes.addressof(c) for c in cells])
+        self._params_addr = ctypes.addressof(self._params)
+        g, b = _dim3(grid), _dim3(threads)
+        self._dims = [*g, *b, self.smem]
+        self._lib = _libcuda()
+        if self.programmatic:
+            self._attr = _Libcuda.Attr(id=_Libcuda.PROGRAMMATIC_STREAM_SERIALIZATION)
+            self._attr.value[0] = 1
+            self._cfg = _Libcuda.Config(*g, *b, self.smem, None, ctypes.addressof(self._attr), 1)
+
+    def set(self, i: int, x, size: int | None = None) -> None:
+        """Array argument ``i`` now reads ``x``'s memory (same element type and
+        layout; a 1-D argument may take another ``size``, in elements)."""
+        if SIMULATOR:
+            conv = self._convert.get(i)
+            self._args[i] = conv(x) if conv is not None else x
+            return
+        self._data[i].value = data_ptr(x)
+        if size is not None:
+            nitems, dim0 = self._sizes[i]
+            nitems.value = dim0.value = size
+
+    def set_grid(self, grid) -> None:
+        """Launch over another grid from now on."""
+        self.grid = grid
+        if not SIMULATOR:
+            g = _dim3(grid)
+            self._dims[:3] = g
+            if self.programmatic:
+                self._cfg.gridDimX, self._cfg.gridDimY, self._cfg.gridDimZ = g
+
+    def set_scalar(self, i: int, value) -> None:
+        if SIMULATOR:
+            self._args[i] = value
+        else:
+            self._scalar[i].value = value
+
+    def __call__(self, stream: int = 0) -> None:
+        if SIMULATOR:
+            self.kernel[self.grid, self.threads, 0, self.smem](*self._args)
+            return
+        if self.programmatic:
+            self._cfg.hStream = stream
+            err = self._lib.launch_ex(ctypes.addressof(self._cfg), self._fn, self._params_addr, None)
+        else:
+            err = self._lib.launch(self._fn, *self._dims, stream, self._params_addr, None)
+        if err:
+            raise RuntimeError(f"nbattn: cuLaunchKernel{'Ex' if self.programmatic else ''} of "
+                               f"{getattr(self.kernel, '__name__', self.kernel)} failed with CUDA error {err}")
+
+
 def launch_programmatic(dispatcher, griddim, blockdim, stream, args) -> bool:
     """Launch ``dispatcher[griddim, blockdim, stream](*args)`` with programmatic stream
     serialization (sm_90 programmatic dependent launch): the kernel may start while the
     stream's previous kernel runs, and must call :func:`nbattn.cuda.mma.grid_dependency_wait`
-    before it reads anything that kernel writes.  numba's launch has no such option, so
-    this repeats its argument marshalling and launches through ``cuda.core`` with the
-    attribute.  Returns False, having launched nothing, in the simulator or where this
-    numba-cuda / cuda.core lacks a piece (the caller then launches plainly)."""
+    before it reads anything that kernel writes.  Returns False, having launched nothing,
+    in the simulator (the caller then launches plainly)."""
     if SIMULATOR:
         return False
-    try:
-        from cuda.core import LaunchConfig, launch
-
-        cfg = dispatcher[griddim, blockdim, stream]
-        kernel = dispatcher._compile_for_args(*args)
-        cufunc = kernel._codelibrary.get_cufunc()
-        retr, kernel_args = [], []
-        for ty, val in zip(kernel.argument_types, args):
-            kernel._prepare_args(ty, val, cfg.stream, retr, kernel_args)
-        config = LaunchConfig(grid=cfg.griddim, block=cfg.blockdim, shmem_size=0,
-                              programmatic_stream_serialization=True)
-    except Exception as exc:  # noqa: BLE001  (numba/cuda.core internals moved: plain launch)
-        log.info("nbattn: programmatic launch unavailable (%r)", exc)
-        return False
-    launch(cfg.stream, config, cufunc.kernel, *kernel_args)
+    BoundLaunch(dispatcher, griddim, blockdim, args, programmatic=True)(_handle_of(stream))
     return True
+
+
+def _handle_of(stream) -> int:
+    """A numba stream (or 0) as a driver handle."""
+    if isinstance(stream, int):
+        return stream
+    h = getattr(stream, "handle", 0)
+    return int(getattr(h, "value", h) or 0)
 
 
 def launch(kernel, grid, threads, stream, args) -> None:
     """``kernel[grid, threads, stream, smem](*args)`` with ``smem`` the kernel's
-    ``dynamic_smem`` attribute (bytes of dynamic shared memory; 0 when absent).
-    Past 48 KB a launch fails unless the function's ``MAX_DYNAMIC_SHARED_SIZE_BYTES``
-    attribute was raised first; numba's launch does not do it, so this sets it
-    once per compiled kernel, the way numba's own ``set_shared_memory_carveout``
-    sets its attribute.  A kernel marked ``programmatic`` (it waits for its
-    predecessor with ``griddepcontrol.wait``: the one-round merge) is launched by
-    :func:`launch_programmatic`."""
+    ``dynamic_smem`` attribute (bytes of dynamic shared memory; 0 when absent),
+    opted in past 48 KB; a kernel marked ``programmatic`` (the one-round merge)
+    is launched programmatically (see :class:`BoundLaunch`)."""
     smem = int(getattr(kernel, "dynamic_smem", 0))
-    if smem == 0 and getattr(kernel, "programmatic", False) and launch_programmatic(kernel, grid, threads,
-                                                                                   stream, args):
+    if getattr(kernel, "programmatic", False) and launch_programmatic(kernel, grid, threads, stream, args):
         return
     if smem > 48 * 1024 and not SIMULATOR:
-        compiled = kernel._compile_for_args(*args)
-        if getattr(compiled, "_nbattn_smem", 0) < smem:
-            from numba.cuda.cudadrv.driver import binding, driver
-
-            cufunc = compiled._codelibrary.get_cufunc()
-            attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            driver.cuKernelSetAttribute(attr, smem, cufunc.handle, cufunc.device.id)
-            compiled._nbattn_smem = smem
+        _opt_in_shared(kernel._compile_for_args(*args), smem)
     kernel[grid, threads, stream, smem](*args)
 
 

@@ -67,7 +67,7 @@ from . import decode_warp as WARP
 from .variants import LOG2E, kernel_variant_key, variant_device_fns
 
 __all__ = ["batch_decode_paged", "single_decode", "DecodeProblem", "WorkList", "prepare_decode", "run_decode_work",
-           "decode_launch", "split_work", "split_runner", "decode_kernel", "DecodeConfig", "MAX_HEAD_DIM"]
+           "decode_launch", "decode_arg_index", "split_work", "split_runner", "decode_kernel", "DecodeConfig", "MAX_HEAD_DIM"]
 
 MAX_HEAD_DIM = 256
 NEG_INF = float32(-math.inf)
@@ -586,6 +586,12 @@ def choose_chunk(p: DecodeProblem) -> int | None:
 
 
 def decode_launch(p: DecodeProblem, work: WorkList, partial_o=None, partial_lse=None, prefetch: bool = False):
+    """:func:`_launch_for` with the problem's own kernel configuration (see there)."""
+    return _launch_for(p, p.config(), work, partial_o, partial_lse, prefetch)
+
+
+def _launch_for(p: DecodeProblem, cfg: DecodeConfig, work: WorkList, partial_o=None, partial_lse=None,
+                prefetch: bool = False):
     """``(kernel, grid, threads, args)`` of the decode kernel over a work list (device
     int32 arrays); None for an empty list.
 
@@ -595,7 +601,6 @@ def decode_launch(p: DecodeProblem, work: WorkList, partial_o=None, partial_lse=
     num_qo_heads // heads_per_cta)`` (flattened to 1-D on the warp path).  ``prefetch``: the
     small-batch tensor-core shape prefetches its first K/V into L2 before its programmatic
     dependency wait (``decode_warp.PREFETCH_STEPS``; only worth it in a programmatic launch)."""
-    cfg = p.config()
     num_ctas = int(work.cta_indptr.shape[0]) - 1
     if num_ctas <= 0:
         return None
@@ -614,6 +619,18 @@ def decode_launch(p: DecodeProblem, work: WorkList, partial_o=None, partial_lse=
     return decode_kernel(cfg), (num_ctas, n_hb), cfg.nthreads, (
         p.q_w, p.kv_w, p.kv_indptr, p.kv_indices, p.kv_last, p.page_size, p.num_kv_heads,
         p.num_qo_heads, *work, *tail)
+
+
+def decode_arg_index(cfg: DecodeConfig) -> dict:
+    """Where :func:`decode_launch`'s arguments sit in its ``args``, by name (what a
+    :class:`nbattn.cuda._driver.BoundLaunch` patches per call)."""
+    first = 11 if cfg.path in ("warp", "tc") else 8          # the work list's first array
+    names = ("q", "kv", "kv_indptr", "kv_indices", "kv_last")
+    idx = dict(zip(names, range(5)))
+    idx.update(cta_indptr=first, request=first + 1, kv_start=first + 2, kv_end=first + 3,
+               out_slot=first + 4, out=first + 5, lse=first + 6, partial_o=first + 7,
+               partial_lse=first + 8)
+    return idx
 
 
 def run_decode_work(p: DecodeProblem, work: WorkList, partial_o=None, partial_lse=None,

@@ -574,18 +574,25 @@ def tile_merge_kernel(code: str, head_dim: int, per_request_row: bool, use_sigmo
     return _kernels[key]
 
 
-def run_merge_tiles(num_merges, merge_indptr, merge_request, merge_qo_tile, merge_slots, qo_indptr,
-                    partial_o, partial_lse, out, lse, *, code: str, head_dim: int, num_qo_heads: int,
-                    num_kv_heads: int, group: int, tile_q: int, slot_rows: int, num_ctas: int,
-                    per_request_row: bool = False, use_sigmoid: bool = False, stream=0) -> None:
-    """Launch :func:`tile_merge_kernel` on its fixed grid (see module doc); every
-    array is a flat device array (``out`` raw-typed), asynchronous on ``stream``."""
+def merge_tiles_launch(num_merges, merge_indptr, merge_request, merge_qo_tile, merge_slots, qo_indptr,
+                       partial_o, partial_lse, out, lse, *, code: str, head_dim: int, num_qo_heads: int,
+                       num_kv_heads: int, group: int, tile_q: int, slot_rows: int, num_ctas: int,
+                       per_request_row: bool = False, use_sigmoid: bool = False):
+    """``(kernel, grid, threads, args)`` of :func:`tile_merge_kernel` on its fixed grid
+    (see module doc); every array is a flat device array (``out`` raw-typed, at
+    ``args[8]``; ``lse`` at ``args[9]``)."""
     if tile_q > TILE_ROWS_MAX:
         raise ValueError(f"tile_q: at most {TILE_ROWS_MAX} rows per merged tile, got {tile_q}")
     k = tile_merge_kernel(code, head_dim, bool(per_request_row), bool(use_sigmoid))
-    k[(num_ctas, num_kv_heads), _tile_threads(), stream](
+    return k, (num_ctas, num_kv_heads), _tile_threads(), (
         num_merges, merge_indptr, merge_request, merge_qo_tile, merge_slots, qo_indptr, partial_o,
         partial_lse, out, lse, num_qo_heads, group, tile_q, slot_rows)
+
+
+def run_merge_tiles(*args, stream=0, **kw) -> None:
+    """Launch :func:`merge_tiles_launch`'s kernel, asynchronously on ``stream``."""
+    k, grid, threads, a = merge_tiles_launch(*args, **kw)
+    k[grid, threads, stream](*a)
 
 
 def _fold_kernel(code: str, head_dim: int):

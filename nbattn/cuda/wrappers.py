@@ -70,8 +70,8 @@ from ..sched.plan import DIRECT, Plan, plan as lpt_plan
 from ..variants import alibi_slopes, check_return_lse, variant_from_kwargs
 from . import _arrays as A
 from . import decode as DEC
-from ._driver import launch as launch_kernel, sm_count
-from .merge import run_merge_tiles
+from ._driver import BoundLaunch, data_ptr, launch as launch_kernel, sm_count, stream_handle
+from .merge import FEW_PARTIALS, MergeMap, merge_partials_launch, merge_tiles_launch, run_merge_tiles
 from .primitives import SIMULATOR
 
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
@@ -80,6 +80,24 @@ __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWr
 ALIGN = 256                 # byte alignment of every workspace array (16-byte loads need 16)
 HEADER = 8                  # int32 header words
 H_NUM_ITEMS, H_NUM_MERGES, H_NUM_PARTIALS, H_BATCH = 0, 1, 2, 3
+ELEM_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
+_CODES: dict = {}
+
+
+def _code_of(x: Any, name: str) -> str:
+    """:func:`nbattn.cuda._arrays.dtype_code`, cached per dtype object (run()'s hot path)."""
+    dt = getattr(x, "dtype", None)
+    try:
+        return _CODES[dt]
+    except (KeyError, TypeError):
+        code = A.dtype_code(x, name)
+        try:
+            _CODES[dt] = code
+        except TypeError:
+            pass
+        return code
+
+
 _Q_TYPES = {"float16": "f16", "half": "f16", "bfloat16": "bf16", "float32": "f32", "float": "f32",
             "f16": "f16", "bf16": "bf16", "f32": "f32"}
 
@@ -254,6 +272,8 @@ class _PlanRunWrapper:
         self._dirty: list = []         # element spans of _host that plan() wrote
         self._plan: Plan | None = None
         self._slopes = None
+        self._bound: dict = {}          # bound launches of run(), by configuration
+        self._scratch_lse = None
         self.plan_seconds = 0.0
 
     # -- workspace views ----------------------------------------------------
@@ -460,40 +480,65 @@ class BatchDecodeWithPagedKVCacheWrapper(_PlanRunWrapper):
              kv_data_type: Any = None, sm_scale: float | None = None, *, alpha: float = 1.0,
              beta: float = 1.0, chunk_overhead: float = DECODE_CHUNK_OVERHEAD,
              chunk_limit: int | str | None = "auto", num_ctas: int | None = None,
-             **variant) -> None:
-        """LPT-plan a decode step and copy the plan into the workspace.
+             schedule: str = "auto", **variant) -> None:
+        """Plan a decode step and copy the plan into the workspace.
 
         Arguments are FlashInfer's; other variant keywords of
         :mod:`nbattn.variants` (``sink_size``, ``use_sigmoid``, ``score_mod``,
-        ...) pass through.  ``alpha``/``beta``/``chunk_overhead`` are the
-        planner's chunk cost ``chunk_overhead + alpha*l_q + beta*l_kv`` and
-        ``chunk_limit`` its limit rule (:func:`nbattn.sched.plan`; ``None`` is
-        SPEC section 5's ``ceil(W/C)``).  ``num_ctas`` (at most the
-        constructor's) is the planner's C; by default the resident CTAs of the
-        decode kernel per head block (:func:`decode_plan_ctas`).  Raises
-        before touching the workspace when the plan would not fit it.
+        ...) pass through.  The metadata (``indptr``, ``indices``,
+        ``last_page_len``) is read on the host: NumPy arrays, lists or CPU
+        tensors; a GPU tensor is copied to the host once, here.
+
+        ``schedule`` picks how the keys are cut into work:
+
+        * ``"lpt"``: the LPT planner (:func:`nbattn.sched.plan`) balances the
+          requests' chunks over ``num_ctas`` persistent CTAs per head block
+          (by default the decode kernel's resident CTAs, :func:`decode_plan_ctas`);
+          ``alpha``/``beta``/``chunk_overhead`` are its chunk cost
+          ``chunk_overhead + alpha*l_q + beta*l_kv`` and ``chunk_limit`` its
+          limit rule (``None``: ``ceil(W/C)``).
+        * ``"split"``: every request is cut into the same number of equal
+          chunks, as many as fill one wave of the small-batch kernel shape,
+          merged by the one-round merge; both kernels launch programmatically.
+          This is the standalone decode's split for small batches.
+        * ``"auto"`` (default): ``"split"`` where the batch alone leaves the SMs
+          idle (the small-batch kernel shape applies), else ``"lpt"``.
+
+        Raises before touching the workspace when the plan would not fit it.
         """
         t0 = time.perf_counter()
         var = variant_from_kwargs(dict(variant, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
-                            logits_soft_cap=logits_soft_cap, sm_scale=sm_scale))
+                                       logits_soft_cap=logits_soft_cap, sm_scale=sm_scale))
         code = _data_code(q_data_type, kv_data_type)
         group = L.check_heads(int(num_qo_heads), int(num_kv_heads))
         DEC._check_head_dim(int(head_dim))
+        if schedule not in ("auto", "lpt", "split"):
+            raise ValueError(f"schedule: must be 'auto', 'lpt' or 'split', got {schedule!r}")
         pkv = _page_table(indptr, indices, last_page_len, page_size)
         batch = pkv.batch_size
         kv_lens = pkv.kv_lens
-        if num_ctas is None:
-            cfg = DEC.make_config(code, int(head_dim), group, self._kv_layout, var)
-            num_ctas = decode_plan_ctas(cfg, int(num_qo_heads), self.num_ctas)
-        elif not 1 <= int(num_ctas) <= self.num_ctas:
+        hq, hk, D = int(num_qo_heads), int(num_kv_heads), int(head_dim)
+        cfg = DEC.make_config(code, D, group, self._kv_layout, var, True, batch * hk)
+        small = cfg.path == "tc" and cfg.min_blocks == 1          # the one-wave small-batch shape
+        mode = ("split" if small and batch <= self.num_ctas else "lpt") if schedule == "auto" else schedule
+        if mode == "split" and batch > self.num_ctas:
+            raise ValueError(f"schedule: 'split' runs one work item per CTA of the constructor's grid, "
+                             f"so batch ({batch}) must be at most num_ctas ({self.num_ctas})")
+        if num_ctas is not None and not 1 <= int(num_ctas) <= self.num_ctas:
             raise ValueError(f"num_ctas: must be in 1..{self.num_ctas} (the constructor's grid), "
                              f"got {num_ctas}")
-        # One query tile per request: its `group` fused rows are one decode CTA's heads.
-        p = lpt_plan(np.ones(batch, np.int64), kv_lens, int(num_ctas), tile_q=group, group=group,
-                     alpha=alpha, beta=beta, chunk_overhead=chunk_overhead, chunk_limit=chunk_limit)
-        self._check_bound(p)
-        self._check_fits(batch, int(pkv.paged_kv_indices.size), p.num_items, int(num_qo_heads),
-                         int(head_dim), 1, group)
+        if mode == "split":
+            p = self._split_plan(kv_lens, batch, hq // cfg.heads_per_cta, cfg)
+        else:
+            if small:       # the persistent grid runs the batch-independent shape
+                cfg = DEC.make_config(code, D, group, self._kv_layout, var)
+            if num_ctas is None:
+                num_ctas = decode_plan_ctas(cfg, hq, self.num_ctas)
+            # One query tile per request: its `group` fused rows are one decode CTA's heads.
+            p = lpt_plan(np.ones(batch, np.int64), kv_lens, int(num_ctas), tile_q=group, group=group,
+                         alpha=alpha, beta=beta, chunk_overhead=chunk_overhead, chunk_limit=chunk_limit)
+            self._check_bound(p)
+        self._check_fits(batch, int(pkv.paged_kv_indices.size), p.num_items, hq, D, 1, group)
         stream = self._stream()
         self._write_common(p, pkv.paged_kv_indptr, pkv.paged_kv_indices,
                            pkv.paged_kv_last_page_len, stream)
@@ -502,36 +547,202 @@ class BatchDecodeWithPagedKVCacheWrapper(_PlanRunWrapper):
         self._copy("kv_end", p.kv_end)
         self._copy("out_slot", p.out_slot)
         self._flush(stream)
-        self._slopes_for(int(num_qo_heads), stream)
-        self._plan, self._variant, self._code = p, var, code
-        self._num_qo_heads, self._num_kv_heads, self._group = int(num_qo_heads), int(num_kv_heads), group
-        self._head_dim, self._page_size, self._batch = int(head_dim), int(page_size), batch
+        self._slopes_for(hq, stream)
+        self._plan, self._variant, self._code, self._cfg, self._mode = p, var, code, cfg, mode
+        self._num_qo_heads, self._num_kv_heads, self._group = hq, hk, group
+        self._head_dim, self._page_size, self._batch = D, int(page_size), batch
         self._kv_lens = kv_lens
         self._max_page = int(pkv.paged_kv_indices.max()) if pkv.paged_kv_indices.size else -1
         self.plan_seconds = time.perf_counter() - t0
 
+    def _split_plan(self, kv_lens: np.ndarray, batch: int, head_blocks: int, cfg) -> Plan:
+        """Every request in ``splits`` chunks (one wave of the small-batch shape), the
+        chunk a multiple of 16 keys; chunk j of request r writes slot ``r*splits + j``
+        (empty chunks past a short request's end write an empty state).  The number of
+        items depends on the batch and heads only, so a captured graph replays after a
+        re-plan with other lengths."""
+        slots = cfg.min_blocks * sm_count()
+        splits = max(1, min(slots // max(batch * head_blocks, 1), self.num_ctas // max(batch, 1),
+                            FEW_PARTIALS))
+        lens = kv_lens.astype(np.int64)
+        chunk = np.maximum(16, -(-(-(-lens // splits)) // 16) * 16)            # per request
+        j = np.tile(np.arange(splits, dtype=np.int64), batch)
+        r = np.repeat(np.arange(batch, dtype=np.int64), splits)
+        start = np.minimum(j * chunk[r], lens[r])
+        end = np.minimum(start + chunk[r], lens[r])
+        n = batch * splits
+        direct = splits == 1
+        i32 = lambda x: np.ascontiguousarray(x, np.int32)  # noqa: E731
+        cost = (end - start).astype(np.float64)
+        return Plan(num_ctas=n, tile_q=1, group=1, chunk_limit=int(chunk.max(initial=16)), alpha=0.0, beta=1.0,
+                    chunk_overhead=0.0, causal=False, qo_lens=np.ones(batch, np.int32),
+                    kv_lens=i32(lens), cta_indptr=i32(np.arange(n + 1)), request=i32(r),
+                    qo_tile=np.zeros(n, np.int32), kv_start=i32(start), kv_end=i32(end),
+                    out_slot=i32(np.full(n, DIRECT) if direct else np.arange(n)),
+                    merge_indptr=i32([0] if direct else np.arange(0, n + 1, splits)),
+                    merge_request=i32([] if direct else np.arange(batch)),
+                    merge_qo_tile=np.zeros(0 if direct else batch, np.int32),
+                    merge_slots=i32([] if direct else np.arange(n)),
+                    num_partials=0 if direct else n, cta_cost=cost,
+                    makespan=float(cost.max(initial=0.0)), lower_bound=float(cost.max(initial=0.0)))
+
+    # -- run ------------------------------------------------------------------
     def run(self, q, paged_kv_cache, out=None, lse=None, return_lse: bool = False):
         """Attention of ``q [batch, num_qo_heads, head_dim]`` against the planned
-        pages of ``paged_kv_cache``; returns ``o`` (and the base-2 ``lse``)."""
-        code, kind, stream, q_dev, kv_dev, out_user, out_dev, lse_user, lse_dev = self._begin_run(
-            q, paged_kv_cache, out, lse, return_lse)
-        var = self._variant
-        slopes = self._slopes
-        prob = DEC.DecodeProblem(
-            code, kind, stream, var, var.scale(self._head_dim), self._batch, self._num_qo_heads,
-            self._num_kv_heads, self._head_dim, self._page_size, self._kv_layout, self._kv_lens,
-            A.words(q_dev), A.words(kv_dev), self._view("kv_indptr"), self._view("kv_indices"),
-            self._view("kv_last"), slopes, out_user, out_dev, lse_user, lse_dev,
-            DEC._aligned(q_dev, kv_dev))
-        work = DEC.WorkList(self._view("cta_indptr"), self._view("request"), self._view("kv_start"),
-                            self._view("kv_end"), self._view("out_slot"))
-        po, pl = self._partials(1, self._num_qo_heads, self._head_dim)
-        DEC.run_decode_work(prob, work, po, pl)
-        self._merge(stream, out_dev, lse_dev, po, pl, self._view("cta_indptr"), 1)
-        return A.finish_results(kind, code, stream, out, out_user, out_dev, lse, lse_user, lse_dev,
-                                return_lse)
+        pages of ``paged_kv_cache``; returns ``o`` (and the base-2 ``lse``).
+
+        Checks only what can change between calls (shapes, dtypes and devices of
+        ``q``, the cache, ``out`` and ``lse``) and launches the kernels bound at
+        the first run of this plan's configuration; with torch CUDA tensors it
+        launches on torch's current stream and returns torch tensors."""
+        self._need_plan()
+        if return_lse and self._variant.use_sigmoid:
+            check_return_lse(self._variant, return_lse)
+        kind, code, kv_words = self._check_run(q, paged_kv_cache, out, lse)
+        dev = kind in ("torch", "numba", "cai")
+        q_dev = q if dev else A.to_device(q, "q", 0, code)
+        kv_dev = paged_kv_cache if dev else A.to_device(paged_kv_cache, "paged_kv_cache", 0, code)
+        if not SIMULATOR and (data_ptr(q_dev) | data_ptr(kv_dev)) % 16:
+            raise L.LayoutError("q, paged_kv_cache: must start at 16-byte aligned addresses (the decode "
+                                "kernels read 16 bytes at a time)")
+        stream = 0 if SIMULATOR else stream_handle(q, paged_kv_cache, out, lse)
+        shape = (self._batch, self._num_qo_heads, self._head_dim)
+        if kind == "torch":
+            out_dev = out if out is not None else q.new_empty(shape)
+            lse_dev = lse if lse is not None else self._lse_scratch(q, return_lse)
+            out_user, lse_user = out_dev, lse_dev
+        else:
+            out_user, out_dev = A.output_for("out", out, kind, shape, code, 0, like=q)
+            lse_user, lse_dev = A.output_for("lse", lse, kind, shape[:2], "f32", 0, like=q)
+        dec, merge, ix = self._bound_launches(q_dev, kv_dev)
+        dec.set(ix["q"], q_dev)
+        dec.set(ix["kv"], kv_dev, kv_words)
+        dec.set(ix["out"], out_dev)
+        dec.set(ix["lse"], lse_dev)
+        dec(stream)
+        if merge is not None:
+            merge.set(ix["merge_out"], out_dev)
+            merge.set(ix["merge_lse"], lse_dev)
+            merge(stream)
+        if kind == "torch":
+            return (out_dev, lse_dev) if return_lse else out_dev
+        return A.finish_results(kind, code, 0, out, out_user, out_dev, lse, lse_user, lse_dev, return_lse)
 
     forward = run
+
+    def _lse_scratch(self, q, return_lse: bool):
+        """A fresh LSE when the caller gets it, else one reused buffer (the kernels write
+        an LSE either way)."""
+        shape = (self._batch, self._num_qo_heads)
+        if return_lse:
+            import torch
+            return torch.empty(shape, dtype=torch.float32, device=q.device)
+        buf = self._scratch_lse
+        if buf is None or tuple(buf.shape) != shape or buf.device != q.device:
+            import torch
+            buf = self._scratch_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
+        return buf
+
+    def _check_run(self, q, cache, out, lse):
+        """The per-call checks of run(): (kind, dtype code, cache size in 32-bit words)."""
+        kind = A.kind_of(q)
+        code = _code_of(q, "q")
+        if code != self._code:
+            raise L.LayoutError(f"q: dtype {L.dtype_of(q)} differs from plan()'s q_data_type ({self._code})")
+        if _code_of(cache, "paged_kv_cache") != code:
+            raise L.LayoutError(f"paged_kv_cache: dtype must match q, got {L.dtype_of(cache)}")
+        shape = tuple(q.shape)
+        if shape != (self._batch, self._num_qo_heads, self._head_dim):
+            raise L.LayoutError(f"q: must have shape {(self._batch, self._num_qo_heads, self._head_dim)} "
+                                f"for this plan, got {tuple(int(x) for x in shape)}")
+        cshape = tuple(cache.shape)
+        if len(cshape) != 5 or cshape[1] != 2:
+            L.cache_dims(cache, self._kv_layout)              # raises the layout's message
+        ps, hk = (cshape[2], cshape[3]) if self._kv_layout == "NHD" else (cshape[3], cshape[2])
+        if (ps, hk, cshape[4]) != (self._page_size, self._num_kv_heads, self._head_dim):
+            raise L.LayoutError(f"paged_kv_cache: (page_size, num_kv_heads, head_dim) = "
+                                f"{(int(ps), int(hk), int(cshape[4]))} differs from plan()'s "
+                                f"{(self._page_size, self._num_kv_heads, self._head_dim)}")
+        if self._max_page >= cshape[0]:
+            raise L.LayoutError(f"paged_kv_cache: plan() uses page {self._max_page} but the cache "
+                                f"has {int(cshape[0])} pages")
+        dev = kind in ("torch", "numba", "cai")
+        if dev != (A.kind_of(cache) in ("torch", "numba", "cai")):
+            raise L.LayoutError("paged_kv_cache: must live where q lives")
+        if kind == "torch":
+            if q.device != cache.device:
+                raise L.LayoutError(f"paged_kv_cache: must be on q's device ({q.device}), got {cache.device}")
+            if not (q.is_contiguous() and cache.is_contiguous()):
+                raise L.LayoutError("q, paged_kv_cache: device arrays must be C-contiguous "
+                                    "(they are used in place)")
+        elif dev:
+            A.check_contiguous(q, "q")
+            A.check_contiguous(cache, "paged_kv_cache")
+        for name, x, want, c in (("out", out, shape, code), ("lse", lse, shape[:2], None)):
+            if x is not None:
+                DEC._check_out(name, x, tuple(int(v) for v in want), c, kind)
+                if kind == "torch" and x.device != q.device:
+                    raise L.LayoutError(f"{name}: must be on q's device ({q.device}), got {x.device}")
+        n = 1
+        for v in cshape:
+            n *= int(v)
+        return kind, code, n * ELEM_BYTES[code] // 4
+
+    def _bound_launches(self, q_dev, kv_dev):
+        """(decode, merge or None, argument indices): bound once per configuration."""
+        key = (self._cfg, self._mode, self._plan.num_ctas if self._mode == "split" else self.num_ctas,
+               self._batch, self._num_qo_heads, self._variant.use_sigmoid)
+        hit = self._bound.get(key)
+        if hit is not None:
+            return hit
+        cfg, code, D, hq = self._cfg, self._code, self._head_dim, self._num_qo_heads
+        var = self._variant
+        q_w, kv_w = A.words(A.to_device(q_dev, "q", 0, code)), A.words(A.to_device(kv_dev, "paged_kv_cache", 0, code))
+        out0 = cuda.device_array((self._batch, hq, D), A.RAW[code])
+        lse0 = cuda.device_array((self._batch, hq), np.float32)
+        prob = DEC.DecodeProblem(code, "numba", 0, var, var.scale(D), self._batch, hq, self._num_kv_heads, D,
+                                 self._page_size, self._kv_layout, self._kv_lens, q_w, kv_w,
+                                 self._view("kv_indptr"), self._view("kv_indices"), self._view("kv_last"),
+                                 self._slopes, out0, out0, lse0, lse0, True)
+        work = DEC.WorkList(self._view("cta_indptr"), self._view("request"), self._view("kv_start"),
+                            self._view("kv_end"), self._view("out_slot"))
+        po, pl = self._partials(1, hq, D)
+        split = self._mode == "split"
+        if split:       # the persistent grid is the plan's items, one per CTA
+            work = work._replace(cta_indptr=self._view("cta_indptr")[:self._plan.num_ctas + 1])
+        kern, grid, threads, args = DEC._launch_for(prob, cfg, work, po, pl, prefetch=split and DEC.DECODE_PROGRAMMATIC)
+        ix = DEC.decode_arg_index(cfg)
+        conv = {ix["q"]: lambda x: A.words(A.to_device(x, "q", 0, code)),
+                ix["kv"]: lambda x: A.words(A.to_device(x, "paged_kv_cache", 0, code)),
+                ix["out"]: lambda x: A.flat(A.to_device(x, "out", 0, code)),
+                ix["lse"]: lambda x: A.flat(A.to_device(x, "lse", 0, "f32"))}
+        dec = BoundLaunch(kern, grid, threads, args, convert=conv,
+                          programmatic=split and DEC.DECODE_PROGRAMMATIC and cfg.path == "tc")
+        merge = None
+        if split and self._plan.num_partials:
+            B = self._batch
+            mmap = MergeMap(self._view("merge_indptr")[:B + 1], self._view("merge_request")[:B],
+                            self._view("merge_slots")[:self._plan.num_partials])
+            k, g, t, a = merge_partials_launch(po.reshape(2 * self.num_ctas, hq, D), pl.reshape(2 * self.num_ctas, hq),
+                                               mmap, out0, lse0, code=code, use_sigmoid=var.use_sigmoid,
+                                               max_partials=self._plan.num_partials // B)
+            ix = dict(ix, merge_out=5, merge_lse=6)
+        elif not split:
+            k, g, t, a = merge_tiles_launch(
+                self._view("header")[H_NUM_MERGES:H_NUM_MERGES + 1], self._view("merge_indptr"),
+                self._view("merge_request"), self._view("merge_qo_tile"), self._view("merge_slots"),
+                self._view("cta_indptr"), po, pl, A.flat(out0), A.flat(lse0), code=code, head_dim=D,
+                num_qo_heads=hq, num_kv_heads=self._num_kv_heads, group=self._group, tile_q=self._plan.tile_q,
+                slot_rows=1, num_ctas=self.num_ctas, per_request_row=True, use_sigmoid=var.use_sigmoid)
+            ix = dict(ix, merge_out=8, merge_lse=9)
+        if split and not self._plan.num_partials:
+            merge = None
+        else:
+            mconv = {ix["merge_out"]: conv[ix["out"]], ix["merge_lse"]: conv[ix["lse"]]}
+            merge = BoundLaunch(k, g, t, a, convert=mconv)
+        self._bound[key] = (dec, merge, ix)
+        return self._bound[key]
+
 
 
 # ---------------------------------------------------------------------------
