@@ -37,7 +37,10 @@ def to_numpy(x: Any) -> np.ndarray:
         return x
     mod = type(x).__module__
     if mod.startswith("torch"):
-        return x.detach().cpu().numpy()
+        x = x.detach().cpu()
+        if str(x.dtype) == "torch.bfloat16":    # NumPy has no bf16: widen exactly to float32
+            x = x.float()
+        return x.numpy()
     if hasattr(x, "copy_to_host"):  # numba device array
         return x.copy_to_host()
     return np.asarray(x)
