@@ -227,3 +227,181 @@ def test_soft_cap_cannot_hide_an_infinite_score(request, side_setup, side, decod
     want = paged_oracle(b, kv_lens, qo_lens, logits_soft_cap=5.0)
     assert np.isnan(want[1][0, 0])
     check(run_paged(side, decode, b, logits_soft_cap=5.0), want, what=f"{side} soft cap")
+
+
+# ---------------------------------------------------------------------------
+# Contiguous forms, block sparse, cascade
+# ---------------------------------------------------------------------------
+
+def contiguous_case(rng, nq, nk, d=8):
+    group = int(rng.choice([1, 2, 4]))
+    hkv = 2 if group < 4 else 1
+    q = rng.standard_normal((nq, hkv * group, d)).astype(np.float32)
+    k = rng.standard_normal((nk, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((nk, hkv, d)).astype(np.float32)
+    return q, k, v
+
+
+def poison_contiguous(rng, q, k, v):
+    """One q element of row 0, and K or V of keys everywhere, including the last
+    key (seen by the last row only) and a key outside a small window."""
+    q[0, int(rng.integers(q.shape[1])), int(rng.integers(q.shape[2]))] = poison_value(rng)
+    for t in {0, int(rng.integers(k.shape[0])), k.shape[0] - 1}:
+        arr = k if rng.integers(2) else v
+        arr[t, int(rng.integers(k.shape[1])), int(rng.integers(k.shape[2]))] = poison_value(rng)
+
+
+CONTIG = {
+    "single_prefill": lambda M, q, k, v, **kw: M.single_prefill(q, k, v, return_lse=True, **kw),
+    "ragged": lambda M, q, k, v, **kw: M.batch_prefill_ragged(
+        q, k, v, np.array([0, 1, q.shape[0]], np.int32), np.array([0, 3, k.shape[0]], np.int32),
+        return_lse=True, **kw),
+}
+
+
+def ragged_oracle(q, k, v, **kw):
+    o1, l1 = oracle(q[:1], k[:3], v[:3], b=0, **kw)
+    o2, l2 = oracle(q[1:], k[3:], v[3:], b=1, **kw)
+    return np.concatenate([o1, o2]), np.concatenate([l1, l2])
+
+
+@pytest.mark.parametrize("module", ["reference", "cuda"])
+@pytest.mark.parametrize("form", list(CONTIG))
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True, window_left=2), dict(logits_soft_cap=3.0)],
+                         ids=["plain", "causal-window", "softcap"])
+def test_contiguous_forms(request, module, form, kw):
+    rng = rng_for(request)
+    q, k, v = contiguous_case(rng, 5, 9)
+    poison_contiguous(rng, q, k, v)
+    want = oracle(q, k, v, **kw) if form == "single_prefill" else ragged_oracle(q, k, v, **kw)
+    M = R if module == "reference" else C
+    check(CONTIG[form](M, q, k, v, **kw), want, what=f"{module} {form}")
+
+
+@pytest.mark.parametrize("module", ["reference", "cuda"])
+def test_single_decode(request, module):
+    rng = rng_for(request)
+    q, k, v = contiguous_case(rng, 1, 7)
+    poison_contiguous(rng, q, k, v)
+    v[2, :, 0] = np.nan               # a hidden key (window) whose V is NaN
+    kw = dict(window_left=3)
+    M = R if module == "reference" else C
+    o, lse = M.single_decode(q[0], k, v, return_lse=True, **kw)
+    wo, wl = oracle(q, k, v, **kw)
+    check((np.asarray(o)[None], np.asarray(lse)[None]), (wo, wl), what=module)
+
+
+@pytest.mark.parametrize("module", ["reference", "cuda"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_sparse(request, module, causal):
+    rng = rng_for(request)
+    m, n, (br, bc) = 6, 8, (2, 2)
+    q, k, v = contiguous_case(rng, m, n)
+    mask = rng.random((m // br, n // bc)) < 0.5
+    mask[0] = False                   # block row 0 sees nothing: its rows are empty
+    bsr = L.BSR.from_block_mask(mask, (br, bc), (m, n))
+    k[...] = np.where(rng.random(k.shape) < 0.05, np.nan, k)
+    v[...] = np.where(rng.random(v.shape) < 0.05, np.inf, v)
+    k[0:2] = np.nan                   # keys of block column 0, seen by some rows at most
+    extra = np.repeat(np.repeat(mask, br, 0), bc, 1)
+    M = R if module == "reference" else C
+    want = oracle(q, k, v, causal=causal, extra_mask=extra)
+    check(M.block_sparse(q, k, v, bsr, causal=causal, return_lse=True), want, what=module)
+
+
+@pytest.mark.parametrize("module", ["reference", "cuda"])
+def test_cascade(request, module):
+    rng = rng_for(request)
+    b, kv_lens, qo_lens = paged_case(rng, decode=False, empty=False, page_size=2)
+    pkv = L.PagedKV.validate(b["indptr"], b["indices"], b["last"], 2, b["cache"].shape[0])
+    levels = L.cascade_decompose(b["qo_indptr"], pkv)
+    put_kv_value(b, 0, 0, 1, np.nan, rng)            # V of request 0's first key (maybe shared)
+    put_kv_value(b, 1, kv_lens[1] - 1, 0, np.inf, rng)
+    b["q"][-1, 0, 0] = np.nan
+    kw = dict(causal=True, window_left=3)
+    M = R if module == "reference" else C
+    got = M.cascade(b["q"], levels, b["cache"], return_lse=True, **kw)
+    check(got, paged_oracle(b, kv_lens, qo_lens, **kw), what=module)
+
+
+# ---------------------------------------------------------------------------
+# Wrappers (split KV, merged partials) and merges
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_wrappers(request, decode):
+    rng = rng_for(request)
+    b, kv_lens, qo_lens = paged_case(rng, decode=decode, empty=False, page_size=2)
+    hq, hkv, d = b["q"].shape[1], b["cache"].shape[3], b["q"].shape[2]
+    for r in range(3):
+        put_kv_value(b, r, int(rng.integers(kv_lens[r])), int(rng.integers(2)), poison_value(rng), rng)
+    b["q"][0, 0, 0] = np.nan
+    kw = dict(window_left=4)
+    ws = np.zeros(1 << 20, np.uint8)
+    if decode:
+        w = C.BatchDecodeWithPagedKVCacheWrapper(ws, num_ctas=4)
+        w.plan(b["indptr"], b["indices"], b["last"], hq, hkv, d, 2, q_data_type="float32",
+               chunk_overhead=0.0, chunk_limit=None, **kw)
+    else:
+        w = C.BatchPrefillWithPagedKVCacheWrapper(ws, num_ctas=4)
+        w.plan(b["qo_indptr"], b["indptr"], b["indices"], b["last"], hq, hkv, d, 2, causal=True,
+               q_data_type="float32", **kw)
+        kw["causal"] = True
+    got = w.run(b["q"], b["cache"], return_lse=True)
+    check(got, paged_oracle(b, kv_lens, qo_lens, **kw), what="wrapper")
+
+
+def merge_oracle(v, s):
+    """float64 merge of [rows, n, H, D] states, state by state in exact arithmetic terms."""
+    v, s = np.asarray(v, np.float64), np.asarray(s, np.float64)
+    rows, n, h, d = v.shape
+    o = np.zeros((rows, h, d))
+    lse = np.full((rows, h), -np.inf)
+    for r in range(rows):
+        for j in range(h):
+            ls = s[r, :, j]
+            if np.isnan(ls).any():
+                o[r, j], lse[r, j] = np.nan, np.nan
+                continue
+            if np.isneginf(ls).all():
+                continue
+            m = ls.max()
+            w = np.exp2(ls - m)
+            o[r, j] = (w[:, None] * v[r, :, j]).sum(0) / w.sum()
+            lse[r, j] = m + math.log2(w.sum())
+    return o, lse
+
+
+@pytest.mark.parametrize("module", ["reference", "cuda"])
+@pytest.mark.parametrize("fn", ["merge_state", "merge_states", "merge_state_in_place"])
+def test_merge_of_a_nan_state_is_nan(request, module, fn):
+    rng = rng_for(request)
+    rows, h, d = 5, 2, 8
+    v = rng.standard_normal((rows, 2, h, d)).astype(np.float32)
+    s = (rng.standard_normal((rows, 2, h)) * 4).astype(np.float32)
+    s[0, 0, 0] = np.nan
+    s[1, 1, 1] = np.nan
+    s[2, :, 0] = -np.inf             # both empty
+    v[2, :, 0] = 0
+    s[3, 0, 1] = np.nan
+    s[3, 1, 1] = -np.inf
+    want = merge_oracle(v, s)
+    M = R if module == "reference" else C
+    if fn == "merge_states":
+        got = M.merge_states(v, s)
+    elif fn == "merge_state":
+        got = M.merge_state(v[:, 0], s[:, 0], v[:, 1], s[:, 1])
+    else:
+        va, sa = v[:, 0].copy(), s[:, 0].copy()
+        M.merge_state_in_place(va, sa, v[:, 1].copy(), s[:, 1].copy())
+        got = (va, sa)
+    check(got, want, what=f"{module} {fn}")
+
+
+@pytest.mark.parametrize("module", ["reference", "cuda"])
+@pytest.mark.parametrize("cap", [float("inf"), float("nan"), -1.0])
+def test_logits_soft_cap_must_be_finite_and_positive(module, cap):
+    q, k, v = contiguous_case(np.random.default_rng(), 2, 3)
+    M = R if module == "reference" else C
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        M.single_prefill(q, k, v, logits_soft_cap=cap)
