@@ -670,10 +670,18 @@ def _empty_check(head_dim: int, name: str) -> None:
         raise LayoutError(f"{name}: head_dim must be >= 1")
 
 
+def _array_arg(name: str, x) -> None:
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise LayoutError(f"{name}: must be an array or tensor (NumPy, torch, numba device), "
+                          f"got {type(x).__name__}")
+
+
 def _check_pair(names: tuple[str, str, str, str], v, s, v2, s2) -> str:
     """Dtype code of two states ``(v, s)``, ``(v2, s2)`` that must agree in shape
     and type; ``names`` are the arguments' names for the error messages."""
     nv, ns, nv2, ns2 = names
+    for n, x in zip(names, (v, s, v2, s2)):
+        _array_arg(n, x)
     if _shape(v) != _shape(v2) or _shape(s) != _shape(s2) or _shape(v)[:-1] != _shape(s):
         raise LayoutError(f"{nv2}: shapes must match, got {nv} {_shape(v)}, {ns} {_shape(s)}, "
                           f"{nv2} {_shape(v2)}, {ns2} {_shape(s2)}")
@@ -708,6 +716,8 @@ def merge_state(v_a, s_a, v_b, s_b) -> AttentionState:
 def merge_states(v, s) -> AttentionState:
     """Merge ``num_states`` states per row in axis-1 order:
     ``v [rows, num_states, num_heads, head_dim]``, ``s [rows, num_states, num_heads]``."""
+    _array_arg("v", v)
+    _array_arg("s", s)
     sv, ss = _shape(v), _shape(s)
     if len(sv) != 4 or ss != sv[:3]:
         raise LayoutError(f"v: must be [rows, num_states, num_heads, head_dim] with s "
@@ -732,6 +742,8 @@ def merge_state_in_place(v, s, v_other, s_other, mask=None) -> None:
     """``(v, s) <- merge((v, s), (v_other, s_other))``; rows where the boolean
     ``mask [rows]`` (over the first axis of s) is False are left unchanged."""
     code = _check_pair(("v", "s", "v_other", "s_other"), v, s, v_other, s_other)
+    A.check_writeable("v", v)
+    A.check_writeable("s", s)
     rows = int(np.prod(_shape(s)))
     lead = _shape(s)[0] if _shape(s) else 1
     if mask is not None and _shape(mask) != (lead,):

@@ -149,6 +149,7 @@ def single_prefill(q, k, v, *, kv_layout: str = "NHD", return_lse: bool = False,
     """One request, contiguous KV: ``q [Q, Hq, D]``, ``k, v [K, Hkv, D]`` (NHD)."""
     var = variant_from_kwargs(variant)
     check_return_lse(var, return_lse)
+    L.check_same_dtype(q=q, k=k, v=v)
     k, v = _contiguous_kv(k, v, kv_layout)
     q = _float("q", q)
     L.check_q(q, k.shape[2])
@@ -175,6 +176,7 @@ def batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, *, kv_layout: str = "NHD
     ``k[kv_indptr[r]:kv_indptr[r+1]]``."""
     var = variant_from_kwargs(variant)
     check_return_lse(var, return_lse)
+    L.check_same_dtype(q=q, k=k, v=v)
     k, v = _contiguous_kv(k, v, kv_layout)
     q = _float("q", q)
     qo = L.RaggedQ.validate(qo_indptr, total_rows=q.shape[0] if q.ndim == 3 else None)
@@ -248,15 +250,17 @@ def block_sparse(q, k, v, bsr: L.BSR, *, kv_layout: str = "NHD", return_lse: boo
     Variants apply on top (causal is bottom-right aligned over M x N)."""
     var = variant_from_kwargs(variant)
     check_return_lse(var, return_lse)
+    L.check_same_dtype(q=q, k=k, v=v)
     k, v = _contiguous_kv(k, v, kv_layout)
     q = _float("q", q)
-    if not isinstance(bsr, L.BSR):
-        raise L.LayoutError(f"bsr: must be an nbattn.layout.BSR, got {type(bsr).__name__}")
+    bsr = L.BSR.check(bsr)
     if bsr.shape != (q.shape[0], k.shape[0]):
         raise L.LayoutError(f"bsr: shape {bsr.shape} does not match (q rows, kv rows) = "
                             f"{(q.shape[0], k.shape[0])}")
     L.check_q(q, k.shape[2])
     L.check_heads(q.shape[1], k.shape[1])
+    if var.causal:      # as the dense forms: a causal request has no more queries than keys
+        L.check_causal_lengths(np.array([q.shape[0]]), np.array([k.shape[0]]), name="q")
     o, lse = attend(q, k, v, *_positions(q.shape[0], k.shape[0]), var, dtype=dtype,
                     keep=bsr.to_element_mask())
     return _finish(o, lse, return_lse)
