@@ -48,7 +48,7 @@ def merge_weights(s_a: np.ndarray, s_b: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 
 def _weights(s_a, s_b):
-    nan = np.isnan(s_a) | np.isnan(s_b)
+    nan = np.isnan(s_a) | np.isnan(s_b) | np.isposinf(s_a) | np.isposinf(s_b)   # +inf is no state either
     m = np.maximum(s_a, s_b)
     m_safe = np.where(np.isneginf(m) | nan, 0.0, m)
     a = np.exp2(np.where(nan, 0.0, s_a) - m_safe)
@@ -76,7 +76,7 @@ def merge_state(v_a: np.ndarray, s_a: np.ndarray, v_b: np.ndarray,
     """Merge the states of two disjoint key sets (SPEC section 3).
 
     Computed in float64 and rounded once to ``v_a``'s dtype (``s_a``'s for the
-    LSE).  A NaN LSE makes the merged (row, head) NaN; a NaN element of an
+    LSE).  A NaN (or +inf) LSE makes the merged (row, head) NaN; a NaN element of an
     output reaches the same element of the result."""
     v_a, v_b = _float_state("v_a", v_a), _float_state("v_b", v_b)
     s_a, s_b = _float_state("s_a", s_a), _float_state("s_b", s_b)
@@ -121,15 +121,15 @@ def merge_states(v: np.ndarray, s: np.ndarray) -> AttentionState:
     Accumulated in float64 and rounded once to ``v``'s dtype (the LSE to
     ``s``'s), so the result is the exact merge correctly rounded up to
     float64 error.  ``num_states = 0`` gives empty states ``(0, -inf)``.  A NaN
-    LSE in any state makes the merged (row, head) NaN.
+    LSE (or a +inf one) in any state makes the merged (row, head) NaN.
     """
     v, s = _float_state("v", v), _float_state("s", s)
     if v.ndim != 4 or s.shape != v.shape[:3]:
         raise ValueError(f"v: must be [rows, num_states, num_heads, head_dim] with s "
                          f"[rows, num_states, num_heads], got {v.shape} and {s.shape}")
     s64 = s.astype(np.float64)
-    nan = np.isnan(s64).any(axis=1)                                  # [rows, heads]
-    s64 = np.where(np.isnan(s64), -np.inf, s64)
+    nan = (np.isnan(s64) | np.isposinf(s64)).any(axis=1)            # [rows, heads]; +inf is no state either
+    s64 = np.where(np.isnan(s64) | np.isposinf(s64), -np.inf, s64)
     m = s64.max(axis=1, initial=-np.inf)
     m_safe = np.where(np.isneginf(m), 0.0, m)
     w = np.exp2(s64 - m_safe[:, None])                               # empty states: exactly 0
