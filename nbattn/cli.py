@@ -203,7 +203,15 @@ def main(argv=None) -> int:
     b.add_argument("--cpu", action="store_true", help="time the golden model against NumPy matmul")
     b.add_argument("--results", default=str(REPO / "benchmarks" / "results"))
     b.set_defaults(fn=cmd_bench)
-    args = p.parse_args(argv)
+    v = sub.add_parser("verify", add_help=False,
+                       help="differential test of every kernel against the golden model (nbattn verify --help)")
+    v.set_defaults(fn=None)
+    args, rest = p.parse_known_args(argv)
+    if args.cmd == "verify":
+        from .verify import main as verify_main
+        return verify_main(rest)
+    if rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
     return int(args.fn(args) or 0)
 
 

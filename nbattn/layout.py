@@ -37,7 +37,10 @@ def to_numpy(x: Any) -> np.ndarray:
         return x
     mod = type(x).__module__
     if mod.startswith("torch"):
-        return x.detach().cpu().numpy()
+        x = x.detach().cpu()
+        if str(x.dtype) == "torch.bfloat16":    # NumPy has no bf16: widen exactly to float32
+            x = x.float()
+        return x.numpy()
     if hasattr(x, "copy_to_host"):  # numba device array
         return x.copy_to_host()
     return np.asarray(x)
@@ -454,6 +457,18 @@ class BSR:
                 raise LayoutError(f"col_indices: block row {i} lists a column block twice")
         return cls(rp, cols, (br, bc), (m, n))
 
+    @classmethod
+    def check(cls, bsr: Any, name: str = "bsr") -> "BSR":
+        """``bsr`` validated again whatever built it (a ``BSR(...)`` made directly
+        skips :meth:`validate`: column -1 or past the last block would read
+        other keys, or out of bounds on a GPU)."""
+        if not isinstance(bsr, cls):
+            raise LayoutError(f"{name}: must be an nbattn.layout.BSR, got {type(bsr).__name__}")
+        try:
+            return cls.validate(bsr.row_ptr, bsr.col_indices, bsr.block_shape, bsr.shape)
+        except LayoutError as e:
+            raise LayoutError(f"{name}: {e}") from None
+
     @property
     def n_block_rows(self) -> int:
         return -(-self.shape[0] // self.block_shape[0])
@@ -562,6 +577,10 @@ def validate_cascade(levels: Sequence[Any], page_size: int, num_pages: int,
         raise LayoutError("levels: at least one level is required")
     out = []
     for i, lv in enumerate(levels):
+        if not isinstance(lv, CascadeLevel) and (not isinstance(lv, (tuple, list)) or len(lv) != 4):
+            got = f"a {len(lv)}-tuple" if isinstance(lv, (tuple, list)) else type(lv).__name__
+            raise LayoutError(f"levels[{i}]: must be a CascadeLevel or a 4-tuple (qo_indptr, paged_kv_indptr, "
+                              f"paged_kv_indices, paged_kv_last_page_len), got {got}")
         qo, ip, ix, lp = (lv.qo_indptr, lv.paged_kv_indptr, lv.paged_kv_indices,
                           lv.paged_kv_last_page_len) if isinstance(lv, CascadeLevel) else lv
         q = RaggedQ.validate(qo, total_rows=total_rows, name=f"levels[{i}].qo_indptr")

@@ -56,10 +56,14 @@ class Variant:
             raise ValueError(f"window_left: must be -1 (no window) or >= 0, got {self.window_left}")
         if int(self.sink_size) < 0:
             raise ValueError(f"sink_size: must be >= 0, got {self.sink_size}")
-        if self.logits_soft_cap is not None and self.logits_soft_cap < 0:
-            raise ValueError(f"logits_soft_cap: must be > 0 (or None/0 for off), got {self.logits_soft_cap}")
+        if self.logits_soft_cap is not None and not (self.logits_soft_cap == 0 or (
+                np.isfinite(self.logits_soft_cap) and self.logits_soft_cap > 0)):
+            raise ValueError(f"logits_soft_cap: must be finite and > 0 (or None/0 for off), "
+                             f"got {self.logits_soft_cap}")
         if self.sm_scale is not None and not np.isfinite(self.sm_scale):
             raise ValueError(f"sm_scale: must be finite, got {self.sm_scale}")
+        if not np.isfinite(self.sigmoid_bias):
+            raise ValueError(f"sigmoid_bias: must be finite, got {self.sigmoid_bias}")
         for name in ("score_mod", "mask_mod"):
             f = getattr(self, name)
             if f is not None and not callable(f):

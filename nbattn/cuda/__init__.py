@@ -6,7 +6,7 @@ Run on a GPU when one is present, else in numba's CUDA simulator (chosen by
 Public (the golden model's arguments, plus ``out=``/``lse=`` buffers):
     single_prefill, single_decode, batch_prefill_ragged, batch_prefill_paged,
     batch_decode_paged, block_sparse, cascade, append_paged_kv_cache,
-    merge_state, merge_states, merge_state_in_place
+    merge_state, merge_states, merge_state_in_place, split_kv (FlashDecoding over given KV chunks)
     BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
                             (FlashInfer's plan()/run() over a preallocated workspace)
 
@@ -18,15 +18,22 @@ Building blocks for other kernels and the scheduler's plan()/run():
     nbattn.cuda.merge       MergeMap, run_merge_partials
 """
 from .. import _compat  # noqa: F401  (numpy shim + simulator choice before numba.cuda)
+from .._diff import kernel_entry
 from .decode import batch_decode_paged, single_decode
 from .merge import merge_state, merge_state_in_place, merge_states
 from .prefill import batch_prefill_paged, batch_prefill_ragged, single_prefill
 from .sparse import block_sparse
-from .cascade import cascade
+from . import cascade   # the module, callable as the cascade function
+from .split import split_kv
 from .wrappers import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
 from .page import append_paged_kv_cache
 
 __all__ = ["batch_decode_paged", "merge_state", "merge_states", "merge_state_in_place",
            "batch_prefill_paged", "batch_prefill_ragged", "single_prefill", "block_sparse", "cascade",
            "BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
-           "append_paged_kv_cache", "single_decode"]
+           "append_paged_kv_cache", "single_decode", "split_kv"]
+
+# The golden model's dtype= keyword is a documented no-op here (nbattn._diff).
+(batch_decode_paged, single_decode, batch_prefill_paged, batch_prefill_ragged, single_prefill, block_sparse,
+ split_kv) = (kernel_entry(f) for f in (batch_decode_paged, single_decode, batch_prefill_paged,
+                                        batch_prefill_ragged, single_prefill, block_sparse, split_kv))

@@ -254,9 +254,16 @@ def output_for(name: str, given: Any, kind: str, shape: tuple, code: str, stream
     contents :func:`finish_into` copies back into ``given``."""
     if given is None:
         return new_output(kind, shape, code, stream, like=like)
+    check_writeable(name, given)
     if is_device_kind(kind):
         return given, to_device(given, name, stream, code, strided=strided)
     return given, cuda.device_array(shape, RAW[code], stream=stream)
+
+
+def check_writeable(name: str, x: Any) -> None:
+    """Raise (naming ``name``) when ``x`` is a read-only NumPy array: a result is written into it."""
+    if isinstance(x, np.ndarray) and not x.flags.writeable:
+        raise LayoutError(f"{name}: is read-only; the result is written into it")
 
 
 def finish_into(kind: str, given: Any, user_obj: Any, dev, code: str, stream=0):

@@ -33,6 +33,9 @@ How it runs:
 """
 from __future__ import annotations
 
+import sys
+import types
+
 import numpy as np
 from numba import cuda
 
@@ -227,3 +230,15 @@ def _chunk_size(qo: L.RaggedQ, pkv: L.PagedKV, spec: P.KernelSpec, num_kv_heads:
     chunk = -(-longest // want)
     chunk = max(MIN_CHUNK, -(-chunk // spec.tile_k) * spec.tile_k)
     return 0 if chunk >= longest else chunk
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable as :func:`cascade`: ``import nbattn.cuda.cascade`` gives
+    the module and ``nbattn.cuda.cascade(...)`` still runs the cascade."""
+
+    def __call__(self, *args, **kwargs):
+        kwargs.pop("dtype", None)      # the golden model's keyword: a no-op here
+        return cascade(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

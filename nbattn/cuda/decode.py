@@ -64,6 +64,7 @@ from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, ele
                          ld_v4, load_v4, st_v4)
 from ._driver import jit_kernel, launch_programmatic, sm_count
 from . import decode_warp as WARP
+from . import nanrule as NR
 from .variants import LOG2E, kernel_variant_key, variant_device_fns
 
 __all__ = ["batch_decode_paged", "single_decode", "DecodeProblem", "WorkList", "prepare_decode", "run_decode_work",
@@ -245,6 +246,7 @@ def _build(cfg: DecodeConfig):
     ALIGNED = cfg.aligned
     _, store_elem, unpack4 = element_io(cfg.code)
     transform, keep = variant_device_fns(cfg.variant)
+    poison = NR.poison_kv(cfg.code)
 
     @device_fn
     def read4(arr, i):   # 16-byte global load when the base pointers allow it
@@ -308,6 +310,7 @@ def _build(cfg: DecodeConfig):
                             row_v = (((page * 2 + 1) * hkv + kvh) * ps + within) * W
                         k0, k1, k2, k3 = read4(kv_w, row_k + tx * 4)
                         v0, v1, v2, v3 = read4(kv_w, row_v + tx * 4)
+                        k0, k1, k2, k3, v0, v1, v2, v3 = poison(k0, k1, k2, k3, v0, v1, v2, v3)
                     st_v4(k_s, t * W + tx * 4, k0, k1, k2, k3)
                     st_v4(v_s, t * W + tx * 4, v0, v1, v2, v3)
                 cuda.syncthreads()
@@ -333,7 +336,8 @@ def _build(cfg: DecodeConfig):
                         s += red[j * NX + x]
                     pos = tile + t
                     h = h0 + g
-                    s = transform(s * sm_scale, r, h, q_idx, pos, slopes[h])
+                    raw = s * sm_scale
+                    s = NR.checked(raw, transform(raw, r, h, q_idx, pos, slopes[h]))
                     ok = pos < kv_end and keep(r, h, q_idx, pos)
                     if SIGMOID:
                         p_s[j] = float32(1.0) / (float32(1.0) + math.exp(-(s + sigmoid_bias))) if ok else 0.0
@@ -347,7 +351,7 @@ def _build(cfg: DecodeConfig):
                         m_old = m_s[g]
                         m_new = m_old
                         for t in range(T):
-                            m_new = max(m_new, p_s[g * T + t])
+                            m_new = NR.max_nan(m_new, p_s[g * T + t])
                         f_s[g] = float32(1.0) if m_new == NEG_INF else exp2f(m_old - m_new)
                         m_s[g] = m_new
                     cuda.syncthreads()
@@ -387,12 +391,15 @@ def _build(cfg: DecodeConfig):
                 if SIGMOID:
                     inv_l = float32(1.0)
                     row_lse = float32(math.nan)
-                elif l > 0:
-                    inv_l = float32(1.0) / l
-                    row_lse = m_s[g] + math.log2(l)
-                else:
+                elif m_s[g] != m_s[g] or l != l:     # a visible key was non-finite
+                    inv_l = NR.NAN_F32
+                    row_lse = NR.NAN_F32
+                elif m_s[g] == NEG_INF:              # no visible key (a flag, not l > 0)
                     inv_l = float32(0.0)
                     row_lse = NEG_INF
+                else:
+                    inv_l = float32(1.0) / l
+                    row_lse = m_s[g] + math.log2(l)
                 for d in range(tid, D, NT):
                     o = float32(0.0)
                     for y in range(NY):

@@ -53,6 +53,7 @@ from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, ele
 from ._driver import jit_kernel
 from .mma import grid_dependency_wait, grid_dependents_launch
 from .variants import LOG2E, variant_device_fns
+from . import nanrule as NR
 
 __all__ = ["warp_eligible", "warp_heads_per_cta", "build_warp_kernel", "warp_geometry", "tc_eligible",
            "build_tc_kernel"]
@@ -137,7 +138,7 @@ def make_state_writer(HG: int, D: int, NT: int, ROWS: int, STRIDE: int, sigmoid:
             else:
                 mm = NEG_INF
                 for y in range(ROWS):
-                    mm = max(mm, st_m[y * STRIDE + g])
+                    mm = NR.max_nan(mm, st_m[y * STRIDE + g])
                 row_lse = NEG_INF
                 if mm != NEG_INF:
                     tot = float32(0.0)
@@ -188,6 +189,7 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
     PLAIN = not SIGMOID and not ALIBI and not var.has_soft_cap and var.score_mod is None
     _, store_elem, unpack4 = element_io(cfg.code)
     transform, keep = variant_device_fns(var)
+    poison = NR.poison_kv(cfg.code)
     write_states = make_state_writer(HG, D, NT, R, HG, SIGMOID, store_elem)
 
     def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, ps_shift, num_kv_heads,
@@ -266,6 +268,7 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
                         row_k = pg[u] * page_words + int64(within * slot_words) + my_off
                         k0, k1, k2, k3 = load_v4(kv_w, row_k)
                         v0, v1, v2, v3 = load_v4(kv_w, row_k + v_off)
+                        k0, k1, k2, k3, v0, v1, v2, v3 = poison(k0, k1, k2, k3, v0, v1, v2, v3)
                     kw[4 * u] = k0
                     kw[4 * u + 1] = k1
                     kw[4 * u + 2] = k2
@@ -305,9 +308,9 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
                     pos = base + u * R + row
                     ok = pos < kv_end and mine < HG and keep(r, h_mine, q_idx, pos)
                     if PLAIN:
-                        s = dv[0]
+                        s = NR.checked(dv[0], dv[0])
                     else:
-                        s = transform(dv[0] * sm_scale, r, h_mine, q_idx, pos, slope)
+                        s = NR.checked(dv[0] * sm_scale, transform(dv[0] * sm_scale, r, h_mine, q_idx, pos, slope))
                     if SIGMOID:
                         sc[u] = float32(1.0) / (float32(1.0) + math.exp(-(s + sigmoid_bias))) if ok else 0.0
                     elif PLAIN:
@@ -319,7 +322,7 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
                 if not SIGMOID:
                     mx = m_mine
                     for u in range(U):
-                        mx = max(mx, sc[u])
+                        mx = NR.max_nan(mx, sc[u])
                     f = float32(1.0) if mx == NEG_INF else exp2f(m_mine - mx)
                     m_mine = mx
                     l_mine *= f
@@ -459,6 +462,7 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     MASKED = var.window_left >= 0 or var.mask_mod is not None
     _, store_elem, _ = element_io(cfg.code)
     transform, keep = variant_device_fns(var)
+    poison = NR.poison_kv(cfg.code)
     write_states = make_state_writer(HG, D, NT, NW, 8, False, store_elem)
     mma = MMA.mma_f16 if cfg.code == "f16" else MMA.mma_bf16
     pack = MMA.pack_f16x2 if cfg.code == "f16" else MMA.pack_bf16x2
@@ -596,6 +600,10 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                         load_row(kv_w, rk[hf], kw, hf * HL)
                 for hf in range(2):
                     load_row(kv_w, rk[hf] + v_off if rk[hf] >= 0 else rk[hf], vw, hf * HL)
+                for o in range(0, KL, 4):        # the NaN rule: a non-finite V chunk poisons its K chunk
+                    (kw[o], kw[o + 1], kw[o + 2], kw[o + 3], vw[o], vw[o + 1], vw[o + 2],
+                     vw[o + 3]) = poison(kw[o], kw[o + 1], kw[o + 2], kw[o + 3], vw[o], vw[o + 1], vw[o + 2],
+                                         vw[o + 3])
                 if AHEAD:
                     for hf in range(2):
                         rk[hf] = page_row(base + STEP + 8 * hf + g, kv_end, pg[hf], page_size, ps_shift,
@@ -624,18 +632,19 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                     pos = base + 8 * (e >> 1) + 2 * t + (e & 1)
                     s = sc[e]
                     if PLAIN:
-                        s = s * qscale
+                        s = NR.checked(s * qscale, s * qscale)
                     else:
-                        s = transform(s * sm_scale, r, h_row, q_idx, pos, slope) * float32(LOG2E)
+                        s = NR.checked(s * sm_scale, transform(s * sm_scale, r, h_row, q_idx, pos, slope)
+                                       * float32(LOG2E))
                     ok = pos < kv_end
                     if MASKED:
                         ok = ok and keep(r, h_row, q_idx, pos)
                     s = s if ok else NEG_INF
                     sc[e] = s
-                    mx = max(mx, s)
-                mx = max(mx, shfl_xor_f32(mx, 1))
-                mx = max(mx, shfl_xor_f32(mx, 2))
-                m_new = max(m_row, mx)
+                    mx = NR.max_nan(mx, s)
+                mx = NR.max_nan(mx, shfl_xor_f32(mx, 1))
+                mx = NR.max_nan(mx, shfl_xor_f32(mx, 2))
+                m_new = NR.max_nan(m_row, mx)
                 f = float32(1.0) if m_new == NEG_INF else exp2f(m_row - m_new)
                 m_row = m_new
                 l_part *= f

@@ -65,6 +65,7 @@ from . import _arrays as A
 from ._driver import jit_kernel, launch_programmatic
 from .mma import grid_dependency_wait, grid_dependents_launch
 from .primitives import SIMULATOR, device_fn, element_io, ld_v4, shfl_idx_f32, shfl_xor_f32
+from . import nanrule as NR
 
 __all__ = ["merge_state", "merge_states", "merge_state_in_place", "MergeMap", "run_merge_partials",
            "merge_partials_launch", "run_merge_tiles", "tile_merge_kernel", "merge_weights"]
@@ -81,7 +82,10 @@ class MergeMap(NamedTuple):
 
 @device_fn
 def merge_weights(la, lb):
-    """Normalized weights of two states and the merged LSE (empty+empty -> 0, 0, -inf)."""
+    """Normalized weights of two states and the merged LSE (empty+empty -> 0, 0, -inf;
+    a NaN LSE -> NaN, NaN, NaN: a merge of a NaN state is NaN)."""
+    if la != la or lb != lb:
+        return NR.NAN_F32, NR.NAN_F32, NR.NAN_F32
     m = max(la, lb)
     if m == NEG_INF:
         return float32(0.0), float32(0.0), NEG_INF
@@ -94,7 +98,9 @@ def merge_weights(la, lb):
 @device_fn
 def lse_fold(m1, l1, m2, l2):
     """Fold two (max, mass) pairs of base-2 LSE terms, ``mass = sum 2^(lse - max)``;
-    empty + empty stays (-inf, 0)."""
+    empty + empty stays (-inf, 0); a NaN max stays NaN."""
+    if m1 != m1 or m2 != m2:
+        return NR.NAN_F32, NR.NAN_F32
     mm = max(m1, m2)
     if mm == NEG_INF:
         return NEG_INF, float32(0.0)
@@ -134,6 +140,8 @@ def _stream_sum_writer(code: str, head_dim: int, threads: int, streams: int, sig
                 o = float32(0.0)
                 for j in range(KS):
                     o += red[j * D + d]
+                if mx != mx:          # a NaN state among the merged ones
+                    o = NR.NAN_F32
                 store_elem(out, (int64(row) * num_heads + h) * D + d, o)
             if tid == 0:
                 if sigmoid:
@@ -357,9 +365,9 @@ def _few_partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, 
             lk = part_lse[s1 * num_heads + h]
         if TWO and lane + 32 < n:
             lk2 = part_lse[s2 * num_heads + h]
-        mx = max(lk, lk2)
+        mx = NR.max_nan(lk, lk2)
         for b in range(5):
-            mx = max(mx, shfl_xor_f32(mx, 1 << b))
+            mx = NR.max_nan(mx, shfl_xor_f32(mx, 1 << b))
         mass = float32(0.0) if lk == NEG_INF else float32(math.exp2(lk - mx))
         if lk2 != NEG_INF:
             mass += float32(math.exp2(lk2 - mx))
@@ -669,10 +677,18 @@ def _empty_check(head_dim: int, name: str) -> None:
         raise LayoutError(f"{name}: head_dim must be >= 1")
 
 
+def _array_arg(name: str, x) -> None:
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise LayoutError(f"{name}: must be an array or tensor (NumPy, torch, numba device), "
+                          f"got {type(x).__name__}")
+
+
 def _check_pair(names: tuple[str, str, str, str], v, s, v2, s2) -> str:
     """Dtype code of two states ``(v, s)``, ``(v2, s2)`` that must agree in shape
     and type; ``names`` are the arguments' names for the error messages."""
     nv, ns, nv2, ns2 = names
+    for n, x in zip(names, (v, s, v2, s2)):
+        _array_arg(n, x)
     if _shape(v) != _shape(v2) or _shape(s) != _shape(s2) or _shape(v)[:-1] != _shape(s):
         raise LayoutError(f"{nv2}: shapes must match, got {nv} {_shape(v)}, {ns} {_shape(s)}, "
                           f"{nv2} {_shape(v2)}, {ns2} {_shape(s2)}")
@@ -707,6 +723,8 @@ def merge_state(v_a, s_a, v_b, s_b) -> AttentionState:
 def merge_states(v, s) -> AttentionState:
     """Merge ``num_states`` states per row in axis-1 order:
     ``v [rows, num_states, num_heads, head_dim]``, ``s [rows, num_states, num_heads]``."""
+    _array_arg("v", v)
+    _array_arg("s", s)
     sv, ss = _shape(v), _shape(s)
     if len(sv) != 4 or ss != sv[:3]:
         raise LayoutError(f"v: must be [rows, num_states, num_heads, head_dim] with s "
@@ -731,6 +749,8 @@ def merge_state_in_place(v, s, v_other, s_other, mask=None) -> None:
     """``(v, s) <- merge((v, s), (v_other, s_other))``; rows where the boolean
     ``mask [rows]`` (over the first axis of s) is False are left unchanged."""
     code = _check_pair(("v", "s", "v_other", "s_other"), v, s, v_other, s_other)
+    A.check_writeable("v", v)
+    A.check_writeable("s", s)
     rows = int(np.prod(_shape(s)))
     lead = _shape(s)[0] if _shape(s) else 1
     if mask is not None and _shape(mask) != (lead,):

@@ -74,6 +74,7 @@ from . import _arrays as A  # noqa: E402
 from . import mma as _mma  # noqa: E402
 from . import prefill_tc as TC  # noqa: E402
 from . import prefill_cc as CC  # noqa: E402
+from . import nanrule as NR  # noqa: E402
 from ._driver import jit_kernel, launch as launch_kernel  # noqa: E402
 from .primitives import SIMULATOR, device_fn, element_io  # noqa: E402
 from .variants import LOG2E, sigmoid_weight, variant_device_fns  # noqa: E402
@@ -314,7 +315,7 @@ def tile_score(spec: KernelSpec, positional: bool):
         b = s_req[r]
         if not keep(b, h, q_idx, kv_idx):
             return neg_inf
-        s = transform(x * scale, b, h, q_idx, kv_idx, slopes[h])
+        s = NR.checked(x * scale, transform(x * scale, b, h, q_idx, kv_idx, slopes[h]))
         if sigmoid:
             return s
         return s * log2e
@@ -395,8 +396,13 @@ def core_tile(spec: KernelSpec):
                 if t < hi:
                     page, slot, pos = locate(kv_indices, kv_ptr, kv_base, t, block, n_keys)
                     if pos != NO_KEY:
-                        s_k[j, d] = kv(k_src, 0, page, slot, kv_head, d)
-                        s_v[j, d] = kv(v_src, 1, page, slot, kv_head, d)
+                        xv = kv(v_src, 1, page, slot, kv_head, d)
+                        if math.isfinite(xv):
+                            s_k[j, d] = kv(k_src, 0, page, slot, kv_head, d)
+                            s_v[j, d] = xv
+                        else:       # the NaN rule: a non-finite V poisons the key's score instead
+                            s_k[j, d] = math.nan
+                            s_v[j, d] = 0.0
                     else:
                         s_k[j, d] = 0.0
                         s_v[j, d] = 0.0
@@ -423,7 +429,7 @@ def core_tile(spec: KernelSpec):
                         acc = float32(0.0)
                         for d in range(D):
                             acc += float32(s_q[r, d]) * float32(s_k[j, d])
-                        s = transform(acc * scale, b, h, q_idx, kv_idx, slopes[h])
+                        s = NR.checked(acc * scale, transform(acc * scale, b, h, q_idx, kv_idx, slopes[h]))
                 s_p[r, j] = s
             cuda.syncthreads()
 
@@ -438,7 +444,7 @@ def core_tile(spec: KernelSpec):
                     m_old = s_m[r]
                     m_new = m_old
                     for j in range(T_k):
-                        m_new = max(m_new, s_p[r, j])
+                        m_new = NR.max_nan(m_new, s_p[r, j])
                     if m_new == neg_inf:
                         alpha = float32(1.0)
                         for j in range(T_k):
@@ -474,17 +480,24 @@ def core_tile(spec: KernelSpec):
             o = s_o[r, d]
             if not sigmoid:
                 l_r = s_l[r]
-                o = o / l_r if l_r > 0 else float32(0.0)
+                if s_m[r] != s_m[r] or l_r != l_r:      # a visible key was non-finite
+                    o = math.nan
+                elif s_m[r] == neg_inf:                 # no visible key (a flag, not l > 0)
+                    o = float32(0.0)
+                else:
+                    o = o / l_r
             store(out, (qi + out_shift, h, d), o)
         for r in range(tid, n_rows, NT):
             qi = qo_start + (row0 + r) // group
             h = kv_head * group + (row0 + r) % group
             if sigmoid:
                 lse[qi + out_shift, h] = math.nan
-            elif s_l[r] > 0:
-                lse[qi + out_shift, h] = (s_m[r] + math.log(s_l[r])) * inv_ln2
-            else:
+            elif s_m[r] != s_m[r] or s_l[r] != s_l[r]:
+                lse[qi + out_shift, h] = math.nan
+            elif s_m[r] == neg_inf:
                 lse[qi + out_shift, h] = neg_inf
+            else:
+                lse[qi + out_shift, h] = (s_m[r] + math.log(s_l[r])) * inv_ln2
 
     return tile
 

@@ -97,6 +97,7 @@ from numba import cuda, float32, int32, uint32
 
 from . import mma as _mma
 from . import prefill as P
+from . import nanrule as NR
 from .primitives import (SHARED_ALIGN, SIMULATOR, bf16x2_to_f32, device_fn, element_io, exp2f,
                          f16x2_to_f32, f32_as_u32, ld_v4, shfl_xor_f32, st_v4, u32_as_f32, warp_sync)
 from .variants import LOG2E, sigmoid_weight
@@ -331,9 +332,10 @@ def _micro_kernels(D, RG, CG, R, C, WR, QS, KS, KPT, CPR, EPC, NT, sigmoid, env,
     L.append("def stats0():")
     L.append("    return " + tup(["neg_inf"] * R) + ", " + tup(["float32(0.0)"] * R))
 
+    # x - x is 0 for a finite score and NaN for inf or NaN: the NaN rule without a branch
     L.append("def scaled(s, f):")
     L.append("    " + ", ".join(Sf) + ", = s")
-    L.append("    return " + tup([f"{x} * f" for x in Sf]))
+    L.append("    return " + tup([f"{x} * f + ({x} - {x})" for x in Sf]))
 
     L.append("def masked(s, rbase, n_rows, kbase, s_qpos, s_diag, s_req, s_kpos, head0, row0, slopes):")
     L.append("    " + ", ".join(Sf) + ", = s")
@@ -361,12 +363,12 @@ def _micro_kernels(D, RG, CG, R, C, WR, QS, KS, KPT, CPR, EPC, NT, sigmoid, env,
         for i in range(R):
             L.append(f"    mx = {S[i][0]}")
             for x in S[i][1:]:
-                L.append(f"    mx = max(mx, {x})")
+                L.append(f"    mx = max_nan(mx, {x})")
             mask = 1
             while mask < CG:            # the CG lanes of a row are lanes rg*CG + (0..CG-1)
-                L.append(f"    mx = max(mx, shfl_xor(mx, {mask}))")
+                L.append(f"    mx = max_nan(mx, shfl_xor(mx, {mask}))")
                 mask *= 2
-            L.append(f"    new = max(m{i}, mx)")
+            L.append(f"    new = max_nan(m{i}, mx)")
             # a row with no key yet keeps m = -inf: subtract 0 so exp2 gives 0, not NaN
             L.append("    base = new if new != neg_inf else float32(0.0)")
             L.append(f"    alpha{i} = exp2(m{i} - base)")
@@ -375,6 +377,17 @@ def _micro_kernels(D, RG, CG, R, C, WR, QS, KS, KPT, CPR, EPC, NT, sigmoid, env,
             L.append(f"    l{i} = l{i} * alpha{i} + (" + " + ".join(S[i]) + ")")
             L.append(f"    m{i} = new")
     L.append("    return " + tup(Sf) + ", " + tup(M) + ", " + tup(Lr) + ", " + tup(A))
+
+    # The NaN rule: a non-finite V chunk is stored as zeros, its K chunk as NaN.
+    KW = [f"w{n}_{x}" for n in range(KPT) for x in range(4)]
+    VW = [f"x{n}_{x}" for n in range(KPT) for x in range(4)]
+    L.append("def poison(kw, vw):")
+    L.append("    " + ", ".join(KW) + ", = kw")
+    L.append("    " + ", ".join(VW) + ", = vw")
+    for n in range(KPT):
+        ks, vs = ", ".join(KW[4 * n:4 * n + 4]), ", ".join(VW[4 * n:4 * n + 4])
+        L.append(f"    {ks}, {vs} = poison_kv({ks}, {vs})")
+    L.append("    return " + tup(KW) + ", " + tup(VW))
 
     L.append("def put_p(p, s_p, pa):")
     L.append("    " + ", ".join(Sf) + ", = p")
@@ -462,7 +475,10 @@ def _micro_kernels(D, RG, CG, R, C, WR, QS, KS, KPT, CPR, EPC, NT, sigmoid, env,
             while mask < CG:
                 L.append(f"    l{i} += shfl_xor(l{i}, {mask})")
                 mask *= 2
-            L.append(f"    inv = float32(1.0) / l{i} if l{i} > 0 else float32(0.0)")
+            # the NaN rule: a NaN max or sum is a poisoned row; a -inf max a row that saw no key
+            L.append(f"    bad = m{i} != m{i} or l{i} != l{i}")
+            L.append(f"    empty = m{i} == neg_inf")
+            L.append(f"    inv = nan if bad else (float32(0.0) if empty else float32(1.0) / l{i})")
         else:
             L.append("    inv = float32(1.0)")
         L.append(f"    r = rbase + {i * RG}")
@@ -476,13 +492,15 @@ def _micro_kernels(D, RG, CG, R, C, WR, QS, KS, KPT, CPR, EPC, NT, sigmoid, env,
         if sigmoid:
             L.append("            lse[qi + out_shift, h] = math.nan")
         else:
-            L.append(f"            lse[qi + out_shift, h] = m{i} + math.log2(l{i}) if l{i} > 0 else neg_inf")
+            L.append(f"            lse[qi + out_shift, h] = nan if bad else (neg_inf if empty else m{i} + math.log2(l{i}))")
     L.append("    return 0")
 
     env = dict(env, float32=float32, uint32=uint32, math=math, ld_v4=ld_v4, st_v4=st_v4, cuda=cuda,
-               exp2=exp2f, shfl_xor=shfl_xor_f32, sigmoid_weight=sigmoid_weight, neg_inf=float32(-math.inf))
+               exp2=exp2f, shfl_xor=shfl_xor_f32, sigmoid_weight=sigmoid_weight, neg_inf=float32(-math.inf),
+               max_nan=NR.max_nan, nan=NR.NAN_F32)
     exec(compile("\n".join(L), f"<nbattn cuda-core micro-kernels D={D} C={C}>", "exec"), env)
-    names = ("o_zero", "stats0", "qk", "scaled", "masked", "softmax", "put_p", "pv", "fetch", "refetch", "put_kv", "write")
+    names = ("o_zero", "stats0", "qk", "scaled", "masked", "softmax", "poison", "put_p", "pv", "fetch", "refetch",
+             "put_kv", "write")
     return {n: device_fn(env[n]) for n in names}
 
 
@@ -532,10 +550,10 @@ def cuda_core_tile(spec: P.KernelSpec):
     score = P.tile_score(spec, positional)
 
     env = dict(score=score, locate=locate, kv=kv, unpack=unpack, store=store, NO_KEY=NO_KEY,
-               group=group, bias=float32(var.sigmoid_bias))
+               group=group, bias=float32(var.sigmoid_bias), poison_kv=NR.poison_kv(spec.kind))
     mk = _micro_kernels(D, RG, CG, R, C, WR, QS, KS, KPT, CPR, EPC, NT, sigmoid, env, UNROLL)
     o_zero, stats0, qk, scaled = mk["o_zero"], mk["stats0"], mk["qk"], mk["scaled"]
-    masked, softmax = mk["masked"], mk["softmax"]
+    masked, softmax, poison = mk["masked"], mk["softmax"], mk["poison"]
     put_p, pv, fetch, refetch, put_kv, write = (mk["put_p"], mk["pv"], mk["fetch"], mk["refetch"], mk["put_kv"],
                                                 mk["write"])
 
@@ -599,6 +617,7 @@ def cuda_core_tile(spec: P.KernelSpec):
         m, l = stats0()
         vw = refetch(v_src, 1, locs, kv_head, tid)
         while t0 < hi:
+            kw, vw = poison(kw, vw)
             put_kv(kw, locs, sm, OFF_K, s_kpos, tid, True)
             put_kv(vw, locs, sm, OFF_V, s_kpos, tid, False)
             cuda.syncthreads()                                   # K and V tiles in

@@ -37,6 +37,7 @@ from numba import cuda, float32, int32, uint32, uint64
 
 from . import mma as _mma
 from . import prefill as P
+from . import nanrule as NR
 from .primitives import device_fn, element_io
 from .variants import LOG2E, sigmoid_weight
 
@@ -145,8 +146,11 @@ def _row_writer(spec: P.KernelSpec):
             l_lo += cuda.shfl_xor_sync(0xFFFFFFFF, l_lo, 2)
             l_hi += cuda.shfl_xor_sync(0xFFFFFFFF, l_hi, 1)
             l_hi += cuda.shfl_xor_sync(0xFFFFFFFF, l_hi, 2)
-            inv_lo = float32(1.0) / l_lo if l_lo > 0 else float32(0.0)
-            inv_hi = float32(1.0) / l_hi if l_hi > 0 else float32(0.0)
+            # the NaN rule: a NaN max or sum is a poisoned row, a -inf max a row with no key
+            bad_lo = m_lo != m_lo or l_lo != l_lo
+            bad_hi = m_hi != m_hi or l_hi != l_hi
+            inv_lo = NR.NAN_F32 if bad_lo else (float32(0.0) if m_lo == neg_inf else float32(1.0) / l_lo)
+            inv_hi = NR.NAN_F32 if bad_hi else (float32(0.0) if m_hi == neg_inf else float32(1.0) / l_hi)
         else:
             inv_lo = float32(1.0)
             inv_hi = float32(1.0)
@@ -160,7 +164,8 @@ def _row_writer(spec: P.KernelSpec):
                 if sigmoid:
                     lse[qi + out_shift, h] = math.nan
                 else:
-                    lse[qi + out_shift, h] = m_lo + math.log2(l_lo) if l_lo > 0 else neg_inf
+                    lse[qi + out_shift, h] = NR.NAN_F32 if bad_lo else (
+                        neg_inf if m_lo == neg_inf else m_lo + math.log2(l_lo))
         if ok_hi:
             qi = qo_start + (row0 + r_hi) // group
             h = head0 + (row0 + r_hi) % group
@@ -171,7 +176,8 @@ def _row_writer(spec: P.KernelSpec):
                 if sigmoid:
                     lse[qi + out_shift, h] = math.nan
                 else:
-                    lse[qi + out_shift, h] = m_hi + math.log2(l_hi) if l_hi > 0 else neg_inf
+                    lse[qi + out_shift, h] = NR.NAN_F32 if bad_hi else (
+                        neg_inf if m_hi == neg_inf else m_hi + math.log2(l_hi))
 
     return write_rows
 
@@ -333,14 +339,14 @@ def mma_tile(spec: P.KernelSpec):
                 kt = k0 + 2 * tq
                 last = t0 + k0 + 15
                 if plain and positional and last < hi and ok_hi and (not causal or last <= warp_diag):
-                    x0 *= scale_log2
-                    x1 *= scale_log2
-                    x2 *= scale_log2
-                    x3 *= scale_log2
-                    y0 *= scale_log2
-                    y1 *= scale_log2
-                    y2 *= scale_log2
-                    y3 *= scale_log2
+                    x0 = x0 * scale_log2 + (x0 - x0)   # NaN rule: inf -> NaN
+                    x1 = x1 * scale_log2 + (x1 - x1)   # NaN rule: inf -> NaN
+                    x2 = x2 * scale_log2 + (x2 - x2)   # NaN rule: inf -> NaN
+                    x3 = x3 * scale_log2 + (x3 - x3)   # NaN rule: inf -> NaN
+                    y0 = y0 * scale_log2 + (y0 - y0)   # NaN rule: inf -> NaN
+                    y1 = y1 * scale_log2 + (y1 - y1)   # NaN rule: inf -> NaN
+                    y2 = y2 * scale_log2 + (y2 - y2)   # NaN rule: inf -> NaN
+                    y3 = y3 * scale_log2 + (y3 - y3)   # NaN rule: inf -> NaN
                 else:
                     x0 = score(x0, r_lo, ok_lo, kt, s_qpos, s_diag, s_req, s_kpos, head0, row0, slopes)
                     x1 = score(x1, r_lo, ok_lo, kt + 1, s_qpos, s_diag, s_req, s_kpos, head0, row0, slopes)
@@ -363,14 +369,14 @@ def mma_tile(spec: P.KernelSpec):
                     y3 = sigmoid_weight(y3, bias) if y3 != neg_inf else float32(0.0)
                 else:
                     # online softmax (base 2) per row; a quad of lanes holds one row
-                    mx_lo = max(max(x0, x1), max(y0, y1))
-                    mx_hi = max(max(x2, x3), max(y2, y3))
-                    mx_lo = max(mx_lo, cuda.shfl_xor_sync(0xFFFFFFFF, mx_lo, 1))
-                    mx_lo = max(mx_lo, cuda.shfl_xor_sync(0xFFFFFFFF, mx_lo, 2))
-                    mx_hi = max(mx_hi, cuda.shfl_xor_sync(0xFFFFFFFF, mx_hi, 1))
-                    mx_hi = max(mx_hi, cuda.shfl_xor_sync(0xFFFFFFFF, mx_hi, 2))
-                    new_lo = max(m_lo, mx_lo)
-                    new_hi = max(m_hi, mx_hi)
+                    mx_lo = NR.max_nan(NR.max_nan(x0, x1), NR.max_nan(y0, y1))
+                    mx_hi = NR.max_nan(NR.max_nan(x2, x3), NR.max_nan(y2, y3))
+                    mx_lo = NR.max_nan(mx_lo, cuda.shfl_xor_sync(0xFFFFFFFF, mx_lo, 1))
+                    mx_lo = NR.max_nan(mx_lo, cuda.shfl_xor_sync(0xFFFFFFFF, mx_lo, 2))
+                    mx_hi = NR.max_nan(mx_hi, cuda.shfl_xor_sync(0xFFFFFFFF, mx_hi, 1))
+                    mx_hi = NR.max_nan(mx_hi, cuda.shfl_xor_sync(0xFFFFFFFF, mx_hi, 2))
+                    new_lo = NR.max_nan(m_lo, mx_lo)
+                    new_hi = NR.max_nan(m_hi, mx_hi)
                     base_lo = new_lo if new_lo != neg_inf else float32(0.0)
                     base_hi = new_hi if new_hi != neg_inf else float32(0.0)
                     alpha_lo = math.exp2(m_lo - base_lo)
@@ -464,7 +470,7 @@ def _fast_fragments(D: int, T_k: int, ROW: int, mma, pack, score, sigmoid: bool,
 
     L.append("def scaled(s, f):")
     L.append("    " + ", ".join(S) + ", = s")
-    L.append("    return " + tup([f"{x} * f" for x in S]))
+    L.append("    return " + tup([f"{x} * f + ({x} - {x})" for x in S]))   # NaN rule: inf -> NaN
 
     L.append("def masked(s, r_lo, r_hi, ok_lo, ok_hi, tq, s_qpos, s_diag, s_req, s_kpos, kbase, head0, row0, "
              "slopes):")
@@ -491,10 +497,10 @@ def _fast_fragments(D: int, T_k: int, ROW: int, mma, pack, score, sigmoid: bool,
         for name, xs in (("lo", lo), ("hi", hi)):
             L.append(f"    mx = {xs[0]}")
             for x in xs[1:]:
-                L.append(f"    mx = max(mx, {x})")
-            L.append("    mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 1))")
-            L.append("    mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 2))")
-            L.append(f"    new = max(m_{name}, mx)")
+                L.append(f"    mx = max_nan(mx, {x})")
+            L.append("    mx = max_nan(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 1))")
+            L.append("    mx = max_nan(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 2))")
+            L.append(f"    new = max_nan(m_{name}, mx)")
             L.append("    base = new if new != neg_inf else float32(0.0)")
             L.append(f"    alpha_{name} = math.exp2(m_{name} - base)")
             for x in xs:
@@ -526,7 +532,8 @@ def _fast_fragments(D: int, T_k: int, ROW: int, mma, pack, score, sigmoid: bool,
 
     env = {"float32": float32, "uint32": uint32, "mma": mma, "pack": pack, "ldsm": _mma.ldsm_x4,
            "ldsm_t": _mma.ldsm_x4_t, "score": score, "cuda": cuda, "math": math,
-           "sigmoid_weight": sigmoid_weight, "bias": bias, "neg_inf": float32(-math.inf)}
+           "sigmoid_weight": sigmoid_weight, "bias": bias, "neg_inf": float32(-math.inf),
+           "max_nan": NR.max_nan}
     exec(compile("\n".join(L), f"<nbattn pipelined fragments D={D} T_k={T_k}>", "exec"), env)
     names = ("o_zero", "q_frags", "qk", "scaled", "masked", "softmax", "pv")
     return {name: device_fn(env[name]) for name in names}

@@ -26,8 +26,7 @@ def block_sparse(q, k, v, bsr: L.BSR, *, kv_layout: str = "NHD", return_lse: boo
     """``q [M, Hq, D]``, ``k, v [N, Hkv, D]`` (NHD), ``bsr`` of shape (M, N)."""
     var = variant_from_kwargs(variant)
     check_return_lse(var, return_lse)
-    if not isinstance(bsr, L.BSR):
-        raise L.LayoutError(f"bsr: must be an nbattn.layout.BSR, got {type(bsr).__name__}")
+    bsr = L.BSR.check(bsr)
     L.check_same_device(q=q, k=k, v=v)
     kind = P._check_kind_match(q=q, k=k, v=v)
     n_kv, hkv, d = P._contig_dims(k, v, kv_layout)
@@ -35,6 +34,8 @@ def block_sparse(q, k, v, bsr: L.BSR, *, kv_layout: str = "NHD", return_lse: boo
     if bsr.shape != (shape[0], n_kv):
         raise L.LayoutError(f"bsr: shape {bsr.shape} does not match (q rows, kv rows) = {(shape[0], n_kv)}")
     L.check_heads(shape[1], hkv)
+    if var.causal:      # as the dense forms: a causal request has no more queries than keys
+        L.check_causal_lengths(np.array([shape[0]]), np.array([n_kv]), name="q")
     b_r, b_c = bsr.block_shape
     spec = P.make_spec("bsr", kv_layout, kind, d, shape[1], hkv, var, tensor_cores)
     stream = P.resolve_stream(stream, q, k, v, out, lse)

@@ -66,6 +66,7 @@ import numpy as np
 from numba import cuda
 
 from .. import layout as L
+from .._checks import count_arg
 from ..sched.plan import DIRECT, Plan, plan as lpt_plan
 from ..variants import alibi_slopes, check_return_lse, variant_from_kwargs
 from . import _arrays as A
@@ -145,7 +146,7 @@ def _q_code(q_data_type: Any) -> str:
         return _Q_TYPES[text]
     try:
         return _Q_TYPES[np.dtype(q_data_type).name]
-    except TypeError:
+    except (TypeError, KeyError):
         raise ValueError(f"q_data_type: must be float16, bfloat16 or float32, got {q_data_type!r}")
 
 
@@ -230,9 +231,11 @@ class _PlanRunWrapper:
         self._use_cuda_graph = bool(use_cuda_graph)
         self._ws, nbytes = _workspace_bytes(float_workspace_buffer)
         self._ws_user = float_workspace_buffer
-        C = default_num_ctas() if num_ctas is None else int(num_ctas)
-        if C < 1:
-            raise ValueError(f"num_ctas: must be >= 1, got {C}")
+        C = default_num_ctas() if num_ctas is None else count_arg("num_ctas", num_ctas)
+        for name, cap in (("max_batch_size", max_batch_size), ("max_num_pages", max_num_pages),
+                          ("max_work_items", max_work_items), ("max_qo_rows", max_qo_rows)):
+            if cap is not None:
+                count_arg(name, cap)
         self.num_ctas = C
         # Capacities default to shares of the buffer (a 128 MiB buffer gives
         # 16k requests, 512k pages, 128k work items and 256k query rows).

@@ -6,6 +6,7 @@ comparison.  See SPEC sections 1-4.
 from .attention import (attend, batch_decode_paged, batch_prefill_paged, batch_prefill_ragged,
                         block_sparse, cascade, single_decode, single_prefill, split_kv)
 from .page import append_paged_kv_cache
+from .._diff import golden_entry
 from .state import (AttentionState, lse_base2_to_natural, lse_natural_to_base2, merge_state,
                     merge_state_in_place, merge_states)
 
@@ -15,3 +16,10 @@ __all__ = [
     "AttentionState", "merge_state", "merge_states", "merge_state_in_place",
     "lse_natural_to_base2", "lse_base2_to_natural",
 ]
+
+# The kernels' keywords (out=, lse=, stream=, tensor_cores=, kv_chunk=) and torch
+# inputs, torch outputs: one call for a differential test (nbattn._diff).
+(single_prefill, single_decode, batch_prefill_ragged, batch_prefill_paged, batch_decode_paged, block_sparse,
+ cascade, split_kv) = (golden_entry(f) for f in (single_prefill, single_decode, batch_prefill_ragged,
+                                                 batch_prefill_paged, batch_decode_paged, block_sparse,
+                                                 cascade, split_kv))

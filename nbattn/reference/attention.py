@@ -48,6 +48,13 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, kv_po
     are sequence positions; ``keep`` an optional extra boolean ``[Q, K]`` mask
     (block sparsity).  Returns ``o: [Q, Hq, D]`` and base-2 ``lse: [Q, Hq]``
     (for sigmoid attention ``lse`` is all NaN: there is none).
+
+    The NaN rule (docs/bad_input.md): a key is *visible* to a row when every
+    mask keeps it.  A visible key whose raw score ``q . k * sm_scale`` is not
+    finite, whose V holds a non-finite element, or whose final score is NaN
+    (or +inf, softmax only) makes the row NaN (o and lse).  Invisible keys are
+    skipped, never weighted by 0.  A row with no visible key, or whose visible
+    keys all score -inf, is ``o = 0, lse = -inf``.
     """
     nq, hq, d = q.shape
     nk, hkv = k.shape[0], k.shape[1]
@@ -58,31 +65,45 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, kv_po
     qf = q.astype(dtype, copy=False).reshape(nq, hkv, group, d).transpose(1, 2, 0, 3).reshape(hkv, group * nq, d)
     kf = k.astype(dtype, copy=False).transpose(1, 2, 0)          # [Hkv, D, K]
     vf = v.astype(dtype, copy=False).transpose(1, 0, 2)          # [Hkv, K, D]
-    s = np.matmul(qf, kf)                                        # [Hkv, g*Q, K]
-    s *= dtype(variant.scale(d))
+    v_bad = ~np.isfinite(vf).all(axis=-1)                        # [Hkv, K]: a non-finite V element
+    if v_bad.any():
+        vf = np.where(np.isfinite(vf), vf, dtype(0))             # its weight never meets it
+    with np.errstate(invalid="ignore", over="ignore"):
+        s = np.matmul(qf, kf)                                    # [Hkv, g*Q, K]
+        s *= dtype(variant.scale(d))
     s = s.reshape(hq, nq, nk)                                    # head h = kv*g + gi
+    bad = ~np.isfinite(s) | np.repeat(v_bad, group, axis=0)[:, None, :]   # [Hq, Q, K]
     heads = np.arange(hq)
-    s = transform_logits(s, variant, b, heads, q_pos, kv_pos)
+    with np.errstate(invalid="ignore", over="ignore"):
+        s = transform_logits(s, variant, b, heads, q_pos, kv_pos)
+    bad |= np.isnan(s)
+    if not variant.use_sigmoid:
+        bad |= np.isposinf(s)
     mask = keep_mask(variant, b, heads, q_pos, kv_pos)
     if keep is not None:
         mask = keep[None] if mask is None else (mask & keep[None])
+    if mask is not None:
+        bad &= mask
+    poisoned = bad.any(axis=-1)                                  # [Hq, Q]
+    visible = ~bad if mask is None else (mask & ~bad)
+    s = np.where(visible, s, -np.inf).astype(dtype, copy=False)
     if variant.use_sigmoid:
-        p = 1.0 / (1.0 + np.exp(-(s + dtype(variant.sigmoid_bias))))
-        if mask is not None:
-            p = np.where(mask, p, 0.0)
-        o = np.matmul(p.reshape(hkv, group * nq, nk).astype(dtype, copy=False), vf)
+        with np.errstate(over="ignore"):
+            p = np.where(visible, 1.0 / (1.0 + np.exp(-(s + dtype(variant.sigmoid_bias)))), 0.0)
+        o = np.matmul(p.reshape(hkv, group * nq, nk).astype(dtype, copy=False), vf).reshape(hq, nq, d)
+        o[poisoned] = np.nan
         o = o.reshape(hkv, group, nq, d).transpose(2, 0, 1, 3).reshape(nq, hq, d)
         return AttentionState(o, np.full((nq, hq), np.nan, dtype))
-    if mask is not None:
-        s = np.where(mask, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
+    nz = ~np.isneginf(m[..., 0])                                 # the row sees a key (a flag, not l > 0)
     m_safe = np.where(np.isneginf(m), 0.0, m).astype(dtype)     # fully masked row: no -inf - -inf
-    p = np.exp(s - m_safe, out=s)                                # masked keys become exactly 0
+    p = np.exp(s - m_safe, out=s)                                # invisible keys become exactly 0
     l = p.sum(axis=-1)                                           # [Hq, Q]
     o = np.matmul(p.reshape(hkv, group * nq, nk), vf).reshape(hq, nq, d)
-    nz = l > 0
     o *= np.where(nz, 1.0 / np.where(nz, l, 1.0), 0.0).astype(dtype)[..., None]
     lse = np.where(nz, (m_safe[..., 0] + np.log(np.where(nz, l, 1.0))) / LN2, -np.inf).astype(dtype)
+    o[poisoned] = np.nan
+    lse[poisoned] = np.nan
     o = o.reshape(hkv, group, nq, d).transpose(2, 0, 1, 3).reshape(nq, hq, d)
     return AttentionState(o, lse.T.copy())
 
@@ -128,6 +149,7 @@ def single_prefill(q, k, v, *, kv_layout: str = "NHD", return_lse: bool = False,
     """One request, contiguous KV: ``q [Q, Hq, D]``, ``k, v [K, Hkv, D]`` (NHD)."""
     var = variant_from_kwargs(variant)
     check_return_lse(var, return_lse)
+    L.check_same_dtype(q=q, k=k, v=v)
     k, v = _contiguous_kv(k, v, kv_layout)
     q = _float("q", q)
     L.check_q(q, k.shape[2])
@@ -154,6 +176,7 @@ def batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, *, kv_layout: str = "NHD
     ``k[kv_indptr[r]:kv_indptr[r+1]]``."""
     var = variant_from_kwargs(variant)
     check_return_lse(var, return_lse)
+    L.check_same_dtype(q=q, k=k, v=v)
     k, v = _contiguous_kv(k, v, kv_layout)
     q = _float("q", q)
     qo = L.RaggedQ.validate(qo_indptr, total_rows=q.shape[0] if q.ndim == 3 else None)
@@ -227,15 +250,17 @@ def block_sparse(q, k, v, bsr: L.BSR, *, kv_layout: str = "NHD", return_lse: boo
     Variants apply on top (causal is bottom-right aligned over M x N)."""
     var = variant_from_kwargs(variant)
     check_return_lse(var, return_lse)
+    L.check_same_dtype(q=q, k=k, v=v)
     k, v = _contiguous_kv(k, v, kv_layout)
     q = _float("q", q)
-    if not isinstance(bsr, L.BSR):
-        raise L.LayoutError(f"bsr: must be an nbattn.layout.BSR, got {type(bsr).__name__}")
+    bsr = L.BSR.check(bsr)
     if bsr.shape != (q.shape[0], k.shape[0]):
         raise L.LayoutError(f"bsr: shape {bsr.shape} does not match (q rows, kv rows) = "
                             f"{(q.shape[0], k.shape[0])}")
     L.check_q(q, k.shape[2])
     L.check_heads(q.shape[1], k.shape[1])
+    if var.causal:      # as the dense forms: a causal request has no more queries than keys
+        L.check_causal_lengths(np.array([q.shape[0]]), np.array([k.shape[0]]), name="q")
     o, lse = attend(q, k, v, *_positions(q.shape[0], k.shape[0]), var, dtype=dtype,
                     keep=bsr.to_element_mask())
     return _finish(o, lse, return_lse)

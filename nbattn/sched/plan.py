@@ -103,6 +103,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
+from .._checks import count_arg, int_arg
+
 from .tiles import choose_tile_q
 
 __all__ = [
@@ -212,6 +214,9 @@ def _num_kv_heads(num_qo_heads: int, group: int) -> int:
 
 def partial_buffer_bound(num_ctas: int, tile_q: int, num_qo_heads: int, head_dim: int) -> int:
     """SPEC section 5 bound on partial-output elements: ``2*C*T_q*H_qo*(head_dim+1)``."""
+    for name, x in (("num_ctas", num_ctas), ("tile_q", tile_q), ("num_qo_heads", num_qo_heads),
+                    ("head_dim", head_dim)):
+        int_arg(name, x, minimum=0)
     return 2 * num_ctas * tile_q * num_qo_heads * (head_dim + 1)
 
 
@@ -537,17 +542,11 @@ def plan(
     kv = _lengths(kv_lens, "kv_lens")
     if qo.shape != kv.shape:
         raise ValueError(f"qo_lens and kv_lens differ in length: {qo.size} vs {kv.size}")
-    num_ctas = int(num_ctas)
-    group = int(group)
-    if num_ctas < 1:
-        raise ValueError(f"num_ctas must be >= 1, got {num_ctas}")
-    if group < 1:
-        raise ValueError(f"group must be >= 1, got {group}")
+    num_ctas = count_arg("num_ctas", num_ctas)
+    group = count_arg("group", group)
     if tile_q is None:
         tile_q = choose_tile_q(qo, group)
-    tile_q = int(tile_q)
-    if tile_q < 1:
-        raise ValueError(f"tile_q must be >= 1, got {tile_q}")
+    tile_q = count_arg("tile_q", tile_q)
     alpha = float(alpha)
     beta = float(beta)
     overhead = float(chunk_overhead)
@@ -624,6 +623,7 @@ def plan_from_indptr(
     """
     from ..layout import LayoutError, as_int32, check_indptr, kv_lengths
 
+    page_size = count_arg("page_size", page_size)
     qo_indptr = check_indptr("qo_indptr", qo_indptr)
     paged_kv_indptr = check_indptr("paged_kv_indptr", paged_kv_indptr)
     last = as_int32("paged_kv_last_page_len", paged_kv_last_page_len)
@@ -640,6 +640,11 @@ def plan_from_indptr(
         raise LayoutError(
             f"paged_kv_last_page_len: request {r} has {int(last[r])}, must be in 1..{page_size}"
         )
+    empty = (pages == 0) & (last != 0)
+    if np.any(empty):
+        r = int(np.argmax(empty))
+        raise LayoutError(f"paged_kv_last_page_len: request {r} has no pages, so its length must be 0, "
+                          f"got {int(last[r])}")
     qo_lens = np.diff(qo_indptr)
     kv_lens = kv_lengths(paged_kv_indptr, last, page_size)
     return plan(qo_lens, kv_lens, num_ctas, tile_q, **kwargs)

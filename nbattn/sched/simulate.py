@@ -70,6 +70,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .._checks import count_arg, int_arg
+
 from .plan import Plan, plan, query_tiles
 from .tiles import choose_tile_q
 
@@ -213,8 +215,14 @@ def make_workload(
       requests short, a few very long.
     """
     rng = np.random.default_rng(seed)
-    if batch < 1:
-        raise ValueError("batch must be >= 1")
+    count_arg("batch", batch)
+    for arg, x in (("qo_len", qo_len), ("group", group), ("zipf_scale", zipf_scale)):
+        count_arg(arg, x)
+    for arg, x in (("kv_len", kv_len), ("low", low), ("high", high), ("long_len", long_len),
+                   ("short_len", short_len), ("max_len", max_len)):
+        int_arg(arg, x, minimum=0)
+    if high < low:
+        raise ValueError(f"high: must be >= low ({low}), got {high}")
     if name == "constant":
         kv = np.full(batch, kv_len, dtype=np.int64)
     elif name == "variable":
@@ -369,10 +377,19 @@ def simulate(
 ) -> SimResult:
     """Simulate one step under ``policy`` (one of :data:`POLICIES`)."""
     cost = cost or CostModel()
+    num_ctas = count_arg("num_ctas", num_ctas)
+    group = count_arg("group", group)
+    if tile_q is not None:
+        count_arg("tile_q", tile_q)
+    if num_splits is not None:
+        count_arg("num_splits", num_splits)
     qo = np.asarray(qo_lens, dtype=np.int64).reshape(-1)
     kv = np.asarray(kv_lens, dtype=np.int64).reshape(-1)
     if qo.shape != kv.shape:
         raise ValueError("qo_lens and kv_lens differ in length")
+    for arg, x in (("qo_lens", qo), ("kv_lens", kv)):
+        if x.size and int(x.min()) < 0:
+            raise ValueError(f"{arg}: lengths must be >= 0, got {int(x.min())}")
     if tile_q is None:
         tile_q = choose_tile_q(qo, group)
     if policy == "lpt":
@@ -405,6 +422,7 @@ def compare_policies(
     cost: CostModel | None = None,
 ) -> list[SimResult]:
     """Run every policy on every :class:`Workload`; results in (workload, policy) order."""
+    num_ctas = count_arg("num_ctas", num_ctas)
     results = []
     for w in workloads:
         for policy in policies:

@@ -82,6 +82,10 @@ def choose_tile_q(qo_lens, group: int = 1) -> int:
 
 def smem_bytes(tile_q: int, tile_kv: int, head_dim: int, elem_bytes: int = 2) -> int:
     """Shared memory one CTA needs under the model in the module docstring."""
+    from .._checks import int_arg
+    for name, x in (("tile_q", tile_q), ("tile_kv", tile_kv), ("head_dim", head_dim),
+                    ("elem_bytes", elem_bytes)):
+        int_arg(name, x, minimum=0)
     operands = (tile_q * head_dim + 2 * tile_kv * head_dim) * elem_bytes
     scratch = (tile_q * tile_kv + 2 * tile_q) * 4
     return operands + scratch

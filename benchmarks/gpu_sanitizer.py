@@ -1,0 +1,232 @@
+"""compute-sanitizer sweep over small cases of every kernel family and path (GPU only).
+
+    PYTHONPATH=$PWD python3 benchmarks/gpu_sanitizer.py                 # all families, all four tools
+    PYTHONPATH=$PWD python3 benchmarks/gpu_sanitizer.py --family decode_tc --tool racecheck
+
+For each (family, tool) a child process runs the family's small cases under
+``compute-sanitizer --tool <tool>``; the parent reads the tool's summary line
+(``ERROR SUMMARY: N errors`` for memcheck, initcheck and synccheck;
+``RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)`` for racecheck)
+and writes ``benchmarks/results/sanitizer.json`` in the result-file format of
+:mod:`nbattn.perf.results`: one record per (family, tool), metric
+``sanitizer_errors`` (count), with the hazard count as a peer for racecheck.
+A child that fails outside the sanitizer's findings (exception, no summary)
+is recorded with value -1 and its log tail in the case, so it cannot pass
+silently.  Kernels are compiled inside the sanitized process (a fresh
+NUMBA_CACHE_DIR per child), so the first launch of each kernel is checked.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+
+
+# ---------------------------------------------------------------------------
+# The child: small cases of one family
+# ---------------------------------------------------------------------------
+
+def _paged(rng, torch, dtype, lens, page, hk, d, layout="NHD"):
+    import numpy as np
+    n = [-(-int(x) // page) for x in lens]
+    pool = sum(n) + 2
+    perm = rng.permutation(pool).astype(np.int32)
+    indptr = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
+    indices = perm[: sum(n)].copy()
+    last = np.array([0 if k == 0 else int(x) - (k - 1) * page for k, x in zip(n, lens)], np.int32)
+    shape = (pool, 2, page, hk, d) if layout == "NHD" else (pool, 2, hk, page, d)
+    cache = torch.randn(shape, device="cuda", dtype=dtype)
+    return cache, indptr, indices, last
+
+
+def run_family(family: str) -> None:
+    import numpy as np
+    import torch
+
+    import nbattn  # noqa: F401
+    import nbattn.cuda as C
+    from nbattn import layout as L
+    from nbattn.cuda import decode as DEC
+    from nbattn.cuda import merge as M
+
+    rng = np.random.default_rng(0)
+    f16 = torch.float16
+    hk, group, d = 2, 4, 128
+    hq = hk * group
+    lens = [37, 0, 300, 5]
+
+    def q_of(rows, dtype=f16, dd=d):
+        return torch.randn((rows, hq, dd), device="cuda", dtype=dtype)
+
+    if family.startswith("decode_"):
+        DEC.DECODE_PATH = family.split("_", 1)[1]
+        for dtype, layout, var in ((f16, "NHD", {}), (torch.bfloat16, "HND", {"window_left": 64}),
+                                   (f16, "NHD", {"logits_soft_cap": 30.0})):
+            if DEC.DECODE_PATH == "smem" or dtype != torch.float32:
+                cache, ip, ix, la = _paged(rng, torch, dtype, lens, 16, hk, d, layout)
+                C.batch_decode_paged(q_of(len(lens), dtype), cache, ip, ix, la, kv_layout=layout,
+                                     return_lse=True, **var)
+        if DEC.DECODE_PATH == "smem":
+            cache, ip, ix, la = _paged(rng, torch, torch.float32, lens, 3, hk, 64)
+            C.batch_decode_paged(q_of(len(lens), torch.float32, 64), cache, ip, ix, la, use_sigmoid=True)
+    elif family == "decode_split_merge":
+        cache, ip, ix, la = _paged(rng, torch, f16, [4000, 17], 16, hk, d)
+        C.batch_decode_paged(q_of(2), cache, ip, ix, la, return_lse=True)      # long request: split + merge
+        for few in (False, True):
+            M.FEW_FORM = few
+            v = torch.randn((5, 7, hq, d), device="cuda", dtype=f16)
+            s = torch.randn((5, 7, hq), device="cuda", dtype=torch.float32)
+            C.merge_states(v, s)
+        C.merge_state(v[:, 0], s[:, 0], v[:, 1], s[:, 1])
+        C.merge_state_in_place(v[:, 0].contiguous(), s[:, 0].contiguous(), v[:, 1].contiguous(),
+                               s[:, 1].contiguous(), mask=torch.tensor([1, 0, 1, 1, 0], dtype=torch.bool))
+    elif family in ("prefill_cuda_core", "prefill_tensor_core"):
+        tc = family == "prefill_tensor_core"
+        for dd, dtype in ((64, f16), (128, torch.bfloat16), (256, f16)):
+            cache, ip, ix, la = _paged(rng, torch, dtype, lens, 16, hk, dd)
+            qo = np.array([0, 9, 9, 70, 75], np.int32)
+            C.batch_prefill_paged(q_of(75, dtype, dd), cache, qo, ip, ix, la, causal=True, return_lse=True,
+                                  tensor_cores=tc)
+            k = torch.randn((90, hk, dd), device="cuda", dtype=dtype)
+            C.single_prefill(q_of(33, dtype, dd), k, k.clone(), causal=True, window_left=20, tensor_cores=tc)
+            C.batch_prefill_ragged(q_of(12, dtype, dd), k, k.clone(), np.array([0, 5, 12], np.int32),
+                                   np.array([0, 40, 90], np.int32), tensor_cores=tc)
+        if not tc:
+            k = torch.randn((50, hk, 64), device="cuda", dtype=torch.float32)
+            C.single_prefill(q_of(20, torch.float32, 64), k, k.clone(), use_sigmoid=True)
+    elif family == "append":
+        cache, ip, ix, la = _paged(rng, torch, f16, lens, 16, hk, d)
+        kv_lens = np.array([37, 0, 300, 5])
+        new = torch.randn((9, hk, d), device="cuda", dtype=f16)
+        batch = np.array([0, 0, 2, 2, 2, 3, 3, 3, 3], np.int32)
+        pos = np.array([35, 36, 296, 297, 298, 1, 2, 3, 4], np.int32)
+        C.append_paged_kv_cache(new, new.clone(), batch, pos, cache, ip, ix, la)
+    elif family == "block_sparse":
+        for tc in (False, True):
+            m, n = 96, 160
+            mask = rng.random((m // 16, n // 32)) < 0.5
+            bsr = L.BSR.from_block_mask(mask, (16, 32), (m, n))
+            k = torch.randn((n, hk, d), device="cuda", dtype=f16)
+            C.block_sparse(q_of(m), k, k.clone(), bsr, return_lse=True, tensor_cores=tc)
+    elif family == "cascade":
+        cache, ip, ix, la = _paged(rng, torch, f16, [80, 80, 80], 16, hk, d)
+        ix[5:10] = ix[0:5]                    # a shared prefix of five pages
+        ix[10:15] = ix[0:5]
+        qo = np.array([0, 3, 8, 9], np.int32)
+        pkv = L.PagedKV.validate(ip, ix, la, 16, cache.shape[0])
+        levels = L.cascade_decompose(qo, pkv)
+        for tc in (False, True):
+            C.cascade(q_of(9), levels, cache, causal=True, return_lse=True, tensor_cores=tc, kv_chunk=32)
+        k = torch.randn((70, hk, d), device="cuda", dtype=f16)
+        C.split_kv(q_of(2), k, k.clone(), np.array([0, 20, 20, 70], np.int32), causal=True)
+    elif family == "wrappers":
+        ws = torch.zeros(64 << 20, dtype=torch.uint8, device="cuda")
+        cache, ip, ix, la = _paged(rng, torch, f16, lens, 16, hk, d)
+        w = C.BatchDecodeWithPagedKVCacheWrapper(ws, num_ctas=8)
+        for nb in (4, 2):
+            w.plan(ip[:nb + 1], ix[: ip[nb]], la[:nb], hq, hk, d, 16, chunk_overhead=0.0, chunk_limit=None)
+            w.run(q_of(nb), cache, return_lse=True)
+        w = C.BatchPrefillWithPagedKVCacheWrapper(ws, num_ctas=8)
+        qo = np.array([0, 9, 9, 70, 75], np.int32)
+        for nb in (4, 1):
+            w.plan(qo[:nb + 1], ip[:nb + 1], ix[: ip[nb]], la[:nb], hq, hk, d, 16, causal=True)
+            w.run(q_of(int(qo[nb])), cache, return_lse=True)
+    else:
+        raise SystemExit(f"--family: unknown family {family!r}; choose from {', '.join(FAMILIES)}")
+    torch.cuda.synchronize()
+    print(f"family {family}: done")
+
+
+FAMILIES = ("decode_smem", "decode_warp", "decode_tc", "decode_split_merge", "prefill_cuda_core",
+            "prefill_tensor_core", "append", "block_sparse", "cascade", "wrappers")
+
+
+# ---------------------------------------------------------------------------
+# The parent: one sanitized child per (family, tool)
+# ---------------------------------------------------------------------------
+
+ERROR_RE = re.compile(r"ERROR SUMMARY:\s+(\d+)\s+error")
+RACE_RE = re.compile(r"RACECHECK SUMMARY:\s+(\d+)\s+hazards? displayed\s+\((\d+)\s+errors?,\s+(\d+)\s+warnings?\)")
+
+
+def parse_summary(tool: str, text: str) -> tuple[int | None, int | None]:
+    """``(errors, hazards)`` from a compute-sanitizer log; None where the line is missing."""
+    if tool == "racecheck":
+        m = RACE_RE.search(text)
+        if m:
+            return int(m.group(2)), int(m.group(1))
+        m = ERROR_RE.search(text)
+        return (int(m.group(1)), 0) if m else (None, None)
+    m = ERROR_RE.search(text)
+    return (int(m.group(1)), None) if m else (None, None)
+
+
+def sanitize(family: str, tool: str, sanitizer: str, timeout: float) -> dict:
+    cache_dir = tempfile.mkdtemp(prefix="nbattn_sanitizer_cache_")
+    env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir, PYTHONPATH=str(REPO) + os.pathsep
+               + os.environ.get("PYTHONPATH", ""))
+    cmd = [sanitizer, "--tool", tool, "--target-processes", "all", "--print-limit", "20"]
+    if tool == "initcheck":
+        cmd += ["--track-unused-memory", "no"]
+    cmd += [sys.executable, str(Path(__file__).resolve()), "--child", family]
+    t = time.time()
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        text, rc = r.stdout + r.stderr, r.returncode
+    except subprocess.TimeoutExpired as e:
+        text, rc = f"timeout after {timeout} s: {(e.stdout or b'')[-2000:]!r}", -9
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    errors, hazards = parse_summary(tool, text)
+    child_ok = f"family {family}: done" in text
+    rec = {"case": {"family": family, "tool": tool, "child_exit": rc, "child_completed": child_ok,
+                    "seconds": round(time.time() - t, 1)},
+           "metric": "sanitizer_errors", "unit": "count",
+           "value": float(errors) if errors is not None and child_ok else -1.0,
+           "peers": {"hazards": float(hazards) if hazards is not None else None}}
+    if errors is None or not child_ok or errors:
+        rec["case"]["log_tail"] = text[-3000:]
+    print(f"{family:22s} {tool:10s} errors={errors} hazards={hazards} completed={child_ok} "
+          f"({rec['case']['seconds']} s)", flush=True)
+    return rec
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--family", action="append", choices=FAMILIES, help="families to check (default all)")
+    p.add_argument("--tool", action="append", choices=TOOLS, help="tools to run (default all four)")
+    p.add_argument("--sanitizer", default=shutil.which("compute-sanitizer") or "compute-sanitizer",
+                   help="path of compute-sanitizer")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per (family, tool) child")
+    p.add_argument("--results", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        run_family(args.child)
+        return 0
+    import torch
+
+    from nbattn.perf.results import write_suite
+
+    records = [sanitize(f, t, args.sanitizer, args.timeout)
+               for f in (args.family or FAMILIES) for t in (args.tool or TOOLS)]
+    path = write_suite("sanitizer", records, gpu=torch.cuda.get_device_name(),
+                       command="PYTHONPATH=$PWD python3 benchmarks/gpu_sanitizer.py " + " ".join(argv or sys.argv[1:]),
+                       versions={"torch": torch.__version__, "python": sys.version.split()[0]},
+                       root=args.results)
+    bad = [r for r in records if r["value"] != 0 or (r["peers"]["hazards"] or 0) > 0]
+    print(f"wrote {path}; {len(bad)} of {len(records)} (family, tool) runs with findings or failures")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,92 @@
+"""Device pieces of the NaN rule, shared by every attention kernel.
+
+The rule (the golden model's :func:`nbattn.reference.attention.attend`):
+
+- a key is *visible* to a row when every mask keeps it (range, causal,
+  window and sinks, ``mask_mod``, block sparsity);
+- a visible key whose raw score ``q . k * sm_scale`` is not finite, whose V
+  holds a non-finite element, or whose final score is NaN (+inf too, for
+  softmax) makes the row's o and LSE NaN;
+- an invisible key never affects a row: it is skipped, not weighted by 0;
+- a row that sees no key (or whose visible keys all score -inf) is
+  ``o = 0, LSE = -inf``, decided by the running max staying -inf (a flag),
+  never by ``l > 0`` (a NaN sum is not "no keys").
+
+How the kernels keep it, without a branch in their inner products:
+
+1. When a KV tile is loaded, a 16-byte chunk of V with a non-finite element is
+   stored as zeros and the matching chunk of K as NaN (:func:`poison_kv`).
+   The key's V then cannot reach a row that skips it (its weight is 0 and the
+   stored V finite), while every row that sees it gets a NaN score.
+2. A visible key's raw score is checked before the variant transform
+   (:func:`checked`): a soft cap or ``score_mod`` cannot turn NaN/inf into a
+   finite number.
+3. The running max is NaN-sticky (:func:`max_nan`): ``max`` in compiled code
+   skips a NaN operand, so a NaN score is carried explicitly.  A NaN max makes
+   every later weight, rescale factor and the final sum NaN.
+4. The final write tests the max (NaN -> NaN row; -inf -> empty row).
+"""
+from __future__ import annotations
+
+import math
+
+from numba import float32, uint32
+
+from .primitives import device_fn
+
+__all__ = ["poison_kv", "checked", "max_nan", "NAN_F32", "EXP_MASK", "NAN_WORD"]
+
+NAN_F32 = float32(math.nan)
+# Exponent bits (all ones = inf or NaN) of each element in a 32-bit word, and a NaN word.
+EXP_MASK = {"f32": (0x7F800000, 0), "f16": (0x7C00, 0x7C000000), "bf16": (0x7F80, 0x7F800000)}
+NAN_WORD = {"f32": 0x7FC00000, "f16": 0x7E007E00, "bf16": 0x7FC07FC0}
+
+_cache: dict = {}
+
+
+def poison_kv(code: str):
+    """Device function ``(k0, k1, k2, k3, v0, v1, v2, v3) -> (k0..k3, v0..v3)`` on raw
+    uint32 words: a V chunk with a non-finite element comes back as zeros and the
+    K chunk of the same key and dims as NaN (step 1 of the module doc)."""
+    if code in _cache:
+        return _cache[code]
+    lo_m, hi_m = EXP_MASK[code]
+    LO, HI, NANW = uint32(lo_m), uint32(hi_m), uint32(NAN_WORD[code])
+    TWO = hi_m != 0
+
+    @device_fn
+    def bad(w):
+        if (w & LO) == LO:
+            return True
+        if TWO and (w & HI) == HI:
+            return True
+        return False
+
+    @device_fn
+    def poison(k0, k1, k2, k3, v0, v1, v2, v3):
+        if bad(v0) or bad(v1) or bad(v2) or bad(v3):
+            z = uint32(0)
+            return NANW, NANW, NANW, NANW, z, z, z, z
+        return k0, k1, k2, k3, v0, v1, v2, v3
+
+    _cache[code] = poison
+    return poison
+
+
+@device_fn
+def checked(raw, s):
+    """The score ``s`` a visible key gets from its raw score ``raw``: NaN when
+    ``raw`` is not finite, else ``s`` (step 2)."""
+    if math.isfinite(raw):
+        return s
+    return NAN_F32
+
+
+@device_fn
+def max_nan(m, x):
+    """NaN-sticky running max: NaN when either is NaN (step 3)."""
+    if m != m or x != x:
+        return NAN_F32
+    return max(m, x)
+
+
