@@ -266,7 +266,8 @@ def test_gpu_100_runs_bitwise_equal():
 
 
 @gpu
-def test_gpu_cuda_graph_replay_after_replan():
+@pytest.mark.parametrize("schedule", ["auto", "lpt"])      # auto: the small-batch split shape here
+def test_gpu_cuda_graph_replay_after_replan(schedule):
     import torch
     hq, hk, d, page = 32, 8, 128, 16
     b1, q, cache = _torch_decode([4096, 100, 700, 3000], 21)
@@ -274,7 +275,8 @@ def test_gpu_cuda_graph_replay_after_replan():
     pool = int(cache.shape[0])
     ws = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     w = BatchDecodeWithPagedKVCacheWrapper(ws, num_ctas=16)
-    w.plan(b1["indptr"], b1["indices"], b1["last"], hq, hk, d, page)
+    w.plan(b1["indptr"], b1["indices"], b1["last"], hq, hk, d, page, schedule=schedule)
+    assert w._mode == ("split" if schedule == "auto" else "lpt")
     out = torch.empty_like(q)
     w.run(q, cache, out=out)          # compile before capture
     torch.cuda.synchronize()
@@ -287,7 +289,7 @@ def test_gpu_cuda_graph_replay_after_replan():
     indices2 = rng.permutation(pool)[:sum(n2)].astype(np.int32)
     indptr2 = np.concatenate([[0], np.cumsum(n2)]).astype(np.int32)
     last2 = np.array([n - (k - 1) * page for n, k in zip(lens2, n2)], np.int32)
-    w.plan(indptr2, indices2, last2, hq, hk, d, page)
+    w.plan(indptr2, indices2, last2, hq, hk, d, page, schedule=schedule)
     q.copy_(torch.randn_like(q))
     out.fill_(float("nan"))
     g.replay()

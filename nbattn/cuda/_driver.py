@@ -46,7 +46,7 @@ from .primitives import SIMULATOR
 log = logging.getLogger("nbattn")
 
 __all__ = ["jit_kernel", "stable_key", "sm_count", "BoundLaunch", "launch", "launch_programmatic",
-           "data_ptr", "stream_handle"]
+           "data_ptr", "stream_handle", "HostToDevice"]
 
 _PACKAGE = pathlib.Path(__file__).resolve().parents[1]
 _source_digest: str | None = None
@@ -232,6 +232,15 @@ class _Libcuda:
         self.launch_ex = lib.cuLaunchKernelEx
         self.launch_ex.argtypes = [vp, vp, vp, vp]
         self.launch_ex.restype = ctypes.c_int
+        self.memcpy_htod_async = lib.cuMemcpyHtoDAsync_v2
+        self.memcpy_htod_async.argtypes = [ctypes.c_uint64, vp, ctypes.c_size_t, vp]
+        self.memcpy_htod_async.restype = ctypes.c_int
+        self.event_create = lib.cuEventCreate
+        self.event_create.argtypes = [vp, u]
+        self.event_record = lib.cuEventRecord
+        self.event_record.argtypes = [vp, vp]
+        self.event_sync = lib.cuEventSynchronize
+        self.event_sync.argtypes = [vp]
 
 
 _LIBCUDA: _Libcuda | None = None
@@ -355,6 +364,47 @@ class BoundLaunch:
         if err:
             raise RuntimeError(f"nbattn: cuLaunchKernel{'Ex' if self.programmatic else ''} of "
                                f"{getattr(self.kernel, '__name__', self.kernel)} failed with CUDA error {err}")
+
+
+class HostToDevice:
+    """Asynchronous copies out of one pinned staging array (``self.host``, int32),
+    ordered on the caller's stream; the next :meth:`begin` waits until the last
+    copies have read the staging array, so it can be rewritten.  In the simulator
+    the staging array is plain memory and a copy is synchronous."""
+
+    def __init__(self, n_words: int):
+        if SIMULATOR:
+            self.host = np.zeros(n_words, np.int32)
+            return
+        self.host = cuda.pinned_array(n_words, np.int32)
+        self._base = self.host.ctypes.data
+        self._lib = _libcuda()
+        self._event = ctypes.c_void_p()
+        self._pending = False
+        err = self._lib.event_create(ctypes.byref(self._event), 2)     # CU_EVENT_DISABLE_TIMING
+        if err:
+            raise RuntimeError(f"nbattn: cuEventCreate failed with CUDA error {err}")
+
+    def begin(self) -> None:
+        """Wait (rarely: only if still in flight) for the previous copies to read the staging array."""
+        if not SIMULATOR and self._pending:
+            self._lib.event_sync(self._event)
+            self._pending = False
+
+    def copy(self, dst, first: int, last: int, stream: int = 0) -> None:
+        """``host[first:last]`` into ``dst[first:last]`` (``dst``: an int32 device array)."""
+        if SIMULATOR:
+            dst[first:last].copy_to_device(self.host[first:last])
+            return
+        err = self._lib.memcpy_htod_async(data_ptr(dst) + 4 * first, self._base + 4 * first,
+                                          4 * (last - first), stream)
+        if err:
+            raise RuntimeError(f"nbattn: cuMemcpyHtoDAsync failed with CUDA error {err}")
+
+    def end(self, stream: int = 0) -> None:
+        if not SIMULATOR:
+            self._lib.event_record(self._event, stream)
+            self._pending = True
 
 
 def launch_programmatic(dispatcher, griddim, blockdim, stream, args) -> bool:

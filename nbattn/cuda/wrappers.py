@@ -71,7 +71,7 @@ from ..sched.plan import DIRECT, Plan, plan as lpt_plan
 from ..variants import alibi_slopes, check_return_lse, variant_from_kwargs
 from . import _arrays as A
 from . import decode as DEC
-from ._driver import BoundLaunch, data_ptr, launch as launch_kernel, sm_count, stream_handle
+from ._driver import BoundLaunch, HostToDevice, data_ptr, launch as launch_kernel, sm_count, stream_handle
 from .merge import FEW_PARTIALS, MergeMap, merge_partials_launch, merge_tiles_launch, run_merge_tiles
 from .primitives import SIMULATOR
 
@@ -271,7 +271,8 @@ class _PlanRunWrapper:
         # Fixed-shape views, made once: slicing a device array costs tens of us.
         self._views = {name: self._ints[off // 4: off // 4 + max(cap, 1)]
                        for name, (off, cap) in self.layout.arrays.items()}
-        self._host = np.zeros(self.layout.plan_bytes // 4, np.int32)   # staging image of the plan region
+        self._h2d = HostToDevice(self.layout.plan_bytes // 4)     # pinned staging image of the plan region
+        self._host = self._h2d.host
         self._dirty: list = []         # element spans of _host that plan() wrote
         self._plan: Plan | None = None
         self._slopes = None
@@ -320,6 +321,12 @@ class _PlanRunWrapper:
                 f"outputs and LSEs, here 2*{C} slots x {slot_rows} rows x {num_qo_heads} heads x "
                 f"({head_dim}+1) (T_q={tile_q}); pass at least {total} bytes or fewer num_ctas")
 
+    def _begin_plan(self) -> int:
+        """The stream a plan's copies go on (torch's current one for a torch workspace),
+        once the staging image may be rewritten."""
+        self._h2d.begin()
+        return 0 if SIMULATOR else stream_handle(self._ws_user)
+
     def _copy(self, name: str, host: np.ndarray) -> None:
         """Stage ``host`` (int32) at the front of array ``name``; :meth:`_flush` sends it.
         Kernels read each array only up to bounds the plan also writes (queue
@@ -343,7 +350,8 @@ class _PlanRunWrapper:
             else:
                 merged.append([a, b])
         for a, b in merged:
-            self._ints[a:b].copy_to_device(self._host[a:b], stream=stream)
+            self._h2d.copy(self._ints, a, b, stream)
+        self._h2d.end(stream)
 
     def _stream(self):
         return A.launch_stream(self._ws_user)
@@ -351,7 +359,7 @@ class _PlanRunWrapper:
     def _slopes_for(self, num_qo_heads: int, stream):
         # Kept at one address while the head count is unchanged (captured graphs read it).
         if self._slopes is None or int(self._slopes.shape[0]) != num_qo_heads:
-            self._slopes = cuda.to_device(alibi_slopes(num_qo_heads).astype(np.float32), stream=stream)
+            self._slopes = cuda.to_device(alibi_slopes(num_qo_heads).astype(np.float32))
         return self._slopes
 
     def _write_common(self, p: Plan, kv_indptr, kv_indices, kv_last, stream) -> None:
@@ -542,7 +550,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PlanRunWrapper):
                          alpha=alpha, beta=beta, chunk_overhead=chunk_overhead, chunk_limit=chunk_limit)
             self._check_bound(p)
         self._check_fits(batch, int(pkv.paged_kv_indices.size), p.num_items, hq, D, 1, group)
-        stream = self._stream()
+        stream = self._begin_plan()
         self._write_common(p, pkv.paged_kv_indptr, pkv.paged_kv_indices,
                            pkv.paged_kv_last_page_len, stream)
         self._copy("request", p.request)
@@ -827,7 +835,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PlanRunWrapper):
         final_indptr, part_indptr = np.cumsum(final_indptr), np.cumsum(part_indptr)
         row_pos, row_kvoff, row_req = P.request_rows(qo, kv_lens)
 
-        stream = self._stream()
+        stream = self._begin_plan()
         self._write_common(p, pkv.paged_kv_indptr, pkv.paged_kv_indices,
                            pkv.paged_kv_last_page_len, stream)
         self._copy("final_rows", rows[~split])
