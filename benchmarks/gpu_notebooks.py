@@ -50,6 +50,7 @@ import json, sys, time, traceback
 cells = json.load(open(sys.argv[1]))
 ns = {"__name__": "__main__"}
 exec(compile(STUB, "<stub>", "exec"), ns)
+exec("from IPython.display import display", ns)      # a builtin inside Jupyter
 report = {"cells": len(cells), "cells_run": 0, "failed_cell": -1, "error": ""}
 t0 = time.perf_counter()
 for i, src in enumerate(cells):

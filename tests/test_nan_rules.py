@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import nbattn  # noqa: F401  (compat first)
+from numba import cuda  # noqa: E402
 from nbattn import cuda as C
 from nbattn import layout as L
 from nbattn import reference as R
@@ -337,7 +338,7 @@ def test_wrappers(request, decode):
         put_kv_value(b, r, int(rng.integers(kv_lens[r])), int(rng.integers(2)), poison_value(rng), rng)
     b["q"][0, 0, 0] = np.nan
     kw = dict(window_left=4)
-    ws = np.zeros(1 << 20, np.uint8)
+    ws = cuda.device_array(1 << 20, np.uint8)          # a device workspace, as on a GPU
     if decode:
         w = C.BatchDecodeWithPagedKVCacheWrapper(ws, num_ctas=4)
         w.plan(b["indptr"], b["indices"], b["last"], hq, hkv, d, 2, q_data_type="float32",

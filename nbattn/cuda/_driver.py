@@ -203,9 +203,16 @@ def stream_handle(*arrays) -> int:
     first torch CUDA tensor among ``arrays``, else 0 (the default stream)."""
     for a in arrays:
         if a is not None and getattr(a, "is_cuda", False):
-            import torch
-            return torch.cuda.current_stream(a.device).cuda_stream
+            return _torch_stream(a.device.index)
     return 0
+
+
+def _torch_stream(index: int) -> int:
+    import torch
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(index)
+    return torch.cuda.current_stream(index).cuda_stream
 
 
 class _Libcuda:
@@ -440,7 +447,15 @@ def launch(kernel, grid, threads, stream, args) -> None:
     kernel[grid, threads, stream, smem](*args)
 
 
+_SM_COUNT: dict = {}
+
+
 def sm_count() -> int:
+    """Multiprocessors of the current device (asked once per device)."""
     if SIMULATOR:
         return 4
-    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    dev = cuda.get_current_device()
+    n = _SM_COUNT.get(dev.id)
+    if n is None:
+        n = _SM_COUNT[dev.id] = int(dev.MULTIPROCESSOR_COUNT)
+    return n

@@ -636,7 +636,7 @@ def decode_arg_index(cfg: DecodeConfig) -> dict:
     idx = dict(zip(names, range(5)))
     idx.update(cta_indptr=first, request=first + 1, kv_start=first + 2, kv_end=first + 3,
                out_slot=first + 4, out=first + 5, lse=first + 6, partial_o=first + 7,
-               partial_lse=first + 8)
+               partial_lse=first + 8, slopes=first + 9, sm_scale=first + 10, sigmoid_bias=first + 11)
     return idx
 
 
@@ -712,7 +712,16 @@ def batch_decode_paged(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, pag
     Returns ``o [batch, num_qo_heads, head_dim]`` in q's dtype (and the base-2
     ``lse [batch, num_qo_heads]`` float32 with ``return_lse=True``), of q's kind.
     Splits long requests into KV chunks when the batch alone cannot fill the GPU.
+    Device inputs take the launch layer (:mod:`nbattn.cuda.decode_call`): the page
+    table is validated and uploaded once per call and the kernels are launched
+    through launches bound once per configuration.
     """
+    from .decode_call import fast_decode
+
+    res = fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+                      kv_layout=kv_layout, return_lse=return_lse, out=out, lse=lse, variant=variant)
+    if res is not NotImplemented:
+        return res
     p = prepare_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                        kv_layout=kv_layout, return_lse=return_lse, out=out, lse=lse, **variant)
     run_split(p, choose_chunk(p))

@@ -564,6 +564,9 @@ class BatchDecodeWithPagedKVCacheWrapper(_PlanRunWrapper):
         self._head_dim, self._page_size, self._batch = D, int(page_size), batch
         self._kv_lens = kv_lens
         self._max_page = int(pkv.paged_kv_indices.max()) if pkv.paged_kv_indices.size else -1
+        self._q_shape = (batch, hq, D)
+        self._bound_key = (cfg, mode, p.num_ctas if mode == "split" else self.num_ctas, batch, hq,
+                           p.num_partials if mode == "split" else -1)
         self.plan_seconds = time.perf_counter() - t0
 
     def _split_plan(self, kv_lens: np.ndarray, batch: int, head_blocks: int, cfg) -> Plan:
@@ -616,8 +619,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_PlanRunWrapper):
         if not SIMULATOR and (data_ptr(q_dev) | data_ptr(kv_dev)) % 16:
             raise L.LayoutError("q, paged_kv_cache: must start at 16-byte aligned addresses (the decode "
                                 "kernels read 16 bytes at a time)")
-        stream = 0 if SIMULATOR else stream_handle(q, paged_kv_cache, out, lse)
-        shape = (self._batch, self._num_qo_heads, self._head_dim)
+        stream = 0 if SIMULATOR else stream_handle(q)
+        shape = self._q_shape
         if kind == "torch":
             out_dev = out if out is not None else q.new_empty(shape)
             lse_dev = lse if lse is not None else self._lse_scratch(q, return_lse)
@@ -662,10 +665,9 @@ class BatchDecodeWithPagedKVCacheWrapper(_PlanRunWrapper):
             raise L.LayoutError(f"q: dtype {L.dtype_of(q)} differs from plan()'s q_data_type ({self._code})")
         if _code_of(cache, "paged_kv_cache") != code:
             raise L.LayoutError(f"paged_kv_cache: dtype must match q, got {L.dtype_of(cache)}")
-        shape = tuple(q.shape)
-        if shape != (self._batch, self._num_qo_heads, self._head_dim):
-            raise L.LayoutError(f"q: must have shape {(self._batch, self._num_qo_heads, self._head_dim)} "
-                                f"for this plan, got {tuple(int(x) for x in shape)}")
+        shape = self._q_shape
+        if q.shape != shape:
+            raise L.LayoutError(f"q: must have shape {shape} for this plan, got {tuple(int(x) for x in q.shape)}")
         cshape = tuple(cache.shape)
         if len(cshape) != 5 or cshape[1] != 2:
             L.cache_dims(cache, self._kv_layout)              # raises the layout's message
@@ -701,8 +703,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PlanRunWrapper):
 
     def _bound_launches(self, q_dev, kv_dev):
         """(decode, merge or None, argument indices): bound once per configuration."""
-        key = (self._cfg, self._mode, self._plan.num_ctas if self._mode == "split" else self.num_ctas,
-               self._batch, self._num_qo_heads, self._variant.use_sigmoid)
+        key = self._bound_key
         hit = self._bound.get(key)
         if hit is not None:
             return hit
