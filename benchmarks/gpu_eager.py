@@ -147,6 +147,13 @@ def bench_decode(recs, batch, kv_len, hkv, copy_bw, gen, quick):
     for mode, fn in (("eager_plain", plain), ("eager_run", run)):
         recs.append({"case": dict(case, mode=mode), "metric": "bw_fraction", "value": bw(eager_ms(fn) * 1e-3),
                      "unit": "of copy bandwidth", "peers": peers})
+    if batch * hkv * 2 <= 132:      # small batch: the standalone split runner, graph-replayed, as a reference
+        from nbattn.cuda import decode as DEC
+        p = DEC.prepare_decode(q, cache, *meta)
+        ms_sr, _ = graph_ms(DEC.split_runner(p, DEC.choose_chunk(p)), iters=10, rep=REPS)
+        peers = dict(peers, nbattn_split_runner_graph=bw(ms_sr * 1e-3))
+        for r in recs[-2:]:
+            r["peers"] = peers
     ms, graphed = graph_ms(run, iters=10, rep=REPS)
     recs.append({"case": dict(case, mode="graph_replay", graphed=graphed), "metric": "bw_fraction",
                  "value": bw(ms * 1e-3), "unit": "of copy bandwidth", "peers": peers})

@@ -140,8 +140,8 @@ def _stream_sum_writer(code: str, head_dim: int, threads: int, streams: int, sig
                 o = float32(0.0)
                 for j in range(KS):
                     o += red[j * D + d]
-                if mx != mx:          # a NaN state among the merged ones
-                    o = NR.NAN_F32
+                if not sigmoid and mx != mx:     # a NaN state among the merged ones (sigmoid
+                    o = NR.NAN_F32               # states carry a NaN LSE by convention: their sums decide)
                 store_elem(out, (int64(row) * num_heads + h) * D + d, o)
             if tid == 0:
                 if sigmoid:
