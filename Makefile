@@ -42,7 +42,7 @@ test: $(STAMP)
 	$(BIN)/nbattn doctor
 	$(BIN)/python -m pytest -n 2 -q -m "not gpu and not docs"
 	$(MAKE) docs
-	$(BIN)/python -m pytest -q -m docs --docs-html $(DOCS_HTML)
+	NBATTN_DOCS_HTML=$(DOCS_HTML) $(BIN)/python -m pytest -q -m docs tests/test_docs_site.py
 ifeq ($(GPU),yes)
 	$(MAKE) test-gpu
 endif
@@ -51,7 +51,7 @@ test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu
 
 docs: $(STAMP)
-	$(BIN)/python -m sphinx -W --keep-going -b html -j 2 docs $(DOCS_HTML)
+	$(BIN)/python -m sphinx -W --keep-going -q -b html -j 2 docs $(DOCS_HTML)
 
 figures: $(STAMP)
 	$(BIN)/nbattn figures
