@@ -6,7 +6,9 @@ Two jobs, both run once when :mod:`nbattn` is imported:
    removed; the first kernel compile then dies with an AttributeError.  We alias
    the missing name to ``np.vstack`` (its documented equivalent) when absent.
 2. Pick numba's CUDA simulator when no GPU is usable, unless the user already set
-   ``NUMBA_ENABLE_CUDASIM`` themselves.  The choice is logged once.
+   ``NUMBA_ENABLE_CUDASIM`` themselves.  The choice is logged once, when the
+   kernels (:mod:`nbattn.cuda`) are first imported: ``nbattn --help``, the
+   golden model and the figures never run a kernel and stay quiet.
 
 GPU detection goes through the driver library with ctypes, so that deciding does
 not import ``numba.cuda`` (whose config is frozen at its first import).
@@ -73,9 +75,30 @@ def choose_backend() -> str:
     core_config = sys.modules.get("numba.core.config")
     if core_config is not None:
         core_config.reload_config()
-    log.warning("nbattn: no CUDA GPU found; numba.cuda kernels run in the CUDA simulator "
-                "(set %s=0 or =1 to choose yourself)", _ENV)
+    _NoticeOnKernelImport.install()
     return "simulator"
+
+
+SIMULATOR_NOTICE = ("nbattn: no CUDA GPU found; numba.cuda kernels run in the CUDA simulator "
+                    f"(set {_ENV}=0 or =1 to choose yourself)")
+
+
+class _NoticeOnKernelImport:
+    """An import hook that logs :data:`SIMULATOR_NOTICE` when ``nbattn.cuda`` is
+    first imported, then removes itself.  It finds nothing: the normal finders
+    still load the module."""
+
+    @classmethod
+    def install(cls) -> None:
+        if not any(isinstance(f, cls) for f in sys.meta_path):
+            sys.meta_path.insert(0, cls())
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == "nbattn.cuda":
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            log.warning(SIMULATOR_NOTICE)
+        return None
 
 
 ensure_row_stack()

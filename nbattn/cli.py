@@ -1,4 +1,7 @@
-"""``nbattn demo | figures | doctor | bench`` -- the command line."""
+"""nbattn's command line: ``nbattn demo | figures | doctor | bench | verify``.
+
+Run ``nbattn <command> --help`` for the options of one command.
+"""
 from __future__ import annotations
 
 import argparse
@@ -6,16 +9,19 @@ import platform
 import subprocess
 import sys
 import time
-from datetime import date
+from datetime import date, datetime
 from pathlib import Path
 
 import numpy as np
 
+# The source checkout around this package; a wheel install has none (no
+# benchmarks/ scripts beside it).
 REPO = Path(__file__).resolve().parent.parent
+BENCH_DIR = REPO / "benchmarks"
 
 
 # ---------------------------------------------------------------------------
-# demo: the SPEC section 4 batch through the golden model
+# demo: a three-request paged batch through the golden model
 # ---------------------------------------------------------------------------
 
 def dense_pool_attention(q, cache, qo_indptr, pkv, causal=True):
@@ -54,7 +60,7 @@ def cmd_demo(args) -> int:
     heads, kv_heads, d = 4, 2, 16
     cache = rng.standard_normal((pkv.num_pages, 2, pkv.page_size, kv_heads, d)).astype(np.float32)
     q = rng.standard_normal((int(qo_indptr[-1]), heads, d)).astype(np.float32)
-    print("SPEC section 4: three requests, page size", pkv.page_size)
+    print("three requests, page size", pkv.page_size)
     print("  qo_indptr            ", qo_indptr.tolist())
     print("  paged_kv_indptr      ", pkv.paged_kv_indptr.tolist())
     print("  paged_kv_indices     ", pkv.paged_kv_indices.tolist())
@@ -80,8 +86,17 @@ def cmd_demo(args) -> int:
 
 def cmd_figures(args) -> int:
     from . import figures
-    paths = figures.build_all(outdir=args.out, results_root=args.results, progress=not args.quiet)
-    print(f"wrote {len(paths)} figures to {args.out}/")
+    from .perf import results
+
+    root = Path(args.results) if args.results else results.default_results_root()
+    found = sorted(p.stem for p in root.glob("*.json")) if root.is_dir() else []
+    if found:
+        print(f"measured results: {root} ({len(found)} files)")
+    else:
+        print(f"nbattn figures: no result files in {root}; every figure is drawn from its model "
+              "alone and says \"no measured data yet\" (give --results DIR)", file=sys.stderr)
+    paths = figures.build_all(outdir=args.out, results_root=root, progress=not args.quiet)
+    print(f"wrote {len(paths)} figures to {Path(args.out).resolve()}")
     return 0
 
 
@@ -90,24 +105,9 @@ def cmd_figures(args) -> int:
 # ---------------------------------------------------------------------------
 
 def cmd_doctor(args) -> int:
-    from importlib.metadata import PackageNotFoundError, version
+    from . import doctor
 
-    import nbattn
-    for pkg in ("numba", "numba-cuda", "numpy", "torch", "matplotlib", "llvmlite"):
-        try:
-            v = version(pkg)
-        except PackageNotFoundError:
-            v = "not installed"
-        print(f"{pkg:12s} {v}")
-    print(f"python       {platform.python_version()}")
-    if nbattn.simulator_enabled():
-        print("device       CUDA simulator (no GPU found, or NUMBA_ENABLE_CUDASIM set)")
-    else:
-        from numba import cuda
-        dev = cuda.get_current_device()
-        cc = dev.compute_capability
-        print(f"device       {dev.name.decode() if isinstance(dev.name, bytes) else dev.name} "
-              f"(sm_{cc[0]}{cc[1]})")
+    print(doctor.report())
     return 0
 
 
@@ -149,8 +149,52 @@ def bench_golden_cpu(batch=8, q_len=1024, kv_len=1024, heads=8, head_dim=128, re
     return golden, matmul
 
 
+def fresh_bench_dir(base: Path | None = None) -> Path:
+    """A new, empty folder ``nbattn-bench-<date>-<time>[-n]`` under ``base`` (default: here)."""
+    base = Path.cwd() if base is None else Path(base)
+    stem = f"nbattn-bench-{datetime.now():%Y%m%d-%H%M%S}"
+    for n in range(1000):
+        path = base / (stem if n == 0 else f"{stem}-{n}")
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"no free folder name {stem}-N under {base}")
+
+
+def bench_out_dir(args) -> Path | None:
+    """Where this bench run writes: ``--update-results`` -> the checkout's
+    ``benchmarks/results``; ``--out DIR``; else a fresh folder.  None (with a
+    message) when ``--update-results`` is asked outside a checkout."""
+    if args.update_results:
+        if not BENCH_DIR.is_dir():
+            print("nbattn bench: --update-results rewrites benchmarks/results/ of a source "
+                  "checkout, and this install has none; use --out DIR", file=sys.stderr)
+            return None
+        return BENCH_DIR / "results"
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        return out
+    return fresh_bench_dir()
+
+
 def cmd_bench(args) -> int:
     import nbattn
+    suites = [BENCH_DIR / s for s in GPU_SUITES if (BENCH_DIR / s).exists()]
+    if not args.cpu and not suites:
+        print(f"nbattn bench: the GPU benchmark scripts are not installed (looked in {BENCH_DIR}); "
+              "they live in benchmarks/ of the source repository: run nbattn bench from a clone "
+              "(pip install -e .), or use `nbattn bench --cpu`", file=sys.stderr)
+        return 2
+    if not args.cpu and nbattn.simulator_enabled():
+        print("nbattn bench: no CUDA GPU here (the CUDA simulator cannot be timed); "
+              "run it on a GPU machine, or use `nbattn bench --cpu`", file=sys.stderr)
+        return 2
+    out = bench_out_dir(args)
+    if out is None:
+        return 2
     if args.cpu:
         case = {"batch": 8, "q_len": 1024, "kv_len": 1024, "heads": 8, "head_dim": 128}
         golden, matmul = bench_golden_cpu(**case)
@@ -158,54 +202,79 @@ def cmd_bench(args) -> int:
         print(f"golden batch prefill: {golden / 1e9:.1f} GFLOP/s; NumPy matmul: {matmul / 1e9:.1f} GFLOP/s; "
               f"ratio {ratio:.2f}")
         from .perf import results
-        results.write_suite(
-            "golden_cpu", root=args.results, gpu="none (CPU)", date=str(date.today()),
+        path = results.write_suite(
+            "golden_cpu", root=out, gpu="none (CPU)", date=str(date.today()),
             command="nbattn bench --cpu",
             versions={"numpy": np.__version__, "python": platform.python_version()},
             copy_bandwidth_GBps=None,
             records=[{"case": case, "metric": "gflops", "value": golden / 1e9, "unit": "GFLOP/s",
                       "peers": {"numpy_matmul": matmul / 1e9}},
                      {"case": case, "metric": "fraction_of_matmul", "value": ratio, "unit": "ratio", "peers": {}}])
+        print(f"wrote {path}")
         return 0
-    if nbattn.simulator_enabled():
-        print("nbattn bench: no CUDA GPU here (the CUDA simulator cannot be timed); "
-              "run it on a GPU machine, or use `nbattn bench --cpu`", file=sys.stderr)
-        return 2
     import os
 
     from tqdm import tqdm
-    suites = [REPO / "benchmarks" / s for s in GPU_SUITES if (REPO / "benchmarks" / s).exists()]
-    # Each suite script writes <suite>.json into $OUT, the folder figures read.
-    env = dict(os.environ, OUT=str(args.results), PYTHONPATH=str(REPO))
+    # Each suite script writes <suite>.json into $OUT.
+    env = dict(os.environ, OUT=str(out), PYTHONPATH=str(REPO))
     failed = []
     for script in tqdm(suites, desc="GPU suites", unit="suite"):
         if subprocess.call([sys.executable, str(script)], cwd=REPO, env=env) != 0:
             failed.append(script.name)
+    print(f"result files written to {out.resolve()}")
     if failed:
         print(f"nbattn bench: failed suites: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="nbattn", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="the SPEC section 4 batch through the golden model")
-    d.add_argument("--seed", type=int, default=0)
+def build_parser() -> argparse.ArgumentParser:
+    """The ``nbattn`` parser: one block per subcommand."""
+    import nbattn
+
+    p = argparse.ArgumentParser(prog="nbattn", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"nbattn {nbattn.__version__}",
+                   help="print the version and exit")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND",
+                           help="what to do (nbattn COMMAND --help for its options)")
+
+    d = sub.add_parser("demo", help="a three-request paged batch through the golden model, "
+                       "checked against a dense brute force")
+    d.add_argument("--seed", type=int, default=0, help="seed of the random Q/K/V (default 0)")
     d.set_defaults(fn=cmd_demo)
-    f = sub.add_parser("figures", help="regenerate every figure into figures/")
-    f.add_argument("--out", default=str(REPO / "figures"))
-    f.add_argument("--results", default=str(REPO / "benchmarks" / "results"))
-    f.add_argument("--quiet", action="store_true")
+
+    f = sub.add_parser("figures", help="draw every figure (models and measured results)")
+    f.add_argument("--out", default="figures",
+                   help="folder the PNGs are written to (default ./figures)")
+    f.add_argument("--results", default=None,
+                   help="folder of result files (*.json) to draw measured data from (default: "
+                   "benchmarks/results of the checkout, else the copy installed with nbattn)")
+    f.add_argument("--quiet", action="store_true", help="no progress bar")
     f.set_defaults(fn=cmd_figures)
-    doc = sub.add_parser("doctor", help="versions and the device in use")
+
+    doc = sub.add_parser("doctor", help="versions, CUDA driver, NVVM, GPU or simulator, kernel cache "
+                         "(never fails)")
     doc.set_defaults(fn=cmd_doctor)
-    b = sub.add_parser("bench", help="GPU benchmark suites (or --cpu for the golden model)")
-    b.add_argument("--cpu", action="store_true", help="time the golden model against NumPy matmul")
-    b.add_argument("--results", default=str(REPO / "benchmarks" / "results"))
+
+    b = sub.add_parser("bench", help="run the GPU benchmark suites, or time the golden model (--cpu)")
+    b.add_argument("--cpu", action="store_true",
+                   help="time the golden model against NumPy's matmul instead (no GPU needed)")
+    where = b.add_mutually_exclusive_group()
+    where.add_argument("--out", default=None,
+                       help="folder for the result files (default: a new nbattn-bench-<date>-<time> "
+                       "folder here)")
+    where.add_argument("--update-results", action="store_true",
+                       help="overwrite the committed benchmarks/results/ of this checkout")
     b.set_defaults(fn=cmd_bench)
+
     v = sub.add_parser("verify", add_help=False,
                        help="differential test of every kernel against the golden model (nbattn verify --help)")
     v.set_defaults(fn=None)
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args, rest = p.parse_known_args(argv)
     if args.cmd == "verify":
         from .verify import main as verify_main

@@ -132,89 +132,91 @@ _BUILTIN: list[tuple] = [
     ("nbattn.plots.roofline", "build_roofline", "roofline",
      "Attention roofline of H200, H100 SXM and A100 SXM 80GB (datasheet peaks; the H200 "
      "bandwidth is the measured copy ceiling: copy_bandwidth_GBps of a result file when "
-     "present, else the 4.3 TB/s recorded in GPU.md). Hollow markers: SPEC 6 model points "
-     "on the H200 roof (decode is memory-bound at ~group FLOP/byte, prefill compute-bound). "
-     "Filled markers: measured nbattn and peers (SDPA, FlexAttention, cuDNN) at each case's "
-     "intensity. Beside it, GPU.md's earlier peer run on the H200: prefill 1 x 8k x 8k cuDNN "
-     "about 618 TFLOP/s, FlexAttention 437, SDPA flash 340. Ours: see "
-     f"{_RESULTS}/decode.json and {_RESULTS}/prefill.json.",
-     f"model (SPEC 6) + datasheets; measured: {_RESULTS}/decode.json, prefill.json "
+     "present, else 4.3 TB/s, an earlier copy measurement on the H200). Hollow markers: model "
+     "points on the H200 roof (decode is memory-bound at ~group FLOP/byte, prefill "
+     "compute-bound). Filled markers: measured nbattn and peers (SDPA flash and cuDNN, "
+     "FlexAttention) at each case's intensity; crosses: nbattn's decode without split-KV, an "
+     "ablation. The legend sits beside the axes and the y range reaches the lowest measured "
+     f"point. Values: {_RESULTS}/decode.json and {_RESULTS}/prefill.json.",
+     f"model + datasheets; measured: {_RESULTS}/decode.json, prefill.json "
      "(GPU named in each file)"),
     ("nbattn.plots.roofline", "build_intensity", "intensity_vs_length",
      "Operational intensity against l_q/l_kv (l_kv = 8192, head_dim 128, fp16) for GQA "
-     "groups 1, 4, 8, exact SPEC 6 ratio and the closed form (2/b)*l_q*l_kv/(l_q+l_kv)*group, "
+     "groups 1, 4, 8, exact ratio and the closed form (2/b)*l_q*l_kv/(l_q+l_kv)*group, "
      "with each GPU's ridge point. Decode (l_q = 1) sits at about `group` FLOP/byte, far "
      "below every ridge; against 8192 keys, prefill crosses the H200 ridge (230 FLOP/byte "
      "at 4.3 TB/s) at l_q of about 240 tokens for MHA, 60 for group 4 and 30 for group 8.",
-     "model (SPEC 6)"),
+     "model (performance model)"),
     ("nbattn.plots.paper", "build_shared_prefix", "shared_prefix_traffic",
-     "Shared-prefix traffic model n(P+S)/(P+nS) (SPEC 6, suffix S = 128) as an upper bound "
-     "on the cascade speedup. Paper App. Table 5 (SPEC 7): batch 64, prefix 32768: "
+     "Shared-prefix traffic model n(P+S)/(P+nS) (suffix S = 128) as an upper bound "
+     "on the cascade speedup. Paper App. Table 5: batch 64, prefix 32768: "
      "4090 -> 254.54 us (16.07x; the traffic bound is 51.4x); batch 16, prefix 1024: "
      "46.52 -> 45.17 us (1.03x; bound 6.0x). Ours: see "
      f"{_RESULTS}/cascade.json (metric speedup).",
-     f"model (SPEC 6) + paper (SPEC 7); measured: {_RESULTS}/cascade.json"),
+     f"model (performance model) + paper (FlashInfer paper); measured: {_RESULTS}/cascade.json"),
     ("nbattn.plots.paper", "build_page_size", "page_size_vs_contiguous",
-     "Page size 1 against contiguous KV. Paper App. B (SPEC 7; batch 1, 32768-token "
+     "Page size 1 against contiguous KV. Paper App. B (batch 1, 32768-token "
      "prefill, H100): FA2 template 370 vs 347 TFLOP/s (-6.2%), FA3 template 627 vs 532 "
      "(-15.2%); decode bandwidth about the same. Ours: see "
      f"{_RESULTS}/prefill.json (tflops) and {_RESULTS}/decode.json (bw_fraction), "
      "case key page_size.",
-     f"paper (SPEC 7); measured: {_RESULTS}/prefill.json, decode.json"),
+     f"paper (FlashInfer paper); measured: {_RESULTS}/prefill.json, decode.json"),
     ("nbattn.plots.paper", "build_decode_bandwidth", "decode_bandwidth",
-     "Decode bandwidth utilization (achieved / copy bandwidth of the same run, SPEC 6) "
-     "against KV length, one panel per batch size, for nbattn, SDPA (flash, cuDNN) and "
-     "FlexAttention; grey lines are the split / no-split occupancy model. GPU.md's "
-     "earlier H200 peer run (fp16, head_dim 128, 32 heads): batch 64 and KV >= 4k cuDNN "
-     "0.93-1.07, flash 0.58-0.64, FlexAttention 0.36-0.93; batch 1 x 32k every peer <= "
-     f"0.58. Ours: see {_RESULTS}/decode.json.",
+     "Decode bandwidth utilization (achieved bytes/s over the copy bandwidth measured in the "
+     "same run) against KV length, one panel per batch size: nbattn (drawn on top, larger "
+     "markers), its other decode paths (nbattn_warp, nbattn_smem), SDPA flash and cuDNN, and "
+     "FlexAttention, all from one run; solid lines GQA group 4, dashed group 8. Grey lines "
+     "are the split / no-split occupancy model. The batch-1 panel has a single KV length, so "
+     "its markers are spread sideways and none hides another. Values: "
+     f"{_RESULTS}/decode.json.",
      f"measured: {_RESULTS}/decode.json (GPU named in the file); model otherwise"),
     ("nbattn.plots.paper", "build_split_kv", "split_kv_speedup",
      "Split-KV (FlashDecoding) speedup over a non-split decode kernel against batch size. "
-     "FlashDecoding reports roughly 2-8x at small batch and long context (SPEC 7). The "
+     "FlashDecoding reports roughly 2-8x at small batch and long context (FlashInfer paper). The "
      "occupancy model (H200, 132 SMs; assumes one SM draws at most twice its fair bandwidth "
      "share) gives ~8x for GQA 4:1 at batch 1 and ~2x for MHA, falling to 1x once "
      "batch x KV heads fills the SMs. Ours: see "
      f"{_RESULTS}/decode.json (metric split_speedup); model when absent.",
      f"measured: {_RESULTS}/decode.json when present; otherwise model"),
     ("nbattn.plots.paper", "build_breakeven", "planning_breakeven",
-     "Break-even of planning, L*(u - v) > p + h (SPEC 6): the fewest layers that amortize a "
+     "Break-even of planning, L*(u - v) > p + h: the fewest layers that amortize a "
      "plan cost p for several per-layer savings u - v, against the 32 layers of Llama 3.1 "
      "8B and 80 of 70B. The plan runs on the CPU; its measured cost (range and median of "
-     f"the plan_us records) is marked when {_RESULTS}/sched.json or sched_cpu.json has it. "
-     "Ours: see that file.",
-     f"model (SPEC 6); measured plan cost: {_RESULTS}/sched.json or sched_cpu.json (CPU)"),
+     f"the plan_us records) is marked when {_RESULTS}/sched.json or sched_cpu.json has it, "
+     "and labelled as a CPU time even when the file comes from a GPU machine.",
+     f"model; measured plan cost: {_RESULTS}/sched.json or sched_cpu.json (CPU time)"),
     ("nbattn.plots.paper", "build_amdahl", "amdahl",
      "Amdahl curves: whole-step speedup when attention is a fraction f of the step and "
-     "gets k x faster. Beside them, the paper's load-balancing ablation (SPEC 7; Llama 3.1 "
+     "gets k x faster. Beside them, the paper's load-balancing ablation (Llama 3.1 "
      "8B, H100) as step speedups: ITL -2.18% ShareGPT (1.02x), -2.49% short-variable "
      "(1.03x), -37.87% long-variable (1.61x).",
-     "model + paper (SPEC 7)"),
+     "model + paper"),
     # Written by the scheduler engineer (nbattn.plots.sched); data from nbattn.sched.
     ("nbattn.plots.sched", "gantt", "sched_gantt",
-     "Per-CTA work queues of an LPT plan as a Gantt chart (SPEC 5), with the makespan "
-     "bound max(sum t / C, max t). Paper: load balancing cuts ITL by 2.18% (ShareGPT), "
-     "2.49% (short-variable), 37.87% (long-variable).",
+     "Per-CTA work queues of an LPT plan as a Gantt chart, simulated with the planner's "
+     "cost model (not a measurement), with the makespan bound max(sum t / C, max t). Paper: "
+     "load balancing cuts ITL by 2.18% (ShareGPT), 2.49% (short-variable), 37.87% "
+     "(long-variable).",
      "model: nbattn.sched planner and simulator", _sched_gantt),
     ("nbattn.plots.sched", "reduction_map", "sched_reduction_map",
      "Reduction map of a plan: for each output row, the ordered partial states merged "
-     "with the SPEC 3 operator (fixed order, no atomics).",
+     "with the merge operator (fixed order, no atomics).",
      "model: nbattn.sched planner", _sched_reduction_map),
     ("nbattn.plots.sched", "policy_utilization", "sched_policy_utilization",
      "SM utilization and makespan of one-request-per-CTA, fixed-split (FlashDecoding) and "
-     "LPT policies on constant, Variable (512-2048) and skewed workloads (SPEC 5).",
+     "LPT policies on constant, Variable (512-2048) and skewed workloads.",
      "model: nbattn.sched simulator", _sched_policy_utilization),
     # Written by the layout engineer (nbattn.plots.layout); data from nbattn.layout.
     ("nbattn.plots.layout", "page_table_bsr", "layout_page_table_bsr",
      "Paper Figure 2: a paged KV table seen as a block-sparse (BSR) matrix with "
-     "B_c = page_size (SPEC 1), on the SPEC 4 example.",
+     "B_c = page_size, on the example batch of nbattn demo.",
      "model: nbattn.layout"),
     ("nbattn.plots.layout", "composable_formats", "layout_composable_formats",
      "Paper Figure 3: composable formats, one shared-prefix view with a large B_r and "
-     "per-request unique-suffix views of the same pages (SPEC 1).",
+     "per-request unique-suffix views of the same pages.",
      "model: nbattn.layout"),
     ("nbattn.plots.layout", "causal_mask", "layout_causal_mask",
-     "Bottom-right aligned causal mask (SPEC 2) for ragged requests: a decode row sees "
+     "Bottom-right aligned causal mask for ragged requests: a decode row sees "
      "every key, row i of a Q-row request sees K - Q + i + 1 keys.",
      "model: nbattn.layout"),
 ]
@@ -374,13 +376,14 @@ def render_readme(fmt: str = "png") -> str:
         "# Figures",
         "",
         "Rendered by `nbattn figures` (or `python -c \"import nbattn.figures as f; "
-        "f.build_all()\"`) from the models of SPEC section 6 and, where they exist, the "
-        "measured result files under `benchmarks/results/` (format: GPU.md). A figure "
+        "f.build_all()\"`) from the performance models and, where they exist, the "
+        "measured result files under `benchmarks/results/`. A figure "
         "whose result file is missing still renders from the model and says "
         "\"no measured data yet\"; no measured number is ever made up. Paper numbers are "
-        "those of SPEC section 7 (FlashInfer, arXiv 2501.01005). The `sched_*` and "
+        "those of the FlashInfer paper (arXiv 2501.01005). The `sched_*` and "
         "`layout_*` figures come from `nbattn.plots.sched` and `nbattn.plots.layout` "
-        "and are built when those modules import.",
+        "and are built when those modules import. The documentation site's gallery "
+        "shows each figure with the GPU and date of its result files.",
         "",
     ]
     for name, caption, source in rows:

@@ -54,22 +54,52 @@ def dtype_of(x: Any) -> str:
     return str(dt).replace("torch.", "")
 
 
+_I32 = np.iinfo(np.int32)
+
+
+def _on_device(x: Any) -> bool:
+    """Whether ``x`` lives in GPU memory (a CUDA torch tensor, a numba device
+    array, or anything exposing ``__cuda_array_interface__``)."""
+    if type(x).__module__.startswith("torch"):
+        return getattr(getattr(x, "device", None), "type", "cpu") != "cpu"
+    return hasattr(x, "copy_to_host") or hasattr(x, "__cuda_array_interface__")
+
+
+def _fit_int32(name: str, arr: np.ndarray) -> np.ndarray:
+    if arr.size and (int(arr.min()) < _I32.min or int(arr.max()) > _I32.max):
+        raise LayoutError(f"{name}: values do not fit in int32 "
+                          f"(range {int(arr.min())}..{int(arr.max())})")
+    return arr.astype(np.int32)
+
+
 def as_int32(name: str, x: Any) -> np.ndarray:
     """Host int32 1-D array of index metadata.
 
-    Arrays and tensors must already be int32 (SPEC section 1: all metadata is
-    int32); a Python list or tuple of ints is accepted and converted, since it
-    carries no dtype of its own.
+    Index metadata is int32.  A Python list or tuple of ints, and a host
+    (NumPy or CPU torch) array of another integer type such as int64, is
+    checked to fit in int32 and converted.  A device array must already be
+    int32: kernels read it in place, so converting it would be a hidden copy.
+    Floating-point and boolean arrays are refused.
     """
     if isinstance(x, (list, tuple)):
-        arr = np.asarray(x, dtype=np.int64)
-        if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
-            raise LayoutError(f"{name}: values do not fit in int32")
-        arr = arr.astype(np.int32)
+        try:
+            arr = np.asarray(x, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise LayoutError(f"{name}: must be a list of integers") from None
+        arr = _fit_int32(name, arr)
     else:
-        if dtype_of(x) != "int32":
-            raise LayoutError(f"{name}: must be int32, got {dtype_of(x)}")
-        arr = to_numpy(x)
+        dt = dtype_of(x)
+        if dt != "int32":
+            integer = dt in ("int64", "int16", "int8", "uint8", "uint16", "uint32", "uint64")
+            if not integer:
+                raise LayoutError(f"{name}: must be int32 (host int64 arrays and lists are "
+                                  f"converted), got {dt}")
+            if _on_device(x):
+                raise LayoutError(f"{name}: must be int32 on the device, got {dt}; convert it "
+                                  f"once with .to(torch.int32) (or .astype(np.int32))")
+            arr = _fit_int32(name, to_numpy(x))
+        else:
+            arr = to_numpy(x)
     if arr.ndim != 1:
         raise LayoutError(f"{name}: must be 1-D, got shape {tuple(arr.shape)}")
     return arr

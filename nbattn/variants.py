@@ -26,6 +26,7 @@ mask (causal, window with sinks, ``mask_mod``), then softmax -- or, with
 """
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
@@ -108,10 +109,49 @@ def variant_from_kwargs(kwargs: dict) -> Variant:
     v = kwargs.pop("variant", None)
     unknown = set(kwargs) - set(VARIANT_FIELDS)
     if unknown:
-        raise TypeError(f"unknown keyword argument(s): {sorted(unknown)}")
+        raise TypeError(unknown_keywords_message(unknown))
     if v is not None:
         return v.with_(**kwargs) if kwargs else v
     return make_variant(**kwargs)
+
+
+# Names people bring from other attention libraries, and ours for them.
+_ALIASES = {
+    "softcap": "logits_soft_cap",
+    "soft_cap": "logits_soft_cap",
+    "logit_cap": "logits_soft_cap",
+    "scale": "sm_scale",
+    "softmax_scale": "sm_scale",
+    "is_causal": "causal",
+    "window_size": "window_left",
+    "sliding_window": "window_left",
+    "alibi": "pos_encoding_mode",
+    "num_sinks": "sink_size",
+    "sinks": "sink_size",
+}
+
+
+def suggest_keyword(name: str, choices=VARIANT_FIELDS + ("variant",)) -> str | None:
+    """The known keyword a mistyped ``name`` most likely meant, or None."""
+    alias = _ALIASES.get(name.lower())
+    if alias is not None and alias in choices:
+        return alias
+    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    # a fragment of a longer name ("cap" -> logits_soft_cap)
+    frag = [c for c in choices if len(name) >= 3 and name.lower() in c]
+    return frag[0] if len(frag) == 1 else None
+
+
+def unknown_keywords_message(unknown) -> str:
+    """``unknown keyword argument(s)`` with a "did you mean" for each that has one."""
+    parts = []
+    for name in sorted(unknown):
+        hint = suggest_keyword(name)
+        parts.append(f"{name!r} (did you mean {hint!r}?)" if hint else repr(name))
+    return (f"unknown keyword argument(s): {', '.join(parts)}; the attention keywords are "
+            f"{', '.join(VARIANT_FIELDS)} and variant")
 
 
 def check_return_lse(variant: Variant, return_lse: bool) -> None:

@@ -2112,7 +2112,33 @@ def render(nb) -> str:
     return nbformat.writes(nb) + "\n"
 
 
+def student_edition(nb) -> nbformat.NotebookNode:
+    """A copy of ``nb`` without its worked solutions (cells tagged ``solution``):
+    the exercise cells keep their placeholders, so every check fails until the
+    student answers it."""
+    out = nbformat.reads(nbformat.writes(nb), as_version=4)
+    out.cells = [c for c in out.cells if "solution" not in c.get("metadata", {}).get("tags", [])]
+    return out
+
+
+def write_student(outdir: Path) -> list[Path]:
+    """Write the student edition of every notebook into ``outdir``."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, fn in NOTEBOOKS.items():
+        path = outdir / name
+        path.write_text(render(student_edition(make(name, fn))))
+        paths.append(path)
+    return paths
+
+
 def main(argv: list[str]) -> int:
+    if "--student" in argv:   # --student DIR: the edition without solutions (make student)
+        i = argv.index("--student")
+        outdir = Path(argv[i + 1]) if i + 1 < len(argv) else HERE.parent / "student-notebooks"
+        for path in write_student(outdir):
+            print("wrote", path)
+        return 0
     stale = []
     for name, fn in NOTEBOOKS.items():
         path = HERE / name

@@ -1,4 +1,9 @@
 """The command line: demo, doctor, bench without a GPU, layout figures."""
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -30,14 +35,80 @@ def test_dense_pool_brute_force_catches_a_wrong_answer():
 def test_doctor_names_the_device(capsys):
     assert cli.main(["doctor"]) == 0
     out = capsys.readouterr().out
-    assert "numba-cuda" in out and "numpy" in out
+    assert "numba-cuda" in out and "numpy" in out and "cuda-bindings" in out
     assert ("CUDA simulator" in out) == nbattn.simulator_enabled()
+    for key in ("CUDA driver", "NVVM", "kernels run in", "kernel cache"):
+        assert key in out
+
+
+def _run(*args, **env):
+    full = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    full.update(env)
+    return subprocess.run([sys.executable, "-m", "nbattn.cli", *args], env=full,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(nbattn._compat.driver_gpu_count() > 0, reason="needs a machine without a driver")
+def test_doctor_without_a_driver_reports_and_exits_0():
+    r = _run("doctor", NUMBA_ENABLE_CUDASIM="0")
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    assert "CUDA driver" in r.stdout and "not found" in r.stdout
+    assert "NUMBA_ENABLE_CUDASIM" in r.stdout       # says how to get the simulator back
+
+
+def test_version_and_help_are_quiet_and_complete():
+    r = _run("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"nbattn {nbattn.__version__}"
+    for cmd in ([], ["demo"], ["figures"], ["doctor"], ["bench"]):
+        r = _run(*cmd, "--help")
+        assert r.returncode == 0 and "usage: nbattn" in r.stdout
+        assert "simulator" not in r.stderr, r.stderr      # the notice belongs to kernel runs
+    parser = cli.build_parser()
+    subcommands = parser._subparsers._group_actions[0].choices
+    assert set(subcommands) >= {"demo", "figures", "doctor", "bench"}
+    for p in [parser, *subcommands.values()]:
+        for opt in p._actions:
+            assert opt.help, f"{p.prog} {opt.option_strings or opt.dest} has no help text"
 
 
 @pytest.mark.skipif(not nbattn.simulator_enabled(), reason="only meaningful without a GPU")
 def test_bench_without_gpu_says_so_and_fails(capsys):
     assert cli.main(["bench"]) != 0
     assert "no CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.fixture
+def fast_cpu_bench(monkeypatch):
+    monkeypatch.setattr(cli, "bench_golden_cpu", lambda **case: (2e9, 4e9))
+
+
+def test_bench_cpu_writes_to_a_fresh_folder_not_the_committed_results(tmp_path, monkeypatch,
+                                                                       capsys, fast_cpu_bench):
+    committed = cli.BENCH_DIR / "results" / "golden_cpu.json"
+    before = committed.read_bytes()
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["bench", "--cpu"]) == 0
+    made = list(tmp_path.glob("nbattn-bench-*/golden_cpu.json"))
+    assert len(made) == 1 and str(made[0].parent.resolve()) in capsys.readouterr().out
+    assert json.loads(made[0].read_text())["records"][1]["value"] == 0.5
+    assert cli.main(["bench", "--cpu", "--out", "mine"]) == 0
+    assert (tmp_path / "mine" / "golden_cpu.json").is_file()
+    assert committed.read_bytes() == before
+
+
+def test_bench_update_results_targets_the_checkout(monkeypatch, tmp_path, fast_cpu_bench):
+    monkeypatch.setattr(cli, "BENCH_DIR", tmp_path / "benchmarks")
+    assert cli.main(["bench", "--cpu", "--update-results"]) == 2     # no checkout there
+    (tmp_path / "benchmarks").mkdir()
+    assert cli.main(["bench", "--cpu", "--update-results"]) == 0
+    assert (tmp_path / "benchmarks" / "results" / "golden_cpu.json").is_file()
+
+
+def test_bench_without_scripts_says_so_and_fails(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cli, "BENCH_DIR", tmp_path / "site-packages-has-no-benchmarks")
+    assert cli.main(["bench"]) == 2
+    assert "benchmark scripts are not installed" in capsys.readouterr().err
 
 
 def test_golden_cpu_bench_measures_both_rates():

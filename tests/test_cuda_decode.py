@@ -255,7 +255,7 @@ def _bad_cases(b):
     return {
         "q dtype": ((q.astype(np.float64), c, ip, ix, lp), {}, "q"),
         "dtype mismatch": ((q.astype(np.float32), c, ip, ix, lp), {}, "paged_kv_cache"),
-        "int64 indptr": ((q, c, ip.astype(np.int64), ix, lp), {}, "paged_kv_indptr"),
+        "float indptr": ((q, c, ip.astype(np.float32), ix, lp), {}, "paged_kv_indptr"),
         "decreasing indptr": ((q, c, ip[::-1].copy(), ix, lp), {}, "paged_kv_indptr"),
         "page id out of pool": ((q, c, ip, np.full_like(ix, c.shape[0]), lp), {}, "paged_kv_indices"),
         "last_page_len 0": ((q, c, ip, ix, np.zeros_like(lp)), {}, "paged_kv_last_page_len"),
@@ -269,7 +269,7 @@ def _bad_cases(b):
     }
 
 
-BAD_CASES = ["q dtype", "dtype mismatch", "int64 indptr", "decreasing indptr", "page id out of pool",
+BAD_CASES = ["q dtype", "dtype mismatch", "float indptr", "decreasing indptr", "page id out of pool",
              "last_page_len 0", "heads", "head_dim", "rows", "layout", "out shape", "lse dtype",
              "unknown kwarg"]
 

@@ -184,7 +184,7 @@ def test_stream_is_the_callers_or_torchs_current(monkeypatch):
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(qo=np.array([0, 3, 4], np.int64)), "must be int32"),
+    (dict(qo=np.array([0, 3, 4], np.float64)), "must be int32"),
     (dict(lp=np.array([0, 2], np.int32)), "paged_kv_last_page_len"),
     (dict(ix=np.array([0, 1, 99], np.int32)), "page ids must be"),
     (dict(q_heads=3), "num_qo_heads"),

@@ -97,17 +97,31 @@ def test_notebook_runs(path, monkeypatch):
     print(f"{path.name}: {elapsed:.1f} s")
 
 
+def test_student_edition_drops_exactly_the_solutions(tmp_path):
+    """``make student`` (``_build.py --student DIR``) writes every notebook minus its
+    solution cells, and nothing else changes."""
+    build = _load_builder()
+    written = build.write_student(tmp_path)
+    assert sorted(p.name for p in written) == sorted(p.name for p in NOTEBOOKS)
+    for path in NOTEBOOKS:
+        full = nbformat.read(path, as_version=4)
+        student = nbformat.read(tmp_path / path.name, as_version=4)
+        assert any("solution" in _tags(c) for c in full.cells), f"{path.name} has no solutions"
+        assert [c.source for c in student.cells] == \
+            [c.source for c in full.cells if "solution" not in _tags(c)]
+
+
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_checks_fail_without_solutions(path, monkeypatch):
-    """The checks are real: with the worked solutions removed (the reader's
-    placeholders left in), every check cell must fail."""
-    nb = nbformat.read(path, as_version=4)
+def test_student_edition_checks_fail(path, monkeypatch):
+    """The checks are real: in the student edition (worked solutions removed,
+    the reader's placeholders left in), every check cell must fail."""
+    build = _load_builder()
+    nb = build.student_edition(nbformat.read(path, as_version=4))
     checks = [i for i, c in enumerate(nb.cells) if "check" in _tags(c)]
     assert checks, f"{path.name} has no exercise checks"
     assert sum("exercise" in _tags(c) for c in nb.cells) == len(checks)
     nb.cells = nb.cells[:checks[-1] + 1]                  # nothing after the last check matters
-    nb.cells = [c for c in nb.cells if "solution" not in _tags(c)]
     _execute(nb, monkeypatch, allow_errors=True)
     passed = [c.source.splitlines()[0] for c in nb.cells
               if "check" in _tags(c) and not any(o.get("output_type") == "error" for o in c.outputs)]

@@ -261,10 +261,18 @@ def test_load_absent_is_none(tmp_path):
 
 
 def test_default_root_points_into_the_checkout(monkeypatch, tmp_path):
-    monkeypatch.delenv("NBATTN_RESULTS", raising=False)
     assert results.default_results_root().parts[-2:] == ("benchmarks", "results")
-    monkeypatch.setenv("NBATTN_RESULTS", str(tmp_path))
-    assert results.suite_path("x") == tmp_path / "x.json"
+    assert results.suite_path("x") == results.default_results_root() / "x.json"
+    # Without a checkout (a wheel install), the copy shipped inside the package is used.
+    packaged = tmp_path / "nbattn" / "_results"
+    packaged.mkdir(parents=True)
+    (packaged / "decode.json").write_text("{}")
+    monkeypatch.setattr(results, "checkout_results_root", lambda: tmp_path / "no" / "checkout")
+    monkeypatch.setattr(results, "packaged_results_root", lambda: packaged)
+    assert results.default_results_root() == packaged
+    # Neither: the checkout path, where load_suite finds nothing (figures say so).
+    (packaged / "decode.json").unlink()
+    assert results.default_results_root() == tmp_path / "no" / "checkout"
 
 
 def _mutate(path, value):

@@ -13,6 +13,21 @@ def test_readme_starts_with_the_two_commands():
     assert lines == ["make figures", "make test"]
 
 
+def test_ci_runs_the_readmes_test_command():
+    first_block = README.read_text().split("```")[1]
+    test_cmd = [l.split("#")[0].strip() for l in first_block.splitlines()[1:] if l.strip()][1]
+    ci = (README.parent / ".ci" / "run").read_text().splitlines()
+    assert test_cmd in [l.strip() for l in ci if not l.lstrip().startswith("#")]
+
+
+def test_readme_sections_in_order_and_no_missing_files():
+    text = README.read_text()
+    heads = [l for l in text.splitlines() if l.startswith("## ")]
+    assert heads[:3] == ["## Install", "## Documentation", "## A short tour"]
+    assert "SPEC.md" not in text and "GPU.md" not in text     # files a clone does not have
+    assert "make docs" in text and "docs/_build/html/index.html" in text
+
+
 def test_readme_tour_runs():
     code = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)[0]
     ns: dict = {}

@@ -366,7 +366,10 @@ def test_spec_worked_example_from_indptr():
     with pytest.raises(ValueError, match="last_page_len"):
         plan_from_indptr(qo_indptr, kv_indptr, np.array([2, 0, 1], np.int32), 4, num_ctas=2)
     with pytest.raises(ValueError, match="int32"):
-        plan_from_indptr(qo_indptr.astype(np.int64), kv_indptr, last, 4, num_ctas=2)
+        plan_from_indptr(qo_indptr.astype(np.float32), kv_indptr, last, 4, num_ctas=2)
+    p64 = plan_from_indptr(qo_indptr.astype(np.int64), kv_indptr.astype(np.int64), last, 4,
+                           num_ctas=2, tile_q=2)
+    assert np.array_equal(p64.request, p.request) and np.array_equal(p64.kv_end, p.kv_end)
 
 
 @pytest.mark.parametrize("bad", [

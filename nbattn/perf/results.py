@@ -33,6 +33,8 @@ __all__ = [
     "ResultFormatError",
     "Record",
     "Suite",
+    "checkout_results_root",
+    "packaged_results_root",
     "default_results_root",
     "suite_path",
     "validate_suite",
@@ -112,12 +114,33 @@ class Suite:
 # Paths
 # --------------------------------------------------------------------------
 
-def default_results_root() -> Path:
-    """``$NBATTN_RESULTS`` if set, else ``benchmarks/results`` of this checkout."""
-    env = os.environ.get("NBATTN_RESULTS")
-    if env:
-        return Path(env)
+def checkout_results_root() -> Path:
+    """``benchmarks/results`` of the source checkout this package was imported from.
+
+    It exists only when nbattn runs from a clone (``pip install -e .`` or
+    ``PYTHONPATH``); a wheel install has no checkout around it.
+    """
     return Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def packaged_results_root() -> Path:
+    """The copy of ``benchmarks/results`` that ``pip install .`` puts inside the
+    package (``nbattn/_results``)."""
+    return Path(__file__).resolve().parents[1] / "_results"
+
+
+def default_results_root() -> Path:
+    """Where measured results are read from when no folder is given.
+
+    The checkout's ``benchmarks/results`` when nbattn runs from a clone, else the
+    copy installed with the package (``<site-packages>/nbattn/_results``).  When
+    neither exists the checkout path is returned; :func:`load_suite` then finds
+    no file and figures say "no measured data yet".
+    """
+    for root in (checkout_results_root(), packaged_results_root()):
+        if root.is_dir() and any(root.glob("*.json")):
+            return root
+    return checkout_results_root()
 
 
 def suite_path(name: str, root: str | os.PathLike | None = None) -> Path:

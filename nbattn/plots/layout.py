@@ -72,6 +72,8 @@ def causal_mask(path, results_root=None):
         ax.set_title(f"R{r}: Q={m.shape[0]}, K={m.shape[1]}")
         ax.set_xlabel("key j")
         ax.set_ylabel("query i")
+        ax.set_xticks(range(m.shape[1]))          # whole keys and rows only
+        ax.set_yticks(range(m.shape[0]))
         for i in range(m.shape[0]):
             ax.text(m.shape[1] - 0.5, i, f" {m[i].sum()}", va="center", fontsize=8)
     fig.suptitle("Causal, bottom-right aligned: query i sees key j iff j <= K - Q + i")

@@ -100,6 +100,15 @@ def _source(suite) -> str:
     return f"{suite.suite}.json ({suite.gpu}, {suite.date})"
 
 
+def _cpu_source(suite) -> str:
+    """Source of a CPU-side time: the planner runs on the host, whichever GPU the file names."""
+    if "cpu" in suite.gpu.lower() or suite.gpu.lower().startswith("none"):
+        where = "CPU"
+    else:
+        where = f"CPU of the {suite.gpu} machine"
+    return f"{suite.suite}.json, {where}, {suite.date}"
+
+
 # --------------------------------------------------------------------------
 # Shared-prefix traffic vs cascade speedup
 # --------------------------------------------------------------------------
@@ -292,16 +301,24 @@ def decode_bandwidth_figure(results_root=None):
             # kernel belong to the split-KV figure, not here.
             panel = [r for r in panel if r.case.get("split") != "unsplit"]
             groups = sorted({r.case.get("group") for r in panel}, key=lambda g: (g is None, g))
+            # A panel measured at one KV length only (batch 1) is a column of markers:
+            # spread the implementations a little sideways so none hides another.
+            one_length = len({_kv_len(r.case) for r in panel}) == 1
             for gi, group in enumerate(groups):
                 rows = [r for r in panel if r.case.get("group") == group]
                 tag = "" if len(groups) == 1 else f", group {group}"
-                for impl in impls:
+                for ii, impl in enumerate(impls):
                     pts = [(_kv_len(r.case), r.value if impl == "nbattn" else r.peers.get(impl))
                            for r in rows]
                     pts = sorted((k, v) for k, v in pts if v is not None)
                     if not pts:
                         continue
-                    ax.plot([k for k, _ in pts], [v for _, v in pts], marker="os^v"[gi % 4], ms=4,
+                    dodge = 2.0 ** (0.12 * (ii - (len(impls) - 1) / 2)) if one_length else 1.0
+                    mine = impl == "nbattn"          # drawn last and larger: always visible
+                    ax.plot([k * dodge for k, _ in pts], [v for _, v in pts],
+                            marker="os^v"[gi % 4], ms=6 if mine else 4,
+                            mec="white" if mine else None, mew=0.8 if mine else None,
+                            zorder=5 if mine else 3,
                             ls=["-", "--", "-.", ":"][gi % 4],
                             color=style.impl_color(impl), label=style.impl_label(impl) + tag,
                             gid=f"measured:b{batch}:{impl}" + (f":g{group}" if tag else ""))
@@ -320,10 +337,11 @@ def decode_bandwidth_figure(results_root=None):
                 handles.setdefault(lab, h)
         fig.legend(handles.values(), handles.keys(), loc="outside right upper")
         src = _source(suite) if recs else "none yet"
-        style.footer(fig, f"measured: {src}; 1.0 = copy bandwidth of the same run (SPEC 6); "
+        style.footer(fig, f"measured: {src}; 1.0 = copy bandwidth of the same run; "
                           "grey: occupancy model (heads of the first case, else 32 q / 8 kv, "
-                          "head_dim 128).\nGPU.md's earlier peer run, batch 64, KV>=4k: cuDNN "
-                          "0.93-1.07, flash 0.58-0.64, Flex 0.36-0.93")
+                          "head_dim 128)." + ("\nbatch 1: one KV length; the implementations "
+                                              "are spread sideways so that none hides another"
+                                              if 1 in batches and recs else ""))
     return fig
 
 
@@ -431,7 +449,7 @@ def breakeven_figure(results_root=None, integration_us: float = 0.0):
                 ax.axvspan(lo, hi, color=style.IMPL_COLORS["nbattn"], alpha=0.15, lw=0)
             ax.axvline(med, color=style.IMPL_COLORS["nbattn"], lw=1.4, ls="-.",
                        label=f"measured plan cost {lo:.0f}-{hi:.0f} us, median {med:.1f} us\n"
-                             f"({_source(suite)})", gid="measured:plan_us")
+                             f"({_cpu_source(suite)})", gid="measured:plan_us")
         else:
             style.note_no_measured(ax, "plan cost p would come from sched.json\n"
                                    "or sched_cpu.json (plan_us)", loc="lower right")

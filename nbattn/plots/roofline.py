@@ -90,6 +90,9 @@ def measured_points(results_root) -> list[dict]:
     ``peers`` are placed with the same shape, so they share an x position.
     ``bw_fraction`` is turned into FLOP/s through the suite's own copy
     bandwidth (SPEC section 6); records without a usable shape are skipped.
+    A record of the ablation without split-KV (case ``split: "unsplit"``) is
+    its own series, ``nbattn_unsplit``; its peers repeat the split record's
+    and are not placed twice.
     """
     if results_root is None:
         return []
@@ -109,7 +112,10 @@ def measured_points(results_root) -> list[dict]:
                 shape = attention_shape(rec.case, default_l_q=default_l_q)
                 if shape is None:
                     continue
-                values = {"nbattn": rec.value, **rec.peers}
+                if str(rec.case.get("split", "")).lower() == "unsplit":
+                    values = {"nbattn_unsplit": rec.value}
+                else:
+                    values = {"nbattn": rec.value, **rec.peers}
                 for impl, value in values.items():
                     if value is None:
                         continue
@@ -139,7 +145,7 @@ def roofline_figure(results_root=None):
     specs = measured_specs(results_root)
     points = measured_points(results_root)
     with style.context():
-        fig, ax = style.new_figure(width=7.2, height=4.6)
+        fig, ax = style.new_figure(width=10.5, height=4.8)
         x = np.geomspace(0.25, 4096, 400)
         line_styles = {"H200": "-", "H100 SXM": "--", "A100 SXM 80GB": ":"}
         for name, (spec, where) in specs.items():
@@ -161,9 +167,14 @@ def roofline_figure(results_root=None):
                     label=f"model on H200: {label}", gid=f"model:{label}")
         markers = {"decode": "o", "prefill": "s"}
         for s in points:
-            ax.scatter(s["x"], s["y"], marker=markers[s["suite"]], s=22,
-                       color=style.impl_color(s["impl"]), alpha=0.85, zorder=3,
-                       label=f"{style.impl_label(s['impl'])} ({s['suite']}.json, {s['gpu']})",
+            unsplit = s["impl"] == "nbattn_unsplit"
+            label = ("nbattn without split-KV (ablation)" if unsplit
+                     else style.impl_label(s["impl"]))
+            ax.scatter(s["x"], s["y"], marker="x" if unsplit else markers[s["suite"]],
+                       s=30 if unsplit else 22,
+                       color="#7f1d1d" if unsplit else style.impl_color(s["impl"]),
+                       alpha=0.85, zorder=3,
+                       label=f"{label} ({s['suite']}.json, {s['gpu']})",
                        gid=f"measured:{s['suite']}:{s['impl']}")
         if not points:
             style.note_no_measured(ax, "points are the model; measured points come from "
@@ -172,11 +183,13 @@ def roofline_figure(results_root=None):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlim(x[0], x[-1])
-        ax.set_ylim(0.5, 2000)
+        lowest = min((min(s["y"]) for s in points if s["y"]), default=0.5)
+        ax.set_ylim(min(0.5, lowest / 2), 2000)         # no measured point sits on the floor
         ax.set_xlabel("operational intensity (FLOP / byte)")
         ax.set_ylabel("attainable / achieved TFLOP/s")
         ax.set_title("Attention roofline: decode is memory-bound, prefill compute-bound")
-        ax.legend(loc="upper left", ncol=1)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0,
+                  fontsize="small")                   # beside the axes: it covers no data
         style.footer(fig, "SPEC 6 model: FLOPs 4*l_q*l_kv*d per head, bytes b*d*(2*l_q*H_qo+2*l_kv*H_kv); "
                           "roofs: datasheet peaks, bandwidth as labelled")
     return fig

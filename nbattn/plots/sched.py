@@ -58,13 +58,15 @@ def gantt(plan_or_sim, path, *, title: str | None = None) -> Figure:
         keep = sim.schedule.kind == 0
         bound = p.lower_bound
         makespan = p.makespan
-        label = f"LPT plan, C={p.num_ctas}, tile_q={p.tile_q}, L={p.chunk_limit}"
+        label = (f"simulated LPT plan (cost model, not measured), C={p.num_ctas}, "
+                 f"tile_q={p.tile_q}, L={p.chunk_limit}")
     elif isinstance(plan_or_sim, SimResult):
         sim = plan_or_sim
         keep = np.ones(sim.schedule.kind.shape, dtype=bool)
         bound = sim.lower_bound
         makespan = sim.makespan
-        label = f"{sim.policy} {sim.workload}, C={sim.num_ctas}, utilization {sim.utilization:.2f}"
+        label = (f"simulated: {sim.policy} {sim.workload}, C={sim.num_ctas}, "
+                 f"utilization {sim.utilization:.2f}")
     else:
         raise TypeError("gantt takes a Plan or a SimResult")
     s = sim.schedule
