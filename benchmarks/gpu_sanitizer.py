@@ -12,8 +12,16 @@ and writes ``benchmarks/results/sanitizer.json`` in the result-file format of
 ``sanitizer_errors`` (count), with the hazard count as a peer for racecheck.
 A child that fails outside the sanitizer's findings (exception, no summary)
 is recorded with value -1 and its log tail in the case, so it cannot pass
-silently.  Kernels are compiled inside the sanitized process (a fresh
-NUMBA_CACHE_DIR per child), so the first launch of each kernel is checked.
+silently.
+
+Each family first runs once without the sanitizer to fill its own numba cache
+directory (compiling is the slow part, and it is host work the sanitizer does
+not look at); the sanitized children then load those kernels from the cache.
+compute-sanitizer instruments a kernel when its module is loaded, so every
+kernel's first launch is still checked.  Children run ``--jobs`` at a time;
+``--deadline`` stops starting new ones, and the file is rewritten after each
+child, so a run cut short keeps what it checked (missing pairs are listed in
+the run's output, never recorded as clean).
 """
 from __future__ import annotations
 
@@ -24,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -148,6 +157,8 @@ def run_family(family: str) -> None:
 
 FAMILIES = ("decode_smem", "decode_warp", "decode_tc", "decode_split_merge", "prefill_cuda_core",
             "prefill_tensor_core", "append", "block_sparse", "cascade", "wrappers")
+# rough kernel counts per family (each a compilation of seconds to tens of seconds on a GPU)
+WARM_COST = {"prefill_cuda_core": 10, "prefill_tensor_core": 9, "cascade": 5, "wrappers": 4, "block_sparse": 2}
 
 
 # ---------------------------------------------------------------------------
@@ -170,10 +181,25 @@ def parse_summary(tool: str, text: str) -> tuple[int | None, int | None]:
     return (int(m.group(1)), None) if m else (None, None)
 
 
-def sanitize(family: str, tool: str, sanitizer: str, timeout: float) -> dict:
-    cache_dir = tempfile.mkdtemp(prefix="nbattn_sanitizer_cache_")
-    env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir, PYTHONPATH=str(REPO) + os.pathsep
-               + os.environ.get("PYTHONPATH", ""))
+def _env(cache_dir: str) -> dict:
+    return dict(os.environ, NUMBA_CACHE_DIR=cache_dir, PYTHONPATH=str(REPO) + os.pathsep
+                + os.environ.get("PYTHONPATH", ""))
+
+
+def warm(family: str, cache_dir: str, timeout: float) -> str:
+    """Compile a family's kernels into ``cache_dir`` (no sanitizer); '' or the error's tail."""
+    try:
+        r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", family], capture_output=True,
+                           text=True, timeout=timeout, env=_env(cache_dir))
+    except subprocess.TimeoutExpired:
+        return f"warm-up timed out after {timeout} s"
+    return "" if r.returncode == 0 else (r.stdout + r.stderr)[-2000:]
+
+
+def sanitize(family: str, tool: str, sanitizer: str, timeout: float, cache_dir: str | None = None) -> dict:
+    own = cache_dir is None
+    cache_dir = tempfile.mkdtemp(prefix="nbattn_sanitizer_cache_") if own else cache_dir
+    env = _env(cache_dir)
     cmd = [sanitizer, "--tool", tool, "--target-processes", "all", "--print-limit", "20"]
     if tool == "initcheck":
         cmd += ["--track-unused-memory", "no"]
@@ -185,7 +211,8 @@ def sanitize(family: str, tool: str, sanitizer: str, timeout: float) -> dict:
     except subprocess.TimeoutExpired as e:
         text, rc = f"timeout after {timeout} s: {(e.stdout or b'')[-2000:]!r}", -9
     finally:
-        shutil.rmtree(cache_dir, ignore_errors=True)
+        if own:
+            shutil.rmtree(cache_dir, ignore_errors=True)
     errors, hazards = parse_summary(tool, text)
     child_ok = f"family {family}: done" in text
     rec = {"case": {"family": family, "tool": tool, "child_exit": rc, "child_completed": child_ok,
@@ -208,6 +235,9 @@ def main(argv=None) -> int:
                    help="path of compute-sanitizer")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per (family, tool) child")
     p.add_argument("--results", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--jobs", type=int, default=4, help="sanitized children at once")
+    p.add_argument("--deadline", type=float, default=None, help="start no child after this many seconds")
+    p.add_argument("--commit", default=None, help="the nbattn commit being run (recorded in the file)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -217,15 +247,51 @@ def main(argv=None) -> int:
 
     from nbattn.perf.results import write_suite
 
-    records = [sanitize(f, t, args.sanitizer, args.timeout)
-               for f in (args.family or FAMILIES) for t in (args.tool or TOOLS)]
-    path = write_suite("sanitizer", records, gpu=torch.cuda.get_device_name(),
-                       command="PYTHONPATH=$PWD python3 benchmarks/gpu_sanitizer.py " + " ".join(argv or sys.argv[1:]),
-                       versions={"torch": torch.__version__, "python": sys.version.split()[0]},
-                       root=args.results)
+    from concurrent.futures import ThreadPoolExecutor
+
+    t0 = time.time()
+    families, tools = args.family or FAMILIES, args.tool or TOOLS
+    caches = {f: tempfile.mkdtemp(prefix=f"nbattn_sanitizer_{f}_") for f in families}
+    # longest compilations first (the prefill tiles), so the warm-up ends soonest
+    by_cost = sorted(families, key=lambda f: -WARM_COST.get(f, 1))
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        warm_err = dict(zip(by_cost, pool.map(lambda f: warm(f, caches[f], args.timeout), by_cost)))
+    print(f"warm-up done in {time.time() - t0:.0f} s", flush=True)
+    pairs = [(f, t) for t in tools for f in families]        # every family under memcheck first, and so on
+    records: list = []
+    lock = threading.Lock()
+
+    def one(pair):
+        f, t = pair
+        if args.deadline and time.time() - t0 > args.deadline:
+            return None                                        # not started: reported as missing below
+        rec = sanitize(f, t, args.sanitizer, args.timeout, caches[f])
+        if warm_err[f]:
+            rec["case"]["warm_up_error"] = warm_err[f][-1000:]
+        with lock:
+            records.append(rec)
+            write()
+        return rec
+
+    def write():
+        return write_suite("sanitizer", sorted(records, key=lambda r: (r["case"]["family"], r["case"]["tool"])),
+                           gpu=torch.cuda.get_device_name(),
+                           command="PYTHONPATH=$PWD python3 benchmarks/gpu_sanitizer.py " + " ".join(argv or sys.argv[1:]),
+                           versions={"torch": torch.__version__, "python": sys.version.split()[0],
+                                     **({"nbattn_commit": args.commit} if args.commit else {})},
+                           root=args.results)
+
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        list(pool.map(one, pairs))
+    for d in caches.values():
+        shutil.rmtree(d, ignore_errors=True)
+    done = {(r["case"]["family"], r["case"]["tool"]) for r in records}
+    missing = [p for p in pairs if p not in done]
+    path = write() if records else None
     bad = [r for r in records if r["value"] != 0 or (r["peers"]["hazards"] or 0) > 0]
-    print(f"wrote {path}; {len(bad)} of {len(records)} (family, tool) runs with findings or failures")
-    return 1 if bad else 0
+    print(f"wrote {path}; {len(bad)} of {len(records)} (family, tool) runs with findings or failures; "
+          f"{len(missing)} not run before the deadline: {missing}")
+    return 1 if bad or missing else 0
 
 
 if __name__ == "__main__":

@@ -81,6 +81,8 @@ def as_int32(name: str, x: Any) -> np.ndarray:
     int32: kernels read it in place, so converting it would be a hidden copy.
     Floating-point and boolean arrays are refused.
     """
+    if type(x) is np.ndarray and x.dtype == np.int32 and x.ndim == 1:
+        return x                                   # the common case, with nothing to convert
     if isinstance(x, (list, tuple)):
         try:
             arr = np.asarray(x, dtype=np.int64)

@@ -97,12 +97,14 @@ def _random_config(rng, kernel: str, gpu: bool) -> Config:
                   str(rng.choice(variants)))
 
 
-def draw_config(seed: int, index: int, kernels, gpu: bool, cases: int) -> Config:
+def draw_config(seed: int, index: int, kernels, gpu: bool, cases: int,
+                per_config: int = CASES_PER_CONFIG) -> Config:
     """Case ``index``'s configuration: kernels in turn, each from a pool of about
-    ``cases / (len(kernels) * CASES_PER_CONFIG)`` configurations drawn from the seed,
-    so that cases share compiled kernels."""
+    ``cases / (len(kernels) * per_config)`` configurations drawn from the seed,
+    so that cases share compiled kernels (a larger ``per_config`` draws fewer
+    configurations, each with more cases: fewer compilations on a GPU)."""
     kernel = kernels[index % len(kernels)]
-    pool = max(1, -(-cases // (len(kernels) * CASES_PER_CONFIG)))
+    pool = max(1, -(-cases // (len(kernels) * per_config)))
     pick = int(np.random.default_rng([seed, index, 0]).integers(pool))
     return _random_config(np.random.default_rng([seed, KERNELS.index(kernel), pick, 2]), kernel, gpu)
 
@@ -371,11 +373,11 @@ def run_case(seed: int, index: int, cfg: Config, gpu: bool) -> Outcome:
 
 
 def campaign(seed: int, cases: int, kernels, gpu: bool, time_budget: float | None = None,
-             only: int | None = None, progress: bool = True) -> dict:
+             only: int | None = None, progress: bool = True, per_config: int = CASES_PER_CONFIG) -> dict:
     """Draw ``cases`` cases, run them grouped by configuration, return the report dict."""
     # with --case, --cases and --kernel must be the ones that drew it
     indices = [only] if only is not None else list(range(cases))
-    cfgs = {i: draw_config(seed, i, kernels, gpu, cases) for i in indices}
+    cfgs = {i: draw_config(seed, i, kernels, gpu, cases, per_config) for i in indices}
     order = sorted(indices, key=lambda i: (astuple_key(cfgs[i]), i))
     t0 = time.perf_counter()
     outcomes: list[Outcome] = []
@@ -408,6 +410,7 @@ def campaign(seed: int, cases: int, kernels, gpu: bool, time_budget: float | Non
         "backend": "gpu" if gpu else "simulator",
         "seed": seed,
         "kernels": list(kernels),
+        "cases_per_configuration": per_config,
         "cases_requested": len(indices),
         "cases_run": len(outcomes),
         "cases_skipped_for_time": skipped,
@@ -419,7 +422,8 @@ def campaign(seed: int, cases: int, kernels, gpu: bool, time_budget: float | Non
         "per_kernel": per_kernel,
         "failures": [{"case": o.index, "config": asdict(o.config), "detail": o.detail,
                       "case_inputs": _describe(seed, o.index, o.config, gpu),
-                      "reproduce": f"nbattn verify --seed {seed} --cases {cases} --kernel {kflag} --case {o.index}"
+                      "reproduce": f"nbattn verify --seed {seed} --cases {cases} --per-config {per_config} "
+                                   f"--kernel {kflag} --case {o.index}"
                                    + (" --gpu-sizes" if gpu else "")}
                      for o in failures],
     }
@@ -442,6 +446,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="nbattn verify", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", type=int, default=200, help="cases to draw (default 200)")
+    p.add_argument("--per-config", type=int, default=CASES_PER_CONFIG,
+                   help=f"cases per kernel configuration (default {CASES_PER_CONFIG}); more means fewer "
+                        "configurations, so fewer compilations")
     p.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds")
     p.add_argument("--kernel", default=",".join(KERNELS),
                    help=f"comma-separated kernels to test (default all: {','.join(KERNELS)})")
@@ -459,9 +466,11 @@ def main(argv=None) -> int:
         p.error(f"--kernel: unknown kernel(s) {bad}; choose from {', '.join(KERNELS)}")
     if args.cases < 1:
         p.error("--cases: must be >= 1")
+    if args.per_config < 1:
+        p.error("--per-config: must be >= 1")
     gpu = (not simulator_enabled() or args.gpu_sizes) and not args.sim_sizes
     report = campaign(args.seed, args.cases, kernels, gpu, args.time_budget, args.case,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress, per_config=args.per_config)
     text = json.dumps(report, indent=2, default=str)
     if args.out:
         with open(args.out, "w") as f:

@@ -18,7 +18,9 @@ from nbattn.cuda.wrappers import (BatchDecodeWithPagedKVCacheWrapper,
 
 from brute import random_paged_batch
 
-gpu = pytest.mark.skipif(SIMULATOR, reason="needs a real GPU")
+def gpu(f):
+    """GPU only: selected by ``-m gpu``, skipped in the simulator."""
+    return pytest.mark.gpu(pytest.mark.skipif(SIMULATOR, reason="needs a real GPU")(f))
 C = 4
 HQ, HK, D, PAGE = 4, 2, 16, 4
 WS = 1 << 20

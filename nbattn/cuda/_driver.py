@@ -398,12 +398,14 @@ class HostToDevice:
             self._lib.event_sync(self._event)
             self._pending = False
 
-    def copy(self, dst, first: int, last: int, stream: int = 0) -> None:
-        """``host[first:last]`` into ``dst[first:last]`` (``dst``: an int32 device array)."""
+    def copy(self, dst, first: int, last: int, stream: int = 0, dst_ptr: int | None = None) -> None:
+        """``host[first:last]`` into ``dst[first:last]`` (``dst``: an int32 device array,
+        whose address ``dst_ptr`` the caller may know already)."""
         if SIMULATOR:
             dst[first:last].copy_to_device(self.host[first:last])
             return
-        err = self._lib.memcpy_htod_async(data_ptr(dst) + 4 * first, self._base + 4 * first,
+        base = data_ptr(dst) if dst_ptr is None else dst_ptr
+        err = self._lib.memcpy_htod_async(base + 4 * first, self._base + 4 * first,
                                           4 * (last - first), stream)
         if err:
             raise RuntimeError(f"nbattn: cuMemcpyHtoDAsync failed with CUDA error {err}")
@@ -447,15 +449,14 @@ def launch(kernel, grid, threads, stream, args) -> None:
     kernel[grid, threads, stream, smem](*args)
 
 
-_SM_COUNT: dict = {}
+_SM_COUNT: list = []
 
 
 def sm_count() -> int:
-    """Multiprocessors of the current device (asked once per device)."""
+    """Multiprocessors of the GPU (asked once: the kernels' heuristics assume one
+    kind of GPU per process)."""
     if SIMULATOR:
         return 4
-    dev = cuda.get_current_device()
-    n = _SM_COUNT.get(dev.id)
-    if n is None:
-        n = _SM_COUNT[dev.id] = int(dev.MULTIPROCESSOR_COUNT)
-    return n
+    if not _SM_COUNT:
+        _SM_COUNT.append(int(cuda.get_current_device().MULTIPROCESSOR_COUNT))
+    return _SM_COUNT[0]

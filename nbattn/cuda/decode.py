@@ -164,10 +164,27 @@ def _use_tc(code: str, head_dim: int, group: int, aligned: bool, variant: Varian
     return DECODE_PATH == "tc" or (TC_MIN_GROUP > 0 and group >= TC_MIN_GROUP)
 
 
+_configs: dict = {}
+
+
 def make_config(code: str, head_dim: int, group: int, kv_layout: str, variant: Variant,
                 aligned: bool = True, batch_kv_heads: int | None = None) -> DecodeConfig:
     """The kernel build for a problem; ``batch_kv_heads`` (batch x KV heads, when
-    known) picks the tensor-core CTA shape for small batches."""
+    known) picks the tensor-core CTA shape for small batches.  Memoized (a call's
+    hot path asks for it)."""
+    key = (code, head_dim, group, kv_layout, variant, aligned, batch_kv_heads, DECODE_PATH, WARP_MAX_HEADS,
+           WARP_WARPS, WARP_UNROLL, TC_WARPS, TC_MIN_BLOCKS, TC_SPLIT_SHAPE, TC_MIN_GROUP, SMEM_BUDGET)
+    try:
+        return _configs[key]
+    except KeyError:
+        cfg = _configs[key] = _make_config(code, head_dim, group, kv_layout, variant, aligned, batch_kv_heads)
+        return cfg
+    except TypeError:                      # an unhashable variant field
+        return _make_config(code, head_dim, group, kv_layout, variant, aligned, batch_kv_heads)
+
+
+def _make_config(code: str, head_dim: int, group: int, kv_layout: str, variant: Variant,
+                 aligned: bool, batch_kv_heads: int | None) -> DecodeConfig:
     if _use_tc(code, head_dim, group, aligned, variant):
         hg = heads_per_cta(group)
         nw, mb = (4, 3) if hg > 4 else (6, 2)

@@ -62,15 +62,16 @@ def split_work_arrays(kv_lens: np.ndarray, chunk: int | None):
     """:func:`nbattn.cuda.decode.split_work` without a loop over requests (same arrays)."""
     lens = np.asarray(kv_lens, np.int64)
     B = lens.size
-    if chunk is None:
-        n_items = np.ones(B, np.int64)
-    else:
-        n_items = np.where(lens > chunk, -(-lens // chunk), 1)
+    if chunk is None or not (lens > chunk).any():           # no request splits: one item each
+        i32 = np.int32
+        return (np.arange(B + 1, dtype=i32), np.arange(B, dtype=i32), np.zeros(B, i32), lens.astype(i32),
+                np.full(B, -1, i32), np.zeros(1, i32), np.zeros(0, i32), np.zeros(0, i32), 0)
+    n_items = np.where(lens > chunk, -(-lens // chunk), 1)
     split = n_items > 1
     req = np.repeat(np.arange(B), n_items)
     first = np.cumsum(n_items) - n_items
     j = np.arange(req.size) - first[req]
-    c = np.int64(chunk or 0)
+    c = np.int64(chunk)
     ks = np.where(split[req], j * c, 0)
     ke = np.where(split[req], np.minimum(lens[req], ks + c), lens[req])
     n_split_items = np.where(split, n_items, 0)
@@ -170,8 +171,11 @@ def fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_l
     spans = [_Span(buf, int(o), int(p.size)) for p, o in zip(parts, offs[:-1])]
     o_dev = out if out is not None else _alloc(q, kind, shape, code)
     l_dev = lse if lse is not None else _alloc(q, kind, shape[:2], "f32")
-    po = _alloc(q, kind, (max(n_slots, 1), hq, D), "f32")
-    pl = _alloc(q, kind, (max(n_slots, 1), hq), "f32")
+    if n_slots:
+        po = _alloc(q, kind, (n_slots, hq, D), "f32")
+        pl = _alloc(q, kind, (n_slots, hq), "f32")
+    else:                                           # nothing is split: the kernel writes no partial
+        po = pl = _unused(q, kind)
 
     pdl = DEC.DECODE_PROGRAMMATIC and cfg.path == "tc" and cfg.min_blocks == 1
     dec, ix = _bound_decode(cfg, kv_layout, var, q, paged_kv_cache, spans, o_dev, l_dev, po, pl, dims, pdl)
@@ -209,6 +213,16 @@ def fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_l
 
 
 ELEM_WORDS = {"f16": 2, "bf16": 2, "f32": 1}
+_UNUSED: dict = {}
+
+
+def _unused(like, kind: str):
+    """A one-float device array per device, bound where no partial state is written."""
+    key = (kind, str(getattr(like, "device", "")))
+    hit = _UNUSED.get(key)
+    if hit is None:
+        hit = _UNUSED[key] = _alloc(like, kind, (1,), "f32")
+    return hit
 
 
 def _conv(code: str, name: str, words: bool):

@@ -272,6 +272,7 @@ class _PlanRunWrapper:
         self._views = {name: self._ints[off // 4: off // 4 + max(cap, 1)]
                        for name, (off, cap) in self.layout.arrays.items()}
         self._h2d = HostToDevice(self.layout.plan_bytes // 4)     # pinned staging image of the plan region
+        self._ints_ptr = None
         self._host = self._h2d.host
         self._dirty: list = []         # element spans of _host that plan() wrote
         self._plan: Plan | None = None
@@ -349,8 +350,10 @@ class _PlanRunWrapper:
                 merged[-1][1] = max(merged[-1][1], b)
             else:
                 merged.append([a, b])
+        if self._ints_ptr is None and not SIMULATOR:
+            self._ints_ptr = data_ptr(self._ints)
         for a, b in merged:
-            self._h2d.copy(self._ints, a, b, stream)
+            self._h2d.copy(self._ints, a, b, stream, self._ints_ptr)
         self._h2d.end(stream)
 
     def _stream(self):
