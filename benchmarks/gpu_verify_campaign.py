@@ -10,8 +10,9 @@ the seeds give the campaign its spread of configurations.  Each process gets
 its own numba cache directory (no two compilers write one file).
 
 The result file has one record per kernel: metric ``mismatches`` (count), with
-``cases`` and ``configurations`` in the case, and a last record with the totals.
-Every failure's reproduction line is kept in ``verify_failures.json`` beside it.
+``cases`` in the case; a record ``kernel: all`` with the totals; and one record
+per failing case (metric ``failure``) with its configuration, what differed
+and the command line that reproduces it.
 """
 from __future__ import annotations
 
@@ -26,6 +27,19 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def failure_records(fails: list) -> list:
+    """One result record per failing case (metric ``failure``)."""
+    recs = []
+    for f in fails:
+        cfg = f.get("config") or {}
+        nan_case = (f.get("case_inputs") or {}).get("nan_case")
+        recs.append({"case": {"seed": f.get("seed"), "case": f.get("case"), **{k: cfg[k] for k in sorted(cfg)},
+                              "nan_case": bool(nan_case) if nan_case is not None else None,
+                              "detail": str(f.get("detail", ""))[:300], "reproduce": f.get("reproduce", "")},
+                     "metric": "failure", "value": 1.0, "unit": "case"})
+    return recs
 
 
 def main(argv=None) -> int:
@@ -86,6 +100,7 @@ def main(argv=None) -> int:
                              "cases_skipped_for_time": sum(r.get("cases_skipped_for_time", 0) for r in reports),
                              "seconds": round(time.time() - t0, 1)},
                     "metric": "mismatches", "value": float(total_bad), "unit": "count"})
+    records += failure_records([dict(f, seed=r.get("seed")) for r in reports for f in r.get("failures", [])])
     cmd = ("PYTHONPATH=$PWD python3 benchmarks/gpu_verify_campaign.py --commit " + args.commit
            + f" --seeds {' '.join(map(str, args.seeds))} --cases {args.cases} --per-config {args.per_config}"
            + f" --time-budget {args.time_budget:g}")
@@ -93,8 +108,6 @@ def main(argv=None) -> int:
                        versions={"nbattn_commit": args.commit, "numba": numba.__version__,
                                  "numpy": np.__version__, "torch": torch.__version__,
                                  "python": platform.python_version()}, root=out)
-    fails = [dict(f, seed=r.get("seed")) for r in reports for f in r.get("failures", [])]
-    (out / "verify_failures.json").write_text(json.dumps(fails, indent=1, default=str) + "\n")
     print(f"wrote {path}: {total_cases} cases, {sum(configs.values())} configurations, {total_bad} mismatches")
     return 1 if total_bad else 0
 
