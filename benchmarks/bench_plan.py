@@ -1,11 +1,11 @@
-"""CPU benchmark of the scheduler (SPEC section 5): plan time and simulated policies.
+"""CPU benchmark of the scheduler (docs/concepts/scheduler.md): plan time and simulated policies.
 
     .venv/bin/python benchmarks/bench_plan.py [--runs 2000] [--root benchmarks/results]
 
 1. Times :func:`nbattn.sched.plan` for 1024 requests (C = 132 CTAs, the SM
    count of an H100/H200) after a warm-up, reporting the median of many runs.
-   SPEC budget: < 200 us.  Each case is timed twice: SPEC section 5's rule,
-   and the decode wrapper's (per-item price, ``chunk_limit="auto"``).  The break-even rule of SPEC section 6,
+   Budget: < 200 us.  Each case is timed twice: the plain ``L = ceil(W/C)`` rule,
+   and the decode wrapper's (per-item price, ``chunk_limit="auto"``).  The break-even rule,
    ``L*(u - v) > p + h``, turns the plan cost ``p`` into the per-layer gain a
    plan must buy: with ``L = 32`` layers and ``h = 0`` that is ``p / 32``.
 2. Simulates every policy on every workload of :mod:`nbattn.sched.simulate`
@@ -60,7 +60,7 @@ def plan_records(runs):
         ("zipf", 1, 1),
         ("skewed", 1, 1),
     ]
-    # "spec": SPEC section 5 exactly; "auto": what the decode wrapper asks for
+    # "spec": the plain ``L = ceil(W/C)`` rule exactly; "auto": what the decode wrapper asks for
     # (a per-item price and the chunk-limit search, several LPT passes).
     rules = {"spec": {}, "auto": dict(chunk_overhead=DECODE_CHUNK_OVERHEAD, chunk_limit="auto")}
     for (name, qo_len, group), (rule, kw) in itertools.product(cases, rules.items()):

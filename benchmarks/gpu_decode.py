@@ -17,7 +17,7 @@ the same run, and a few cases sweep the warp path's unroll.
     groups 1/4/8, head_dim 64/128/256, fp16/bf16/fp32, NHD/HND, variants,
     empty requests; outputs poisoned with NaN first, every element checked.
 (b) compute-sanitizer memcheck and racecheck on a small split-KV case.
-(c) bandwidth: minimal bytes (SPEC 6) / kernel time (CUDA events around CUDA
+(c) bandwidth: minimal bytes (performance model) / kernel time (CUDA events around CUDA
     graph replays, warm-up, median) as a fraction of the device-to-device copy
     bandwidth measured in this run; peers torch SDPA (flash, cuDNN) and
     FlexAttention (compiled) on equivalent dense tensors; first-call compile
@@ -57,7 +57,7 @@ _CHECK_FIELDS = ("ok", "ok_o", "ok_lse", "unwritten", "max_abs_err_o", "max_abs_
 
 
 def corr_as_suite(corr: dict) -> dict:
-    """The correctness report in the result-file format of GPU.md: one record per
+    """The correctness report in the result-file format (docs/gpu.md): one record per
     case, metric ``ok`` (1.0 or 0.0), the error figures beside it as extra fields."""
     out = {k: v for k, v in corr.items() if k != "records"}
     out.setdefault("copy_bandwidth_GBps", None)

@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python3 benchmarks/gpu_prefill.py      (writes $OUT or benchmarks/results)
 
-Suites (result format of shared/GPU.md):
+Suites (result-file format, docs/gpu.md):
 - prefill.json: batch 1 x 8k x 8k, 32 query / 8 KV heads, head_dim 128, fp16,
   causal and not: nbattn's tensor-core path beside torch SDPA (flash, cuDNN)
   and FlexAttention (compiled); TFLOP/s.  Page size 1 (and 16) vs contiguous

@@ -18,7 +18,7 @@ One run, in this order (so a time-out still leaves the most useful part):
    ``core_tile`` at 2k x 2k beside the new path at 2k x 2k.
 
 FLOPs: 4 * l_q * l_kv * head_dim per query head, halved for causal.
-Writes ``prefill_cuda_core.json`` (format of shared/GPU.md) and prints a table.
+Writes ``prefill_cuda_core.json`` (result-file format, docs/gpu.md) and prints a table.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One GPU session for the scheduler's run side (issue 5, SPEC sections 5-6).
+"""One GPU session for the scheduler's run side (issue 5).
 
     PYTHONPATH=$PWD python3 benchmarks/gpu_sched.py        # writes $OUT/sched.json
 
@@ -15,13 +15,13 @@
        module's own heuristic ``choose_chunk``);
      * ``lpt``          -- the wrapper's default plan (persistent decode + fixed-grid
        merge): C = one resident wave of CTAs per KV head, a per-item price,
-       ``chunk_limit="auto"``; ``lpt_spec_*`` -- SPEC section 5's rule exactly
+       ``chunk_limit="auto"``; ``lpt_spec_*`` -- the scheduler's base rule exactly
        (no price, L = ceil(W/C)) on that C and on one CTA per SM per KV head.
    The decode kernel's per-item price is fitted in the same run
    (``item_overhead_tokens``).
    Workloads: skewed (1 x 32k + 63 x 512), long-variable (64 x uniform
    8k-32k), constant (64 x 4k).
-3. Plan time (CPU, this run) vs run time; SPEC 6 break-even ``L*(u-v) > p+h``
+3. Plan time (CPU, this run) vs run time; break-even ``L*(u-v) > p+h``
    for L = 32 layers (h = 0: the wrapper adds no per-layer work).
 4. 100 repeated runs bitwise equal; run() captured in a CUDA graph and replayed
    after a new plan() with different lengths.
@@ -207,7 +207,7 @@ def lpt_wrapper(num_ctas):
 def lpt_policies(sms):
     """name -> keyword arguments of wrapper.plan().  ``lpt`` is the wrapper's
     default (C = one resident wave, per-item price, chunk_limit="auto"); the
-    ``lpt_spec_*`` rows are SPEC section 5's rule exactly (no item price,
+    ``lpt_spec_*`` rows are the scheduler's base rule exactly (no item price,
     L = ceil(W/C)) on that C and on one CTA per SM per KV head, as in session 1."""
     if SIMULATOR:
         return {"lpt": {}, "lpt_spec_C4": dict(num_ctas=4, chunk_overhead=0.0, chunk_limit=None)}

@@ -9,7 +9,7 @@ Other modules add figures with the decorator::
 
     from nbattn.figures import register
 
-    @register("my_figure", caption="...", source="model (SPEC 5)")
+    @register("my_figure", caption="...", source="model (performance model)")
     def my_figure(path, results_root): ...
 
 This module is cheap to import: plotting modules (and matplotlib) load the
@@ -84,7 +84,7 @@ def register(name: str, caption: str, source: str, *, replace: bool = False):
 # --------------------------------------------------------------------------
 # (module, function, name, caption, data source[, adapter]).  An adapter turns a
 # function that needs data into a ``builder(path, results_root)``.  Captions put the paper's
-# number (SPEC section 7) beside ours; measured values are never written here,
+# reported number beside ours; measured values are never written here,
 # only the file they live in.
 
 _RESULTS = "benchmarks/results"
@@ -112,7 +112,7 @@ def _sched_reduction_map(fn: Builder) -> Builder:
     def builder(path: Path, results_root: Path) -> None:
         from .sched.plan import plan
 
-        # The three requests of SPEC section 4 on 4 CTAs.
+        # The three-request example batch (docs/concepts/layouts.md) on 4 CTAs.
         fn(plan([3, 1, 4], [6, 2, 9], 4), path)
 
     return builder

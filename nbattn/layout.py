@@ -1,4 +1,4 @@
-"""Where queries and KV live: ragged Q, paged KV, BSR views (SPEC section 1).
+"""Where queries and KV live: ragged Q, paged KV, BSR views (docs/concepts/layouts.md).
 
 One module that the golden model (:mod:`nbattn.reference`), the kernels
 (:mod:`nbattn.cuda`) and the scheduler (:mod:`nbattn.sched`) all use, so a
@@ -139,7 +139,7 @@ def check_kv_layout(kv_layout: str) -> str:
 
 @dataclass(frozen=True)
 class CacheDims:
-    """Sizes read off a paged KV cache tensor (SPEC section 1)."""
+    """Sizes read off a paged KV cache tensor."""
     num_pages: int
     page_size: int
     num_kv_heads: int
@@ -168,7 +168,7 @@ def cache_dims(paged_kv_cache: Any, kv_layout: str = "NHD") -> CacheDims:
 
 
 def check_heads(num_qo_heads: int, num_kv_heads: int) -> int:
-    """GQA group size; SPEC section 2: num_kv_heads must divide num_qo_heads."""
+    """GQA group size; num_kv_heads must divide num_qo_heads."""
     if num_kv_heads < 1 or num_qo_heads < 1 or num_qo_heads % num_kv_heads:
         raise LayoutError(f"num_qo_heads: must be a positive multiple of num_kv_heads "
                           f"({num_kv_heads}), got {num_qo_heads}")
@@ -218,7 +218,7 @@ def check_same_dtype(**tensors: Any) -> None:
 
 @dataclass(frozen=True)
 class RaggedQ:
-    """Requests packed back to back (SPEC section 1): rows of request r are
+    """Requests packed back to back: rows of request r are
     ``qo_indptr[r]:qo_indptr[r+1]``."""
     qo_indptr: np.ndarray
 
@@ -253,7 +253,7 @@ class RaggedQ:
 
 @dataclass(frozen=True)
 class PagedKV:
-    """A page table (SPEC section 1).
+    """A page table (docs/concepts/layouts.md, "Paged KV cache").
 
     Request r owns pages ``paged_kv_indices[paged_kv_indptr[r]:paged_kv_indptr[r+1]]``
     in logical order; ``paged_kv_last_page_len[r]`` slots of its last page are
@@ -269,7 +269,7 @@ class PagedKV:
     @classmethod
     def validate(cls, paged_kv_indptr: Any, paged_kv_indices: Any, paged_kv_last_page_len: Any,
                  page_size: int, num_pages: int) -> "PagedKV":
-        """Check every SPEC section 4 page-table rule; raise LayoutError naming the argument."""
+        """Check every page-table rule; raise LayoutError naming the argument."""
         indices = as_int32("paged_kv_indices", paged_kv_indices)
         indptr = check_indptr("paged_kv_indptr", paged_kv_indptr, total=len(indices),
                               total_name="len(paged_kv_indices)")
@@ -352,7 +352,7 @@ class PagedKV:
 
 
 def kv_lengths(paged_kv_indptr: Any, paged_kv_last_page_len: Any, page_size: int) -> np.ndarray:
-    """KV length per request from a page table (SPEC section 1)."""
+    """KV length per request from a page table."""
     indptr = np.asarray(paged_kv_indptr, dtype=np.int64)
     last = np.asarray(paged_kv_last_page_len, dtype=np.int64)
     n = np.diff(indptr)
@@ -374,7 +374,7 @@ def gather_kv(paged_kv_cache: np.ndarray, pkv: PagedKV, r: int,
 
 
 def check_causal_lengths(qo_lens: np.ndarray, kv_lens: np.ndarray, *, name: str = "qo_indptr") -> None:
-    """SPEC section 4: a causal request cannot have more queries than keys
+    """A causal request cannot have more queries than keys
     (its new tokens are part of the KV)."""
     bad = qo_lens > kv_lens
     if bad.any():
@@ -453,7 +453,7 @@ def check_append(append_key: Any, append_value: Any, batch_indices: Any, positio
 
 @dataclass(frozen=True)
 class BSR:
-    """Block compressed sparse rows (SPEC section 1).
+    """Block compressed sparse rows (docs/concepts/layouts.md).
 
     ``shape = (M, N)`` in elements (query rows x key columns); blocks are
     ``block_shape = (B_r, B_c)``; a partial last block row/column is allowed
@@ -592,7 +592,7 @@ def bsr_to_page_table(bsr: BSR, qo_indptr: Any, kv_lens: Sequence[int]) -> Paged
 
 @dataclass(frozen=True)
 class CascadeLevel:
-    """One level of a multi-level cascade (SPEC section 1): a page table whose
+    """One level of a multi-level cascade: a page table whose
     block rows are groups of consecutive requests.  ``qo_indptr`` partitions the
     query rows into the groups that attend this level's pages together."""
     qo_indptr: np.ndarray

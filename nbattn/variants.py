@@ -1,4 +1,4 @@
-"""Attention variants: the customization points of SPEC section 2.
+"""Attention variants: the customization points (docs/concepts/masks.md).
 
 One frozen :class:`Variant` describes what a kernel (or the golden model)
 computes besides plain softmax attention.  The golden model evaluates it with
@@ -8,7 +8,7 @@ into device code.  A Variant is hashable so it can key a kernel cache.
 
 Positions.  Every mask and bias is written in *sequence positions*: key j of a
 request sits at ``kv_idx = j``; query i of a request with Q queries and K keys
-sits at ``q_idx = K - Q + i`` (bottom-right alignment, SPEC section 2).  The
+sits at ``q_idx = K - Q + i`` (bottom-right alignment).  The
 user functions see exactly these, with FlexAttention's argument order:
 
     score_mod(score, b, h, q_idx, kv_idx) -> new score
@@ -20,7 +20,7 @@ golden model and with scalars inside compiled kernels); functions that use
 ``if`` statements or ``math`` still work in the golden model through a slower
 element-wise fallback.
 
-Order (SPEC section 2): scale, ALiBi bias, soft-cap, ``score_mod``, then the
+Order: scale, ALiBi bias, soft-cap, ``score_mod``, then the
 mask (causal, window with sinks, ``mask_mod``), then softmax -- or, with
 ``use_sigmoid``, ``sigmoid(score + sigmoid_bias)`` and no normalization.
 """

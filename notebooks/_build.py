@@ -71,6 +71,15 @@ SETUP = """
     print(f"backend: {nbattn.BACKEND}  (small shapes: {SMALL})")
 """
 
+GPU_NOTE = """
+    The next cell says where the kernels run: numba's CUDA simulator without a GPU (tiny shapes,
+    every GPU thread a Python thread), or the GPU. On a GPU, numba may print
+    `NumbaPerformanceWarning: Grid size N will likely result in GPU under-utilization due to low
+    occupancy` under some cells. The shapes here are small on purpose, so a kernel launches only a
+    few CTAs and leaves most multiprocessors idle: the warning is about speed, not correctness, and
+    the results are checked all the same.
+"""
+
 
 # ---------------------------------------------------------------------------
 # 01: online softmax and the merge operator
@@ -85,7 +94,7 @@ def nb01():
 
         1. What an *attention state* `(o, lse)` is, and why nbattn keeps the log-sum-exp in **base 2**.
         2. The merge operator that combines the states of two disjoint key sets, worked by hand
-           on the two examples of SPEC section 3.
+           on two small examples (the documentation's page *The attention state and its merge*).
         3. Why averaging partial outputs is wrong, and by how much.
         4. The corner cases every kernel must get right: empty key sets (`lse = -inf`) and
            huge logits (±1000) that overflow a naive `exp`.
@@ -95,6 +104,7 @@ def nb01():
         the same operator as a numba.cuda kernel (in the simulator when there is no GPU).
         Exercises have a placeholder cell, a collapsed worked solution, and a check cell.
         """),
+        md(GPU_NOTE),
         code(SETUP + """
     from nbattn.reference import (merge_state, merge_states, split_kv, single_decode,
                                   lse_natural_to_base2, lse_base2_to_natural)
@@ -134,7 +144,7 @@ def nb01():
     print("o =", o_all, " lse =", lse_all)
     """),
         md("""
-        ## 2. Merging two states (SPEC section 3)
+        ## 2. Merging two states
 
         For *disjoint* key sets $A$ and $B$:
 
@@ -433,7 +443,7 @@ def nb02():
         **What you will learn**
 
         1. How a paged KV cache stores requests in a pool of fixed-size pages, using the
-           three-request batch of SPEC section 4 (page size 4).
+           three-request batch of the documentation's *Layouts* page (page size 4).
         2. Bottom-right aligned causal masks for requests that append several tokens.
         3. The same page table seen as a **block-sparse (BSR) matrix**: `nbattn.layout.page_table_to_bsr`,
            `BSR.to_block_mask`, and attention over a BSR view (`nbattn.reference.block_sparse`).
@@ -444,13 +454,14 @@ def nb02():
         Only index arrays are built here; the KV data is never copied into a new layout. The
         kernels `nbattn.cuda.block_sparse` and `nbattn.cuda.cascade` read the very same views.
         """),
+        md(GPU_NOTE),
         code(SETUP + """
     import matplotlib.pyplot as plt
     from nbattn import layout as L
     from nbattn import reference as ref
     """),
         md("""
-        ## 1. The batch of SPEC section 4
+        ## 1. The three-request batch
 
         | request | prefix (already cached) | new tokens (queries) | KV length |
         |---|---|---|---|
@@ -770,6 +781,7 @@ def nb03():
         Without a GPU they run in numba's CUDA simulator (every thread is a Python thread), so the
         shapes stay small.
         """),
+        md(GPU_NOTE),
         code(SETUP + """
     from numba import cuda, float32
     from nbattn import layout as L
@@ -779,7 +791,7 @@ def nb03():
     from nbattn.perf import roofline as rl
 
     rng = np.random.default_rng(0)
-    # the batch of SPEC section 4, as a decode step (one new query row per request)
+    # the three-request batch (notebook 02), as a decode step (one new query row per request)
     page_size, num_pages = 4, 16
     kv_indptr = np.array([0, 2, 3, 6], np.int32)
     kv_indices = np.array([7, 2, 11, 3, 14, 6], np.int32)
@@ -859,7 +871,7 @@ def nb03():
         code("""
     if SMALL:
         Hq, Hkv, D = 8, 2, 16
-        big = pkv                                             # the SPEC batch
+        big = pkv                                             # the three-request batch
     else:
         Hq, Hkv, D = 32, 8, 128
         big = L.PagedKV.allocate(rng.integers(1, 4096, size=32), 16, rng=rng)
@@ -888,7 +900,7 @@ def nb03():
 
         If every query head were handled by its own CTA, each CTA would load its KV head's
         keys and values again: the KV traffic is multiplied by the group. Compute, for this batch
-        in fp16 (`b = 2`), the minimal bytes of SPEC section 6 *with* fusion (`fused`) and the bytes
+        in fp16 (`b = 2`), the minimal bytes of the performance model *with* fusion (`fused`) and the bytes
         a one-head-per-CTA kernel would move (`unfused`: as if there were `Hq` KV heads).
         """),
         exercise("""
@@ -976,7 +988,7 @@ def nb03():
         Why bother? A single long request is the worst case for an unsplit decode: a handful of
         CTAs pull every byte while the rest of the GPU idles. `benchmarks/gpu_decode.py` measured
         both on a GPU; when `benchmarks/results/decode.json` is present, here is the achieved
-        bandwidth as a fraction of the device's copy bandwidth (SPEC section 6), unsplit vs split:
+        bandwidth as a fraction of the device's copy bandwidth (the performance model's yardstick), unsplit vs split:
         """),
         code("""
     from nbattn.perf import results
@@ -1068,12 +1080,13 @@ def nb04():
            softmax across KV tiles, and which tiles a causal mask lets it skip.
         2. nbattn's prefill kernel (`nbattn.cuda.batch_prefill_paged`) on the paged batch of
            notebook 02, checked against the golden model.
-        3. The roofline model of SPEC section 6 (`nbattn.perf.roofline`): FLOPs, minimal bytes,
+        3. The roofline model (`nbattn.perf.roofline`): FLOPs, minimal bytes,
            operational intensity — and why **decode is memory-bound** while **prefill is
            compute-bound**.
         4. Where measured numbers come from: `benchmarks/results/*.json`, read through
            `nbattn.perf.results`; the roofline figure (`nbattn.plots.roofline`) places them when present.
         """),
+        md(GPU_NOTE),
         code(SETUP + """
     import matplotlib.pyplot as plt
     from nbattn import reference as ref
@@ -1173,7 +1186,7 @@ def nb04():
         CTA owns one tile of fused rows (GQA heads folded in) and one KV head; it gathers each
         KV tile from the pages into shared memory once and uses it for the whole group. On a GPU
         with fp16/bf16 it runs the tensor-core path; in the simulator the CUDA-core path with
-        small tiles. Here is the SPEC section 4 batch, causal:
+        small tiles. Here is the three-request batch of notebook 02, causal:
         """),
         code("""
     import nbattn.cuda as nbcuda
@@ -1197,7 +1210,7 @@ def nb04():
         md("""
         ## 3. The roofline
 
-        SPEC section 6 counts what attention cannot avoid. Per query head:
+        The performance model counts what attention cannot avoid. Per query head:
         FLOPs `≈ 4·l_q·l_kv·d` (two matmuls), and minimal bytes
         `b·d·(l_q·H_qo + 2·l_kv·H_kv + l_q·H_qo)` (read Q, read K and V once, write O).
         Their ratio, the **operational intensity**, decides which roof a kernel hits:
@@ -1368,6 +1381,7 @@ def nb05():
         The planner runs on the CPU; without a GPU the kernels run in numba's simulator. Only the
         CUDA-graph cell needs a real GPU (it says so and skips itself otherwise).
         """),
+        md(GPU_NOTE),
         code(SETUP + """
     import tempfile
     from pathlib import Path
@@ -1431,8 +1445,8 @@ def nb05():
         md("""
         ### Exercise 1 — the chunk limit
 
-        For the SPEC section 4 batch (query lengths `[3, 1, 4]`, KV lengths `[6, 2, 9]`) with
-        `tile_q = 16` and `C = 4` CTAs, compute the planner's chunk limit `L` from the SPEC formula
+        For the three-request batch of notebook 02 (query lengths `[3, 1, 4]`, KV lengths `[6, 2, 9]`) with
+        `tile_q = 16` and `C = 4` CTAs, compute the planner's chunk limit `L` from its formula
         `W = Σ_r ceil(l_qo[r] / T_q) · l_kv[r]`, `L = max(1, ceil(W / C))`.
         """),
         exercise("""
@@ -1570,7 +1584,7 @@ def nb05():
         item with its second grid dimension, so for the planner a decode request is one row
         (`tile_q = 1`).
 
-        The run step below allocates its workspace **once**, sized by the SPEC section 5 bound, and
+        The run step below allocates its workspace **once**, sized by the planner's bound on partial states, and
         then serves two layers (two different KV caches) with the same plan, the same grid and the
         same buffer addresses. Only the data changes — which is what a CUDA graph needs to replay a
         captured step. (Capturing a graph needs a real GPU; the simulator has no graphs.)
@@ -1667,7 +1681,7 @@ def nb05():
         md("""
         ### The price of a work item
 
-        SPEC section 5 cuts chunks at `L = ceil(W / C)`. That is perfect when a chunk costs only
+        The planner cuts chunks at `L = ceil(W / C)`. That is perfect when a chunk costs only
         its keys, but on a GPU every work item also pays a fixed price (reading its queue entry,
         filling the load pipeline, writing its state): about 64 KV tokens' worth for nbattn's
         decode kernel on an H200 (`item_overhead_tokens` in `sched.json`). Equal lengths show
@@ -1721,7 +1735,7 @@ def nb05():
         ### Exercise 4 — the partial buffer fits, always
 
         The run step preallocates the partial buffer once (for CUDA graphs, addresses must not
-        change). SPEC section 5 bounds it by `2·C·T_q·H_qo·(head_dim+1)` elements. Find the
+        change). The planner bounds it by `2·C·T_q·H_qo·(head_dim+1)` elements. Find the
         largest `p.partial_elements(H_qo, head_dim)` over 200 random decode and prefill steps and
         store it as a fraction of `sched.partial_buffer_bound(...)` in `worst` (a float).
         """),
@@ -1798,7 +1812,7 @@ def nb05():
         assert err < 4e-3 * (1 + np.abs(want).max())
     """),
         md("""
-        The break-even of planning (SPEC section 6): with `L` layers, per-layer times `u`
+        The break-even of planning (the performance model): with `L` layers, per-layer times `u`
         (no plan) and `v` (with plan), plan cost `p` and integration cost `h`, planning pays
         when `L·(u − v) > p + h`:
         """),
@@ -1810,7 +1824,7 @@ def nb05():
     u = sched.simulate(wl.qo_lens, wl.kv_lens, 132, "one_per_cta").makespan
     v = sched.simulate(wl.qo_lens, wl.kv_lens, 132, "lpt").makespan
     print(f"plan cost on this CPU: {plan_us:.0f} us; simulated per-layer makespan {u:.0f} -> {v:.0f} units")
-    for unit_ns in (5, 14, 50):          # what one cost unit is worth in time (SPEC 5 model: ~14 ns)
+    for unit_ns in (5, 14, 50):          # what one cost unit is worth in time (the planner's cost model: ~14 ns)
         gain_us = (u - v) * unit_ns / 1000
         print(f"  1 unit = {unit_ns:2d} ns: saves {gain_us:6.1f} us/layer -> pays after "
               f"{rl.planning_breakeven_layers(u * unit_ns / 1000, v * unit_ns / 1000, plan_us):.0f} layers")
@@ -1847,6 +1861,7 @@ def nb06():
            plays the role of FlashInfer's JIT templates).
         4. How to rebuild the paper's figures from models and measured results (`nbattn.figures`).
         """),
+        md(GPU_NOTE),
         code(SETUP + """
     import tempfile
     from pathlib import Path
@@ -2013,7 +2028,7 @@ def nb06():
         ## 6. Reproducing the paper's figures
 
         `nbattn.figures` is a registry: each entry has a builder, a caption that puts the paper's
-        number beside ours, and a data source. Builders draw the SPEC section 6 models and, where a
+        number beside ours, and a data source. Builders draw the performance models and, where a
         result file exists in `benchmarks/results/`, the measured points; otherwise the figure
         says "no measured data yet". Nothing is fabricated: a result file that fails validation
         is left out and named below.
@@ -2050,7 +2065,7 @@ def nb06():
         md("""
         ### Exercise 3 — read a paper number through Amdahl's law
 
-        SPEC section 7: switching SGLang's attention backend from Triton to FlashInfer took the
+        The paper reports that switching SGLang's attention backend from Triton to FlashInfer took the
         end-to-end inter-token latency of Llama 3.1 8B on the Variable workload from 29.6 ms to
         9.1 ms. If attention
         is a fraction `f` of a step and gets `k×` faster, the step gets

@@ -1,4 +1,4 @@
-"""Pins the start-up decisions of nbattn._compat (../shared/GPU.md):
+"""Pins the start-up decisions of nbattn._compat:
 numpy-2.5's missing ``row_stack`` is aliased before numba.cuda compiles, and
 the simulator is chosen when no GPU is usable."""
 from __future__ import annotations

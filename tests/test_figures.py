@@ -1,4 +1,4 @@
-"""Figure registry, builders and the measured-data path (SPEC sections 6-7, GPU.md format).
+"""Figure registry, builders and the measured-data path.
 
 Result files here are synthetic fixtures written to tmp_path; nothing is
 written under benchmarks/results.
@@ -29,7 +29,7 @@ MEASURED_FIGURES = [roofline.roofline_figure, paper.shared_prefix_figure,
 
 def write_results(root: Path, *, nbattn_bw=0.8, sdpa_bw=0.55, copy_bw=4300.0,
                   prefill_tflops=300.0, cascade=10.0, split=3.0, plan_us=40.0) -> Path:
-    """Synthetic result files in the GPU.md format, with knobs for the values under test."""
+    """Synthetic result files, with knobs for the values under test."""
     decode = []
     for batch in (1, 64):
         for kv in (1024, 4096, 32768):
@@ -264,7 +264,7 @@ def test_roofline_follows_the_file(tmp_path):
     np.testing.assert_allclose(fractions(fig, 4400.0), [0.81, 0.9])
     prefill = artist(fig, "measured:prefill:cudnn").get_offsets()
     np.testing.assert_allclose(prefill[:, 1], [600.0])
-    # Without files, the H200 roof uses GPU.md's recorded ceiling.
+    # Without files, the H200 roof uses the H200's measured ceiling.
     assert artist(roofline.roofline_figure(None), "roof:H200").get_ydata()[0] == \
         pytest.approx(4300.0 * x[0] * 1e-3)
 

@@ -1,4 +1,4 @@
-"""Layout views, conversions, append, and every invalid-metadata rule of SPEC section 4."""
+"""Layout views, conversions, append, and every invalid-metadata rule."""
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -14,7 +14,7 @@ I32 = np.int32
 
 
 def spec4():
-    """The three-request batch of SPEC section 4 (page size 4, pool of 15 pages)."""
+    """The three-request example batch (page size 4, pool of 15 pages)."""
     rng = np.random.default_rng(0)
     return dict(
         q=rng.standard_normal((8, 4, 8)).astype(np.float32),

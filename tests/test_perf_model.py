@@ -1,4 +1,4 @@
-"""SPEC section 6 models, GPU specs and the result-file format (GPU.md)."""
+"""Performance-model functions, GPU specs and the result-file format."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,7 @@ from nbattn.perf.results import ResultFormatError
 # --------------------------------------------------------------------------
 
 def brute_visible_pairs(q, k):
-    """Count the bottom-right causal mask of SPEC section 2 element by element."""
+    """Count the bottom-right causal mask element by element."""
     i = np.arange(q)[:, None]
     j = np.arange(k)[None, :]
     return int((j <= k - q + i).sum())
@@ -29,7 +29,7 @@ def test_causal_pairs_match_the_mask(q, k):
 
 
 def test_causal_pairs_spec4_request2():
-    # SPEC section 4: R2's four query rows see 6, 7, 8, 9 keys.
+    # The example batch's R2: its four query rows see 6, 7, 8, 9 keys.
     assert rl.causal_visible_pairs(4, 9) == 6 + 7 + 8 + 9
     assert rl.causal_visible_pairs(1, 4096) == 4096  # decode sees everything
 
@@ -182,7 +182,7 @@ def test_split_kv_model_shape():
 
 def test_gpu_specs():
     assert gpus.H200.num_sms == 132 and gpus.A100_SXM_80GB.num_sms == 108
-    assert gpus.H200.copy_bandwidth_GBps == 4300.0  # measured (GPU.md) beats datasheet
+    assert gpus.H200.copy_bandwidth_GBps == 4300.0  # measured on the H200 beats datasheet
     assert gpus.H200.measured_bf16_matmul_tflops == 790.0
     assert gpus.H100_SXM.copy_bandwidth_GBps == gpus.H100_SXM.mem_bandwidth_GBps
     assert not gpus.H100_SXM.bandwidth_is_measured

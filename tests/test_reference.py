@@ -1,5 +1,5 @@
 """The golden model against an independent float64 brute force, torch SDPA,
-and the worked examples of SPEC sections 3-4."""
+and the worked examples of docs/concepts/ (state.md, layouts.md)."""
 import math
 
 import numpy as np
@@ -26,7 +26,7 @@ def close_states(o, lse, o_ref, lse_ref, tol=TOL):
 
 
 # ---------------------------------------------------------------------------
-# SPEC worked examples, exact
+# Worked examples, exact
 # ---------------------------------------------------------------------------
 
 def test_spec3_merge_example():
@@ -429,7 +429,7 @@ def test_against_torch_sdpa(causal, group):
     o, lse = R.single_prefill(q, k, v, causal=causal, return_lse=True)
     tq, tk, tv = (torch.from_numpy(x).transpose(0, 1)[None] for x in (q, k, v))
     mask = None
-    if causal:  # torch's is_causal is top-left aligned; SPEC's is bottom-right
+    if causal:  # torch's is_causal is top-left aligned; ours is bottom-right
         mask = torch.from_numpy(np.arange(nk)[None, :] <= np.arange(nk - nq, nk)[:, None])
     ref = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask, enable_gqa=True)
     np.testing.assert_allclose(o, ref[0].transpose(0, 1).numpy(), rtol=1e-4, atol=1e-5)

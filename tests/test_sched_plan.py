@@ -1,4 +1,4 @@
-"""Tests of the LPT planner and the tile heuristic (SPEC section 5)."""
+"""Tests of the LPT planner and the tile heuristic (docs/concepts/scheduler.md)."""
 from __future__ import annotations
 
 import heapq
@@ -54,8 +54,8 @@ def expected_tiles(qo, kv, group, tile_q):
 
 
 def reference_lpt(qo, kv, group, tile_q, num_ctas, alpha, beta, overhead=0.0, limit=None):
-    """The SPEC section 5 algorithm written plainly with Python objects
-    (``limit``: force a chunk limit instead of SPEC's ceil(W/C))."""
+    """The LPT algorithm written plainly with Python objects
+    (``limit``: force a chunk limit instead of the base rule's ceil(W/C))."""
     tiles = expected_tiles(qo, kv, group, tile_q)
     work = sum(k for _, k in tiles.values())
     if limit is None:
@@ -78,7 +78,7 @@ def reference_lpt(qo, kv, group, tile_q, num_ctas, alpha, beta, overhead=0.0, li
 
 
 def reference_auto_limit(qo, kv, group, tile_q, num_ctas, alpha, beta, overhead):
-    """chunk_limit="auto" written plainly: SPEC's limit, no split, and the longest
+    """chunk_limit="auto" written plainly: the base rule's limit, no split, and the longest
     tile cut in 2..4, judged by LPT makespan; ties go to the larger limit."""
     spec, _, _ = reference_lpt(qo, kv, group, tile_q, num_ctas, alpha, beta, overhead)
     longest = max([k for _, k in expected_tiles(qo, kv, group, tile_q).values()], default=0)
@@ -144,7 +144,7 @@ def check_plan_invariants(p: Plan, qo, kv, group):
         assert all(slot_tile[s] == key for s in listed)
         assert [slot_start[s] for s in listed] == sorted(slot_start[s] for s in listed)
         assert len(listed) == len(by_tile[key])
-    # SPEC section 5 / App. D.3: at most 2*C partial slots.
+    # Paper App. D.3: at most 2*C partial slots.
     assert p.num_partials <= 2 * p.num_ctas
 
     # Costs, makespan and the lower bound.
@@ -172,7 +172,7 @@ def test_plan_invariants(lens, num_ctas, tile_q, group, alpha, beta):
 @SETTINGS
 @given(lens=batches(), **plan_args)
 def test_plan_matches_plain_python_lpt(lens, num_ctas, tile_q, group, alpha, beta):
-    # An independent, slow transcription of SPEC section 5 must give the very
+    # An independent, slow transcription of the LPT algorithm must give the very
     # same queues, including every tie-break.
     qo, kv = lens
     p = plan(qo, kv, num_ctas, tile_q, group=group, alpha=alpha, beta=beta)
@@ -206,8 +206,8 @@ def test_plan_is_deterministic(lens, num_ctas, tile_q, group, alpha, beta):
 def test_auto_chunk_limit_matches_plain_python(lens, overhead, num_ctas, tile_q, group, alpha, beta):
     # The candidate search, re-done by hand, picks the same limit and the same
     # queues; the plan keeps every invariant (2*C partial bound included, since
-    # no candidate is below SPEC's limit) and is never worse under its own cost
-    # than the SPEC limit or no split.
+    # no candidate is below the base limit) and is never worse under its own cost
+    # than the base limit or no split.
     qo, kv = lens
     p = plan(qo, kv, num_ctas, tile_q, group=group, alpha=alpha, beta=beta,
              chunk_overhead=overhead, chunk_limit="auto")
@@ -225,14 +225,14 @@ def test_auto_chunk_limit_matches_plain_python(lens, overhead, num_ctas, tile_q,
 
 
 def test_auto_chunk_limit_on_the_benchmark_shapes():
-    # 64 x 4096 keys on 66 CTAs: SPEC's limit (3972) leaves 124-key tails that two
+    # 64 x 4096 keys on 66 CTAs: the base rule's limit (3972) leaves 124-key tails that two
     # CTAs run 32 at a time; with a per-item price the search keeps requests whole.
     const = [4096] * 64
     spec = plan([1] * 64, const, 66, 4, group=4, chunk_overhead=50)
     assert spec.chunk_limit == 3972 and spec.num_partials == 128
     auto = plan([1] * 64, const, 66, 4, group=4, chunk_overhead=50, chunk_limit="auto")
     assert auto.chunk_limit == 4096 and auto.num_partials == 0 and auto.makespan < spec.makespan
-    # Without the price SPEC's limit is already the best LPT can do here.
+    # Without the price the base rule's limit is already the best LPT can do here.
     assert plan([1] * 64, const, 66, 4, group=4, chunk_limit="auto").chunk_limit == 3972
     # Skewed (1 x 32k + 63 x 512): the long request must still be cut.
     skew = [32768] + [512] * 63

@@ -1,4 +1,4 @@
-"""Performance model (SPEC section 6): GPU ceilings, roofline, result files.
+"""Performance model (docs/concepts/performance.md): GPU ceilings, roofline, result files.
 
 Cheap to import (NumPy and the standard library only); plotting lives in
 :mod:`nbattn.plots`.

@@ -1,13 +1,13 @@
-"""GPU specifications for the roofline model (SPEC section 6).
+"""GPU specifications for the roofline model (docs/concepts/performance.md).
 
 The ``mem_bandwidth_GBps``, ``tensor_tflops``, ``fp32_tflops``, ``num_sms`` and
 ``smem_per_sm_KiB`` fields below are vendor *datasheet* values (SXM parts,
 dense fp16/bf16 tensor-core throughput, i.e. without 2:4 sparsity).  They are
 ceilings printed on a spec sheet, not something we measured.
 
-SPEC section 6 asks for decode to be reported against the *measured* copy
+The performance model reports decode against the *measured* copy
 bandwidth, so a spec also carries optional measured fields.  For the H200 they
-hold the ceilings recorded in ``/work/shared/GPU.md`` (device-to-device copy
+hold the ceilings measured on the H200 (device-to-device copy
 about 4.3 TB/s counting bytes read plus written, bf16 matmul about 790
 TFLOP/s).  A benchmark run re-measures the copy ceiling and stores it as
 ``copy_bandwidth_GBps`` in its result file; :func:`with_copy_bandwidth` swaps
@@ -51,7 +51,7 @@ class GPUSpec:
     def copy_bandwidth_GBps(self) -> float:
         """Bandwidth to compare decode against: measured when known, else datasheet.
 
-        SPEC section 6 reports decode as achieved / *measured* copy bandwidth;
+        The performance model reports decode as achieved / *measured* copy bandwidth;
         the datasheet number is only a fallback for GPUs we never ran on.
         """
         if self.measured_copy_GBps is not None:
@@ -69,7 +69,7 @@ class GPUSpec:
 
 
 # Datasheet values (NVIDIA H200 / H100 / A100 product briefs, SXM form factor).
-# The H200 measured fields come from /work/shared/GPU.md, not the datasheet.
+# The H200 measured fields are our measurements on an H200, not datasheet values.
 H200 = GPUSpec(
     name="H200",
     mem_bandwidth_GBps=4800.0,

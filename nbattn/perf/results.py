@@ -1,6 +1,6 @@
 """Benchmark result files: the one door through which measured data enters figures.
 
-Format (``/work/shared/GPU.md``, "Benchmark result files"): one JSON file per
+Format (docs/gpu.md, "Reading a result file"): one JSON file per
 suite, ``benchmarks/results/<suite>.json``::
 
     {"suite": str, "gpu": str, "date": "YYYY-MM-DD", "command": str,
@@ -10,8 +10,8 @@ suite, ``benchmarks/results/<suite>.json``::
 
 ``peers`` hold the same metric measured in the same run by other
 implementations; a peer that could not run may be ``null``.
-``copy_bandwidth_GBps`` is the copy ceiling re-measured in the same run (SPEC
-section 6 reports decode against it); a suite without a bandwidth figure may
+``copy_bandwidth_GBps`` is the copy ceiling re-measured in the same run (the
+performance model reports decode against it); a suite without a bandwidth figure may
 leave it out or set it to ``null``.
 
 Nothing here fabricates data: :func:`load_suite` returns None for a missing
@@ -393,12 +393,12 @@ _DTYPE_BYTES = {"float16": 2, "fp16": 2, "half": 2, "f16": 2,
 
 
 def attention_shape(case: Mapping[str, Any], *, default_l_q: int | None = None) -> dict | None:
-    """Attention shape of a benchmark case, for the models of SPEC section 6.
+    """Attention shape of a benchmark case, for the performance model.
 
     Reads common spellings (``kv_len``/``l_kv``/``seq_len``, ``qo_len``/``l_q``,
     ``num_qo_heads``, ``num_kv_heads`` or ``group``, ``head_dim``, ``batch``,
     ``dtype``, ``causal``).  Missing head counts, head size and dtype default
-    to the configuration GPU.md measured (32 query heads, MHA, head_dim 128,
+    to the configuration measured on the H200 (32 query heads, MHA, head_dim 128,
     fp16).  Returns None when no KV length can be found: such a record cannot
     be placed on a roofline.
     """

@@ -1,4 +1,4 @@
-"""Roofline and traffic models of SPEC section 6.
+"""Roofline and traffic models (docs/concepts/performance.md).
 
 Everything here is a pure, NumPy-vectorized function: scalar arguments give
 NumPy scalars (or Python numbers), array arguments broadcast.  Units are
@@ -53,7 +53,7 @@ def _out(x):
 def causal_visible_pairs(l_q, l_kv):
     """Number of (query, key) pairs the bottom-right causal mask keeps.
 
-    SPEC section 2: local query ``i`` sees key ``j`` iff ``j <= l_kv - l_q + i``,
+    Local query ``i`` sees key ``j`` iff ``j <= l_kv - l_q + i``,
     so row ``i`` sees ``min(l_kv, l_kv - l_q + i + 1)`` keys (never fewer than 0).
     Summed over the rows this is ``l_q*l_kv - l_q*(l_q-1)/2`` when
     ``l_q <= l_kv``; when ``l_q > l_kv`` the first ``l_q - l_kv`` rows see
@@ -65,10 +65,10 @@ def causal_visible_pairs(l_q, l_kv):
 
 
 def attention_flops(l_q, l_kv, head_dim, num_qo_heads=1, causal=False):
-    """FLOPs of attention, SPEC section 6: ``4 * l_q * l_kv * head_dim`` per query head.
+    """FLOPs of attention: ``4 * l_q * l_kv * head_dim`` per query head.
 
     Two matmuls (``Q K^T`` and ``P V``) of ``2 * l_q * l_kv * head_dim`` FLOPs
-    each; softmax is ignored as SPEC section 6 does.  With ``causal=True`` only
+    each; softmax is ignored, as the performance model does.  With ``causal=True`` only
     the pairs the bottom-right mask keeps are counted
     (:func:`causal_visible_pairs`), which is what a kernel that skips masked
     tiles can hope for.
@@ -79,7 +79,7 @@ def attention_flops(l_q, l_kv, head_dim, num_qo_heads=1, causal=False):
 
 def attention_bytes(l_q, l_kv, head_dim, num_qo_heads=1, num_kv_heads=None,
                     bytes_per_elem=2):
-    """Minimal DRAM traffic, SPEC section 6.
+    """Minimal DRAM traffic.
 
     ``b * head_dim * (l_q*H_qo + 2*l_kv*H_kv + l_q*H_qo)``: read Q, read K and V
     once, write O once.  ``num_kv_heads`` defaults to ``num_qo_heads`` (MHA).
@@ -93,7 +93,7 @@ def attention_bytes(l_q, l_kv, head_dim, num_qo_heads=1, num_kv_heads=None,
 
 def operational_intensity(l_q, l_kv, head_dim=128, num_qo_heads=1,
                           num_kv_heads=None, bytes_per_elem=2, causal=False):
-    """FLOP per byte: :func:`attention_flops` / :func:`attention_bytes` (SPEC section 6)."""
+    """FLOP per byte: :func:`attention_flops` / :func:`attention_bytes`."""
     flops = attention_flops(l_q, l_kv, head_dim, num_qo_heads, causal=causal)
     nbytes = attention_bytes(l_q, l_kv, head_dim, num_qo_heads, num_kv_heads,
                              bytes_per_elem)
@@ -101,7 +101,7 @@ def operational_intensity(l_q, l_kv, head_dim=128, num_qo_heads=1,
 
 
 def intensity_approx(l_q, l_kv, group=1, bytes_per_elem=2):
-    """SPEC section 6's closed form ``(2/b) * l_q*l_kv/(l_q+l_kv) * group``.
+    """The performance model's closed form ``(2/b) * l_q*l_kv/(l_q+l_kv) * group``.
 
     Exact for MHA (``group = 1``).  For GQA the exact ratio is
     ``(2/b) * group * l_q*l_kv / (group*l_q + l_kv)``; the two agree when
@@ -123,7 +123,7 @@ def ridge_point(peak_tflops, bandwidth_GBps):
 
 
 def attainable_tflops(intensity, peak_tflops, bandwidth_GBps):
-    """Roofline bound ``min(peak, bw * intensity)`` in TFLOP/s (SPEC section 6).
+    """Roofline bound ``min(peak, bw * intensity)`` in TFLOP/s.
 
     ``bw`` in GB/s times FLOP/byte is GFLOP/s, hence the 1e-3.
     """
@@ -137,18 +137,18 @@ def roofline_time_s(flops, nbytes, peak_tflops, bandwidth_GBps):
 
 
 def bandwidth_fraction(nbytes, seconds, copy_bandwidth_GBps):
-    """Achieved bandwidth over the measured copy bandwidth (SPEC section 6, decode)."""
+    """Achieved bandwidth over the measured copy bandwidth (the decode report)."""
     return _out(_f(nbytes) / _f(seconds) / (_f(copy_bandwidth_GBps) * 1e9))
 
 
 def peak_fraction(flops, seconds, peak_tflops):
-    """Achieved FLOP/s over the device peak (SPEC section 6, prefill)."""
+    """Achieved FLOP/s over the device peak (the prefill report)."""
     return _out(_f(flops) / _f(seconds) / (_f(peak_tflops) * 1e12))
 
 
 def decode_bandwidth_fraction(seconds, *, batch, l_kv, head_dim, num_qo_heads,
                               num_kv_heads, copy_bandwidth_GBps, bytes_per_elem=2):
-    """Decode report of SPEC section 6 for ``batch`` requests of ``l_kv`` keys each.
+    """Decode report of the performance model for ``batch`` requests of ``l_kv`` keys each.
 
     Bytes are the minimal traffic of :func:`attention_bytes` with ``l_q = 1``.
     """
@@ -159,7 +159,7 @@ def decode_bandwidth_fraction(seconds, *, batch, l_kv, head_dim, num_qo_heads,
 
 def prefill_peak_fraction(seconds, *, batch, l_q, l_kv, head_dim, num_qo_heads,
                           peak_tflops, causal=False):
-    """Prefill report of SPEC section 6: achieved FLOP/s over peak.
+    """Prefill report of the performance model: achieved FLOP/s over peak.
 
     FLOPs follow :func:`attention_flops`, so a causal run is credited only with
     the visible pairs (no credit for work on masked tiles).
@@ -184,7 +184,7 @@ def reuse_prefix_tokens(n, prefix_len, suffix_len):
 
 
 def prefix_traffic_ratio(n, prefix_len, suffix_len):
-    """``n(P+S) / (P+nS)``: the traffic saved by reuse, SPEC section 6.
+    """``n(P+S) / (P+nS)``: the traffic saved by reuse.
 
     For a memory-bound kernel this is the speedup the cascade could reach at
     best; measured speedups sit below it (merge cost, launch overhead).
@@ -198,7 +198,7 @@ def prefix_traffic_ratio(n, prefix_len, suffix_len):
 # --------------------------------------------------------------------------
 
 def planning_breakeven_layers(u, v, p, h=0.0):
-    """Smallest layer count ``L`` with ``L*(u - v) > p + h`` (SPEC section 6).
+    """Smallest layer count ``L`` with ``L*(u - v) > p + h``.
 
     ``u``/``v``: per-layer time without/with the plan, ``p``: plan cost paid
     once per step, ``h``: integration overhead, all in the same unit.  Returns
@@ -214,7 +214,7 @@ def planning_breakeven_layers(u, v, p, h=0.0):
 
 
 def planning_pays(layers, u, v, p, h=0.0):
-    """Whether ``L*(u - v) > p + h`` for ``L = layers`` (SPEC section 6)."""
+    """Whether ``L*(u - v) > p + h`` for ``L = layers``."""
     return _out(_f(layers) * (_f(u) - _f(v)) > _f(p) + _f(h))
 
 
@@ -269,9 +269,10 @@ def decode_bandwidth_model(batch, l_kv, *, split=True, num_qo_heads=32, num_kv_h
     ``split=True`` each KV range is cut into ``s`` chunks (enough to cover the
     SMs, none shorter than ``min_chunk`` tokens; ``s = 1`` when the SMs are
     already covered, as a planner would choose); each chunk writes an fp32
-    partial state ``(o, lse)`` per query head that the merge of SPEC section 3
-    reads back, which is the split's price.  Reported against the minimal
-    bytes of SPEC section 6, like a measured decode.
+    partial state ``(o, lse)`` per query head that the merge of two states
+    (docs/concepts/state.md) reads back, which is the split's price.
+    Reported against the minimal bytes of :func:`attention_bytes`, like a
+    measured decode.
     """
     kv_bytes, seconds, bw = _split_kv_times(
         batch, l_kv, split, num_qo_heads, num_kv_heads, head_dim, bytes_per_elem,

@@ -1,6 +1,6 @@
 """Layout figures: the page table as a BSR matrix (paper Figure 2), composable
 formats (Figure 3) and the bottom-right causal mask, all for the worked
-three-request batch of SPEC section 4."""
+three-request batch (docs/concepts/layouts.md)."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +9,7 @@ from .. import layout as L
 
 
 def spec4_batch() -> tuple[np.ndarray, L.PagedKV]:
-    """SPEC section 4: page size 4; R0 3+3 tokens, R1 1+1, R2 4+5."""
+    """The example batch: page size 4; R0 3+3 tokens, R1 1+1, R2 4+5."""
     qo_indptr = np.array([0, 3, 4, 8], np.int32)
     pkv = L.PagedKV.validate(np.array([0, 2, 3, 6], np.int32), np.array([7, 2, 11, 3, 14, 6], np.int32),
                              np.array([2, 2, 1], np.int32), page_size=4, num_pages=16)
@@ -17,7 +17,7 @@ def spec4_batch() -> tuple[np.ndarray, L.PagedKV]:
 
 
 def causal_visibility(qo_indptr: np.ndarray, kv_lens: np.ndarray) -> list[np.ndarray]:
-    """Per request, the boolean [Q, K] bottom-right causal mask (SPEC section 2)."""
+    """Per request, the boolean [Q, K] bottom-right causal mask."""
     out = []
     for q, k in zip(np.diff(qo_indptr), kv_lens):
         i = np.arange(q)[:, None]
@@ -62,7 +62,7 @@ def page_table_bsr(path, results_root=None):
 
 
 def causal_mask(path, results_root=None):
-    """Bottom-right causal masks of the three requests (SPEC section 2)."""
+    """Bottom-right causal masks of the three requests."""
     plt = _plt()
     qo_indptr, pkv = spec4_batch()
     masks = causal_visibility(qo_indptr, pkv.kv_lens)

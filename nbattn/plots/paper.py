@@ -1,4 +1,4 @@
-"""Figures that set the models of SPEC section 6 beside the paper's numbers (SPEC section 7).
+"""Figures that set the performance models beside the paper's reported numbers.
 
 Measured data come only through :mod:`nbattn.perf.results`.  The case keys the
 figures read (other keys are ignored, common alternative spellings are
@@ -54,7 +54,7 @@ __all__ = [
     "build_amdahl",
 ]
 
-# The paper's numbers as SPEC section 7 states them (FlashInfer v0.2).
+# The paper's numbers, as it reports them (FlashInfer v0.2).
 PAPER = {
     # Shared-prefix kernel latency, suffix 128 (App. Table 5).
     "cascade": [
@@ -149,7 +149,7 @@ def shared_prefix_figure(results_root=None, suffix_len: int = 128):
                         xytext=(8, -22) if row["speedup"] > 2 else (-8, 8),
                         ha="left" if row["speedup"] > 2 else "right", fontsize=7)
         ax.plot([], [], "*", color="white", mec="black", ms=10,
-                label="paper App. Table 5 (SPEC 7), suffix 128")
+                label="paper App. Table 5, suffix 128")
         if not measured:
             style.note_no_measured(ax, "measured cascade speedups come from\n"
                                    "benchmarks/results/cascade.json", loc="lower right")
@@ -162,7 +162,7 @@ def shared_prefix_figure(results_root=None, suffix_len: int = 128):
         ax.set_ylim(min(0.8, 0.8 * lowest), None)
         ax.set_title("Shared prefix: traffic saved bounds the cascade speedup")
         ax.legend(loc="upper left")
-        style.footer(fig, "model: SPEC 6 KV-token traffic; paper: SPEC 7 shared-prefix latencies")
+        style.footer(fig, "model: KV-token traffic; paper: shared-prefix latencies")
     return fig
 
 
@@ -256,7 +256,7 @@ def page_size_figure(results_root=None):
             bx.set_xlim(512, 131072)
             style.note_no_measured(bx, "ours: benchmarks/results/decode.json or prefill.json\n"
                                    "(metric bw_fraction, case page_size 0/1)", loc="lower center")
-        style.footer(fig, "paper: SPEC 7 (App. B, FA2/FA3 templates, H100); "
+        style.footer(fig, "paper: App. B (FA2/FA3 templates, H100); "
                           "ours: measured only, never modelled")
     return fig
 
@@ -410,7 +410,7 @@ def split_kv_figure(results_root=None):
         ax.legend(loc="upper right")
         src = f"ours: {_source(suite)}; " if measured else ""
         style.footer(fig, f"{src}model: {spec.name}, {spec.num_sms} SMs, one SM draws <= 2x its "
-                          "fair bandwidth share, fp32 partial states merged (SPEC 3)")
+                          "fair bandwidth share, fp32 partial states merged")
     return fig
 
 
@@ -419,7 +419,7 @@ def split_kv_figure(results_root=None):
 # --------------------------------------------------------------------------
 
 def breakeven_figure(results_root=None, integration_us: float = 0.0):
-    """Minimal layer count with ``L*(u - v) > p + h`` against plan cost ``p`` (SPEC 6).
+    """Minimal layer count with ``L*(u - v) > p + h`` against plan cost ``p``.
 
     The plan runs on the CPU, so its measured cost may come from ``sched.json``
     or from the CPU-only ``sched_cpu.json`` (first found); all ``plan_us``
@@ -459,7 +459,7 @@ def breakeven_figure(results_root=None, integration_us: float = 0.0):
         ax.set_ylabel("layers needed to break even")
         ax.set_title("Planning pays when L (u - v) > p + h")
         ax.legend(loc="upper left")
-        style.footer(fig, f"model: SPEC 6 break-even, h = {integration_us:g} us")
+        style.footer(fig, f"model: break-even, h = {integration_us:g} us")
     return fig
 
 
@@ -495,7 +495,7 @@ def amdahl_figure(results_root=None):
         ax.set_ylabel("whole-step speedup (x)")
         ax.set_title("Amdahl: a faster attention kernel helps in proportion to its share")
         ax.legend(loc="upper left")
-        style.footer(fig, "model: 1/((1-f)+f/k); dotted: 1/(1-f). Paper: SPEC 7 load-balancing "
+        style.footer(fig, "model: 1/((1-f)+f/k); dotted: 1/(1-f). Paper: load-balancing "
                           "ablation, Llama 3.1 8B, H100")
     return fig
 

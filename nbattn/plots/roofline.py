@@ -1,4 +1,4 @@
-"""Roofline figures (SPEC section 6).
+"""Roofline figures (docs/concepts/performance.md).
 
 * :func:`roofline_figure`: rooflines of H200, H100 SXM and A100 SXM 80GB with
   model prefill/decode points and, when ``decode.json`` / ``prefill.json``
@@ -38,12 +38,12 @@ def measured_specs(results_root) -> dict[str, tuple[_gpus.GPUSpec, str]]:
     """GPU specs with copy bandwidth taken from result files where they have it.
 
     Returns ``{name: (spec, where)}`` where ``where`` says where the bandwidth
-    came from: ``"<suite>.json"``, ``"GPU.md"`` (the H200's recorded ceiling)
+    came from: ``"<suite>.json"``, ``"measured"`` (the H200's measured ceiling)
     or ``"datasheet"``.
     """
     out = {}
     for name, spec in _gpus.GPUS.items():
-        where = "GPU.md" if spec.bandwidth_is_measured else "datasheet"
+        where = "measured" if spec.bandwidth_is_measured else "datasheet"
         out[name] = (spec, where)
     if results_root is None:
         return out
@@ -89,7 +89,7 @@ def measured_points(results_root) -> list[dict]:
     "x": intensities, "y": TFLOP/s}``.  nbattn's own value and every peer in
     ``peers`` are placed with the same shape, so they share an x position.
     ``bw_fraction`` is turned into FLOP/s through the suite's own copy
-    bandwidth (SPEC section 6); records without a usable shape are skipped.
+    bandwidth; records without a usable shape are skipped.
     A record of the ablation without split-KV (case ``split: "unsplit"``) is
     its own series, ``nbattn_unsplit``; its peers repeat the split record's
     and are not placed twice.
@@ -130,7 +130,7 @@ def measured_points(results_root) -> list[dict]:
     return list(series.values())
 
 
-# Model shapes of SPEC section 6 (a Llama-like layer: 32 query heads, head_dim 128, fp16).
+# Model shapes (a Llama-like layer: 32 query heads, head_dim 128, fp16).
 _MODEL_POINTS = (
     ("decode MHA (l_kv 4k)", dict(l_q=1, l_kv=4096, num_qo_heads=32, num_kv_heads=32), "v"),
     ("decode GQA-8 (l_kv 4k)", dict(l_q=1, l_kv=4096, num_qo_heads=32, num_kv_heads=4), "^"),
@@ -157,7 +157,7 @@ def roofline_figure(results_root=None):
         h200, _ = specs["H200"]
         if h200.measured_bf16_matmul_tflops:
             ax.axhline(h200.measured_bf16_matmul_tflops, color="#999999", lw=0.9, ls="-.",
-                       label=f"H200 bf16 matmul, measured (GPU.md): "
+                       label=f"H200 bf16 matmul, measured: "
                              f"{h200.measured_bf16_matmul_tflops:g} TFLOP/s")
         for label, kw, marker in _MODEL_POINTS:
             inten = rl.operational_intensity(head_dim=128, **kw)
@@ -190,7 +190,7 @@ def roofline_figure(results_root=None):
         ax.set_title("Attention roofline: decode is memory-bound, prefill compute-bound")
         ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0,
                   fontsize="small")                   # beside the axes: it covers no data
-        style.footer(fig, "SPEC 6 model: FLOPs 4*l_q*l_kv*d per head, bytes b*d*(2*l_q*H_qo+2*l_kv*H_kv); "
+        style.footer(fig, "model: FLOPs 4*l_q*l_kv*d per head, bytes b*d*(2*l_q*H_qo+2*l_kv*H_kv); "
                           "roofs: datasheet peaks, bandwidth as labelled")
     return fig
 
@@ -211,7 +211,7 @@ def intensity_figure(results_root=None):
                     gid=f"intensity:group{group}")
             approx = rl.intensity_approx(l_q, l_kv, group=group)
             ax.plot(l_q / l_kv, approx, color=colours[group], ls=":", lw=1.0,
-                    label="dotted: SPEC 6 closed form (2/b)*l_q*l_kv/(l_q+l_kv)*group"
+                    label="dotted: closed form (2/b)*l_q*l_kv/(l_q+l_kv)*group"
                     if group == 1 else None)
         ridge_styles = {"H200": "-", "H100 SXM": "--", "A100 SXM 80GB": ":"}
         for name, (spec, where) in specs.items():
@@ -225,7 +225,7 @@ def intensity_figure(results_root=None):
         ax.set_ylabel("operational intensity (FLOP / byte)")
         ax.set_title("Decode sits at ~group FLOP/byte; prefill grows with length")
         ax.legend(loc="lower right")
-        style.footer(fig, "model only (SPEC 6): exact ratio solid, (2/b)*l_q*l_kv/(l_q+l_kv)*group dotted")
+        style.footer(fig, "model only: exact ratio solid, (2/b)*l_q*l_kv/(l_q+l_kv)*group dotted")
     return fig
 
 

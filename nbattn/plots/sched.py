@@ -1,4 +1,4 @@
-"""Figures of the scheduler (SPEC section 5): Gantt charts, reduction maps, policy bars.
+"""Figures of the scheduler (docs/concepts/scheduler.md): Gantt charts, reduction maps, policy bars.
 
 Each function takes data and an output path, writes the figure there and
 returns the :class:`matplotlib.figure.Figure`.  Figures are built on the Agg

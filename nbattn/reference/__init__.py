@@ -1,7 +1,7 @@
 """The golden model (NumPy): what every nbattn kernel must compute.
 
 Same names and arguments as :mod:`nbattn.cuda`, so a differential test is one
-comparison.  See SPEC sections 1-4.
+comparison.  See docs/concepts/ (layouts.md, masks.md, state.md).
 """
 from .attention import (attend, batch_decode_paged, batch_prefill_paged, batch_prefill_ragged,
                         block_sparse, cascade, single_decode, single_prefill, split_kv)

@@ -1,4 +1,4 @@
-"""The golden model: every attention form of SPEC sections 1-3 in plain NumPy.
+"""The golden model: every attention form nbattn computes, in plain NumPy.
 
 Readable first, fast enough second: each function gathers a request's keys
 (a loop over requests), then does two batched matmuls and one softmax for all
@@ -42,7 +42,7 @@ __all__ = [
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, kv_pos: np.ndarray,
            variant: Variant, *, b: int = 0, dtype=np.float32,
            keep: np.ndarray | None = None) -> AttentionState:
-    """Attention state of one request over one key set (SPEC sections 2-3).
+    """Attention state of one request over one key set.
 
     ``q: [Q, Hq, D]``, ``k, v: [K, Hkv, D]``; ``q_pos: [Q]`` and ``kv_pos: [K]``
     are sequence positions; ``keep`` an optional extra boolean ``[Q, K]`` mask
@@ -218,7 +218,7 @@ def _paged_common(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_indice
 def batch_prefill_paged(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_indices,
                         paged_kv_last_page_len, *, kv_layout: str = "NHD", return_lse: bool = False,
                         dtype=np.float32, **variant):
-    """Batch prefill/append over a paged KV cache (SPEC sections 1-2)."""
+    """Batch prefill/append over a paged KV cache."""
     var = variant_from_kwargs(variant)
     check_return_lse(var, return_lse)
     q, cache, qo, pkv = _paged_common(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_indices,
@@ -270,7 +270,7 @@ def split_kv(q, k, v, kv_chunk_indptr, *, kv_layout: str = "NHD", return_lse: bo
              return_partials: bool = False, dtype=np.float32, **variant):
     """FlashDecoding: attend each KV chunk ``[kv_chunk_indptr[c], kv_chunk_indptr[c+1])``
     of one request separately, then merge the partial states in chunk order
-    (SPEC section 3).  Sigmoid partial outputs are summed instead.
+    (docs/concepts/state.md).  Sigmoid partial outputs are summed instead.
 
     With ``return_partials=True`` also returns the partial states
     ``(o [Q, n_chunks, Hq, D], lse [Q, n_chunks, Hq])``.
@@ -301,7 +301,7 @@ def split_kv(q, k, v, kv_chunk_indptr, *, kv_layout: str = "NHD", return_lse: bo
 
 def cascade(q, levels: Sequence[Any], paged_kv_cache, *, kv_layout: str = "NHD",
             return_lse: bool = False, dtype=np.float32, **variant):
-    """Multi-level cascade attention over composable formats (SPEC sections 1, 3).
+    """Multi-level cascade attention over composable formats.
 
     ``levels[l]`` is a :class:`~nbattn.layout.CascadeLevel` (or a tuple
     ``(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)``):

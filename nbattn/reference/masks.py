@@ -1,4 +1,4 @@
-"""NumPy evaluation of a :class:`~nbattn.variants.Variant` (SPEC section 2).
+"""NumPy evaluation of a :class:`~nbattn.variants.Variant` (docs/concepts/masks.md).
 
 Scores arrive as ``s[h, i, j]`` (query head, query, key) already multiplied by
 ``sm_scale``; positions are sequence positions (``q_idx = K - Q + i``,

@@ -1,4 +1,4 @@
-"""Attention states and the merge operator (SPEC section 3).
+"""Attention states and the merge operator (docs/concepts/state.md).
 
 A state over a key set A is ``(o_A, lse_A)``: the normalized output and the
 **base-2** log-sum-exp ``log2(sum_j exp(s_j))``.  The empty key set is
@@ -73,7 +73,7 @@ def _float_state(name: str, x) -> np.ndarray:
 
 def merge_state(v_a: np.ndarray, s_a: np.ndarray, v_b: np.ndarray,
                 s_b: np.ndarray) -> AttentionState:
-    """Merge the states of two disjoint key sets (SPEC section 3).
+    """Merge the states of two disjoint key sets.
 
     Computed in float64 and rounded once to ``v_a``'s dtype (``s_a``'s for the
     LSE).  A NaN (or +inf) LSE makes the merged (row, head) NaN; a NaN element of an

@@ -1,4 +1,4 @@
-"""Scheduler: plan/run load balancing (SPEC section 5).
+"""Scheduler: plan/run load balancing (docs/concepts/scheduler.md).
 
 * :mod:`.plan`: the LPT planner and the :class:`Plan` it returns (per-CTA work
   queues and the reduction map of partial states).

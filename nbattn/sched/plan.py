@@ -1,4 +1,4 @@
-"""LPT load-balancing planner (SPEC section 5, "Plan" and "Algorithm (LPT)").
+"""LPT load-balancing planner (docs/concepts/scheduler.md, "Plan").
 
 The plan is computed on the CPU once per generation step and then reused by
 every layer, because every layer sees the same lengths.  It answers two
@@ -14,7 +14,7 @@ Fused query rows (GQA)
 With ``group = num_qo_heads // num_kv_heads`` query heads sharing one KV head,
 the kernel processes the ``group`` heads of one KV head together, so request
 ``r`` has ``l_qo[r] * group`` *fused rows*.  Fused row ``f`` is query position
-``f // group`` and head-in-group ``f % group`` (SPEC section 2).  Query tiles are
+``f // group`` and head-in-group ``f % group``.  Query tiles are
 cut over fused rows: query tile ``t`` of request ``r`` covers fused rows
 ``[t*tile_q, min((t+1)*tile_q, l_qo[r]*group))`` of that request (see
 :meth:`Plan.tile_rows`).  The plan is the same for every KV head: the kernel
@@ -26,13 +26,13 @@ Algorithm
 ---------
 * Total work ``W = sum_r ceil(l_qo[r]*group / tile_q) * l_kv[r]`` (KV tokens
   summed over query tiles).
-* Chunk limit ``L = max(1, ceil(W / num_ctas))`` (SPEC section 5; see
+* Chunk limit ``L = max(1, ceil(W / num_ctas))`` (the base rule; see
   "Choosing the chunk limit" below for ``chunk_limit="auto"``).
 * Every query tile's KV range ``[0, l_kv)`` is cut into chunks
   ``[k*L, min((k+1)*L, l_kv))``; all chunks but the last have length ``L``.
 * Chunk cost ``chunk_overhead + alpha*l_q + beta*l_kv`` with ``l_q`` the tile's
   fused row count and ``l_kv`` the chunk length (``chunk_overhead`` defaults to
-  0, which is SPEC section 5's formula).
+  0, the plain ``alpha*l_q + beta*l_kv`` cost).
 * Chunks are sorted by cost, largest first; ties keep the order
   (request, query tile, chunk index).  The sort is stable, so this is exact.
 * A min-heap keyed by (accumulated cost, CTA id) hands each chunk to the least
@@ -58,15 +58,15 @@ tail chunk as nearly free and stacks dozens of them onto one CTA.
 
 Choosing the chunk limit
 ------------------------
-SPEC section 5 fixes ``L = ceil(W / C)``, which balances perfectly when chunks
+The base rule fixes ``L = ceil(W / C)``, which balances perfectly when chunks
 cost nothing beyond their keys.  With a per-item overhead it can lose to not
 splitting at all: 64 requests of 4096 keys on C = 66 CTAs give ``L = 3972``,
 so each request becomes a 3972-key chunk plus a 124-key tail, and the two CTAs
 left over run 32 tails each.  ``chunk_limit="auto"`` therefore evaluates a few
-candidate limits -- the SPEC one, no split (the longest tile), and the longest
+candidate limits -- the base rule's, no split (the longest tile), and the longest
 tile cut in 2, 3 or 4 -- by the LPT makespan they produce under the full cost,
 and keeps the best (on ties, the largest limit, i.e. the fewest partial
-states).  ``chunk_limit=<int>`` forces a limit; ``None`` (default) is the SPEC
+states).  ``chunk_limit=<int>`` forces a limit; ``None`` (default) is the base
 rule.
 
 Edge cases
@@ -75,8 +75,8 @@ Edge cases
 * ``l_qo[r] > 0`` and ``l_kv[r] == 0``: each of its query tiles gets exactly one
   work item with ``kv_start == kv_end == 0`` and ``out_slot == DIRECT``.  The
   kernel must still visit it and write the empty attention state
-  (output 0, LSE -inf, SPEC section 3); it costs ``alpha*l_q``.
-* ``causal=True`` (an extension; the default is the SPEC formula exactly):
+  (output 0, LSE -inf); it costs ``alpha*l_q``.
+* ``causal=True`` (an extension; the default is the base formula exactly):
   with bottom-right alignment the last row of a tile sees keys
   ``< l_kv - l_qo + last_position + 1``, so that tile's KV range is trimmed to
   it before ``W`` is summed and chunks are cut.  Keys past the trimmed end are
@@ -139,7 +139,7 @@ class Plan:
     ``(merge_request[m], merge_qo_tile[m])`` and its final output is the merge
     of slots ``merge_slots[merge_indptr[m] : merge_indptr[m+1]]``, in that order
     (increasing ``kv_start``).  Merging in this fixed order, never with
-    atomics, is what makes the output bitwise reproducible (SPEC section 3).
+    atomics, is what makes the output bitwise reproducible.
     """
 
     num_ctas: int
@@ -213,7 +213,7 @@ def _num_kv_heads(num_qo_heads: int, group: int) -> int:
 
 
 def partial_buffer_bound(num_ctas: int, tile_q: int, num_qo_heads: int, head_dim: int) -> int:
-    """SPEC section 5 bound on partial-output elements: ``2*C*T_q*H_qo*(head_dim+1)``."""
+    """The scheduler's bound on partial-output elements: ``2*C*T_q*H_qo*(head_dim+1)``."""
     for name, x in (("num_ctas", num_ctas), ("tile_q", tile_q), ("num_qo_heads", num_qo_heads),
                     ("head_dim", head_dim)):
         int_arg(name, x, minimum=0)
@@ -223,8 +223,8 @@ def partial_buffer_bound(num_ctas: int, tile_q: int, num_qo_heads: int, head_dim
 def check_partial_capacity(p: Plan, num_qo_heads: int, head_dim: int, capacity: int) -> int:
     """Raise ValueError if plan ``p`` needs more partial-buffer elements than ``capacity``.
 
-    Returns the number of elements needed.  The message names the SPEC
-    section 5 rule, so a caller who preallocated too little knows what to size
+    Returns the number of elements needed.  The message names the sizing
+    rule, so a caller who preallocated too little knows what to size
     the buffer by.
     """
     need = p.partial_elements(num_qo_heads, head_dim)
@@ -232,8 +232,8 @@ def check_partial_capacity(p: Plan, num_qo_heads: int, head_dim: int, capacity: 
         bound = partial_buffer_bound(p.num_ctas, p.tile_q, num_qo_heads, head_dim)
         raise ValueError(
             f"partial-buffer capacity exceeded: the plan writes {p.num_partials} partial "
-            f"slots = {need} elements but capacity is {capacity}. Rule (SPEC section 5, "
-            f"paper App. D.3): preallocate 2*C*T_q*H_qo*(head_dim+1) = 2*{p.num_ctas}*"
+            f"slots = {need} elements but capacity is {capacity}. Rule (paper "
+            f"App. D.3): preallocate 2*C*T_q*H_qo*(head_dim+1) = 2*{p.num_ctas}*"
             f"{p.tile_q}*{num_qo_heads}*({head_dim}+1) = {bound} elements, which every "
             f"plan fits"
         )
@@ -367,7 +367,7 @@ def _auto_limit(tile_rows, tile_kv, num_ctas, alpha, beta, overhead, spec_limit)
 
 @njit(cache=True)
 def _plan_core(qo_lens, kv_lens, group, tile_q, num_ctas, alpha, beta, overhead, causal, limit):
-    """``limit``: 0 = SPEC rule, -1 = auto, > 0 = forced chunk limit."""
+    """``limit``: 0 = base rule, -1 = auto, > 0 = forced chunk limit."""
     tile_request, tile_index, tile_rows, tile_kv = query_tiles(qo_lens, kv_lens, group, tile_q, causal)
     num_tiles = tile_request.shape[0]
     total_work = 0
@@ -510,7 +510,7 @@ def plan(
     head_dim: int | None = None,
     partial_capacity: int | None = None,
 ) -> Plan:
-    """Plan one generation step with the LPT algorithm of SPEC section 5.
+    """Plan one generation step with the LPT algorithm (docs/concepts/scheduler.md).
 
     Parameters
     ----------
@@ -528,7 +528,7 @@ def plan(
     alpha, beta, chunk_overhead:
         Chunk cost ``chunk_overhead + alpha*l_q + beta*l_kv``.
     chunk_limit:
-        ``None``: SPEC section 5's ``ceil(W / num_ctas)``; ``"auto"``: the
+        ``None``: the base rule ``ceil(W / num_ctas)``; ``"auto"``: the
         candidate with the smallest makespan (module doc, "Choosing the chunk
         limit"); a positive int: that limit.
     causal:
@@ -614,7 +614,7 @@ def plan_from_indptr(
     tile_q: int | None = None,
     **kwargs,
 ) -> Plan:
-    """:func:`plan` from FlashInfer-style metadata (SPEC section 1).
+    """:func:`plan` from FlashInfer-style metadata (docs/concepts/layouts.md).
 
     ``qo_lens = diff(qo_indptr)`` and KV lengths come from the page table via
     :func:`nbattn.layout.kv_lengths`.  Metadata must be int32 (or Python lists);

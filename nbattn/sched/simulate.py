@@ -1,4 +1,4 @@
-"""Scheduler simulator (SPEC section 5, "Simulator").
+"""Scheduler simulator (docs/concepts/scheduler.md, "Simulator").
 
 Given the lengths of one generation step and ``num_ctas`` CTAs, each policy
 turns the step into *chunks* (a query tile against a KV range), places the
@@ -15,8 +15,8 @@ stream one KV token of one KV head)::
 ``chunk_overhead`` stands for the fixed price of any work item: reading the
 plan entry, the prologue that loads the Q tile and fills the pipeline, the
 epilogue.  ``merge_cost * l_q`` is the price of reading one partial state of a
-tile (``l_q`` rows) and folding it into the running merge (SPEC section 3
-operator).
+tile (``l_q`` rows) and folding it into the running merge (the merge operator of
+docs/concepts/state.md).
 
 Execution model:
 
@@ -55,7 +55,7 @@ Two bounds are reported:
   over the CTAs it bounds the makespan.  A tile's work can also not be split
   below one chunk of it, so ``max over tiles (chunk_overhead + alpha*l_q)`` is a
   bound as well; the lower bound is the larger of the two.
-* ``chunk_bound``: SPEC section 5's ``max(sum_j t_j / C, max_j t_j)`` over the
+* ``chunk_bound``: the bound ``max(sum_j t_j / C, max_j t_j)`` over the
   policy's own chunks (phase 1 only).
 
 Workloads (:func:`make_workload`) are decode steps by default (``l_qo = 1``):

@@ -1,4 +1,4 @@
-"""Tile-size heuristic (SPEC section 5, "Tile heuristic").
+"""Tile-size heuristic (docs/concepts/scheduler.md).
 
 Two choices are made once per generation step, before planning:
 
