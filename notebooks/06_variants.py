@@ -1,0 +1,284 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 06 · Variants as compiled Python functions, and the paper's figures
+#
+# **What you will learn**
+#
+# 1. The customization points of an attention kernel, in the package's words: a
+#    `nbattn.variants.Variant` — soft-cap, sliding window (with sinks), ALiBi, sigmoid
+#    attention, and your own `score_mod` / `mask_mod`.
+# 2. The order they apply in: scale → ALiBi → soft-cap → `score_mod` → mask → softmax.
+# 3. How one plain Python function serves twice: the golden model calls it with NumPy
+#    arrays, and the kernel factory compiles it with numba into device code (numba's JIT
+#    plays the role of FlashInfer's JIT templates).
+# 4. How to rebuild the paper's figures from models and measured results (`nbattn.figures`).
+
+# %% [markdown]
+# The next cell says where the kernels run: numba's CUDA simulator without a GPU (tiny shapes,
+# every GPU thread a Python thread), or the GPU. On a GPU, numba may print
+# `NumbaPerformanceWarning: Grid size N will likely result in GPU under-utilization due to low
+# occupancy` under some cells. The shapes here are small on purpose, so a kernel launches only a
+# few CTAs and leaves most multiprocessors idle: the warning is about speed, not correctness, and
+# the results are checked all the same.
+
+# %%
+import numpy as np
+import nbattn
+SMALL = nbattn.simulator_enabled()   # True on a laptop without a GPU: keep shapes small
+TOL = 1e-5 if SMALL else 2e-4        # kernel vs golden model, float32 (GPUs use a fast exp2)
+print(f"backend: {nbattn.BACKEND}  (small shapes: {SMALL})")
+
+import tempfile
+from pathlib import Path
+import matplotlib.pyplot as plt
+from IPython.display import Image, display
+from nbattn import reference as ref
+from nbattn.reference.masks import keep_mask
+from nbattn.variants import Variant, alibi_slopes
+import nbattn.cuda as nbcuda
+
+rng = np.random.default_rng(0)
+Q, K, H, D = (8, 40, 2, 16) if SMALL else (128, 1024, 8, 64)
+q = rng.normal(size=(Q, H, D)).astype(np.float32)
+k = rng.normal(size=(K, H, D)).astype(np.float32)
+v = rng.normal(size=(K, H, D)).astype(np.float32)
+
+def compare(**variant):
+    """Run the kernel and the golden model with the same variant; assert they agree
+    within TOL (absolute and relative) and return the max |difference|."""
+    o_kernel = np.asarray(nbcuda.single_prefill(q, k, v, **variant), np.float32)
+    o_golden = ref.single_prefill(q, k, v, **variant)
+    np.testing.assert_allclose(o_kernel, o_golden, atol=TOL, rtol=TOL, err_msg=str(variant))
+    return float(np.abs(o_kernel - o_golden).max())
+
+
+# %% [markdown]
+# ## 1. One dataclass describes what is computed
+#
+# Every attention function — golden or kernel — takes the same keywords and turns them into
+# a frozen, hashable `Variant`. Hashable matters: the kernel factory caches one compiled
+# kernel per variant.
+
+# %%
+var = Variant(causal=True, logits_soft_cap=30.0, window_left=255, sink_size=4)
+print(var)
+print("needs positions:", var.needs_positions, "  hash usable as a cache key:", hash(var) == hash(Variant(**vars(var))))
+
+# %% [markdown]
+# ## 2. Logits soft-cap
+#
+# Gemma-style soft-capping squashes each (already scaled) score through `c·tanh(s/c)`:
+# nearly the identity for `|s| ≪ c`, never beyond `±c`. It bounds how peaked the softmax
+# can get.
+
+# %%
+s = np.linspace(-60, 60, 400)
+fig, ax = plt.subplots(figsize=(5, 3))
+for c in (10, 30):
+    ax.plot(s, c * np.tanh(s / c), label=f"c = {c}")
+ax.plot(s, s, "k:", lw=0.8, label="no cap")
+ax.set_xlabel("scaled score s"); ax.set_ylabel("capped score"); ax.legend(); plt.tight_layout(); plt.show()
+print("kernel vs golden, soft-cap 5, causal:", compare(causal=True, logits_soft_cap=5.0))
+
+# %% [markdown]
+# ## 3. Sliding window and attention sinks
+#
+# `window_left` is inclusive (FlashInfer's convention): query at position `i_pos` keeps key
+# `j` iff `i_pos − j ≤ window_left` (−1 = no window). `sink_size` keeps the first keys
+# visible whatever the window (StreamingLLM's "attention sinks"). Positions are bottom-right
+# aligned: query `i` of `Q` sits at `K − Q + i`.
+
+# %%
+Qm, Km = 12, 20
+q_pos, kv_pos = np.arange(Km - Qm, Km), np.arange(Km)
+fig, axes = plt.subplots(1, 3, figsize=(10, 2.6))
+for ax, (title, vv) in zip(axes, [("causal", Variant(causal=True)),
+                                  ("causal, window_left=4", Variant(causal=True, window_left=4)),
+                                  ("+ sink_size=2", Variant(causal=True, window_left=4, sink_size=2))]):
+    ax.imshow(keep_mask(vv, 0, np.arange(1), q_pos, kv_pos)[0], cmap="Greens", vmin=0, vmax=1.3)
+    ax.set_title(title, fontsize=9); ax.set_xlabel("key position"); ax.set_ylabel("query row")
+plt.tight_layout(); plt.show()
+print("kernel vs golden, window 7 + 2 sinks:", compare(causal=True, window_left=7, sink_size=2))
+
+# %% [markdown]
+# ## 4. Sigmoid attention
+#
+# No softmax: `o = Σ_j sigmoid(s_ij + bias)·v_j`. There is no normalizer, hence no LSE, and
+# partial outputs over disjoint key sets simply **add** (notebook 01). Asking for the LSE
+# is an error:
+
+# %%
+print("kernel vs golden, sigmoid (bias -1):", compare(use_sigmoid=True, sigmoid_bias=-1.0))
+try:
+    ref.single_prefill(q, k, v, use_sigmoid=True, return_lse=True)
+except ValueError as e:
+    print("ValueError:", e)
+
+
+# %% [markdown]
+# ## 5. Your own functions: `score_mod` and `mask_mod`
+#
+# Write them with FlexAttention's argument order, in plain arithmetic and comparisons:
+#
+# ```python
+# score_mod(score, b, h, q_idx, kv_idx) -> new score
+# mask_mod(b, h, q_idx, kv_idx)         -> True to keep the key
+# ```
+#
+# `b` is the request, `h` the query head, `q_idx`/`kv_idx` sequence positions. The golden
+# model calls them once with broadcast NumPy arrays; the kernel compiles them with
+# `numba.cuda.jit(device=True)` and calls them per (row, key) inside the tile loop. The
+# same source, two executions:
+
+# %%
+def dilated(b, h, q_idx, kv_idx):          # keep every third key back from the query
+    return (q_idx - kv_idx) % 3 == 0
+
+def tilt(score, b, h, q_idx, kv_idx):      # a head-dependent linear bias
+    return score - 0.05 * (h + 1) * (q_idx - kv_idx)
+
+qi, kj = np.arange(4)[:, None], np.arange(6)[None, :]
+print("golden model's call, one NumPy evaluation:\n", dilated(0, 0, qi + 2, kj).astype(int))
+from numba import cuda
+compiled = cuda.jit(device=True)(dilated)
+print("numba device function:", type(compiled).__name__)
+print("kernel vs golden, causal + dilated + tilt:", compare(causal=True, mask_mod=dilated, score_mod=tilt))
+
+
+# %% [markdown]
+# ### Exercise 1 — a built-in as your own mask
+#
+# Write `my_window(b, h, q_idx, kv_idx)` that, together with `causal=True`, reproduces
+# `window_left=5, sink_size=2`. Use `|` and `&` (not `or`/`and`) so the golden model can
+# evaluate it on arrays in one go. The check runs it **in the kernel**.
+
+# %% tags=["exercise"]
+def my_window(b, h, q_idx, kv_idx):
+    # your code here
+    raise NotImplementedError
+
+
+# %% jupyter={"source_hidden": true} tags=["solution"]
+# Worked solution (collapsed). Skip or delete this cell to try the exercise yourself.
+def my_window(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx <= 5) | (kv_idx < 2)
+
+
+# %% tags=["check"]
+o_mine = nbcuda.single_prefill(q, k, v, causal=True, mask_mod=my_window)
+o_builtin = ref.single_prefill(q, k, v, causal=True, window_left=5, sink_size=2)
+np.testing.assert_allclose(np.asarray(o_mine, np.float32), o_builtin, atol=TOL, rtol=TOL)
+print("✓ your compiled mask_mod equals the built-in window with sinks")
+
+
+# %% [markdown]
+# ### Exercise 2 — ALiBi as a `score_mod`
+#
+# ALiBi adds `−slope_h·(q_idx − kv_idx)` to each score, with geometric slopes per head
+# (for `H` a power of two: `slope_h = 2^(−8(h+1)/H)`). Write `my_alibi` as a `score_mod` for
+# our `H` heads and compare with the built-in `pos_encoding_mode="ALIBI"`. (`H` is a global
+# here; numba freezes globals into the compiled function as constants.)
+
+# %% tags=["exercise"]
+def my_alibi(score, b, h, q_idx, kv_idx):
+    # your code here
+    raise NotImplementedError
+
+
+# %% jupyter={"source_hidden": true} tags=["solution"]
+# Worked solution (collapsed). Skip or delete this cell to try the exercise yourself.
+def my_alibi(score, b, h, q_idx, kv_idx):
+    return score - 2.0 ** (-8.0 * (h + 1) / H) * (q_idx - kv_idx)
+
+
+# %% tags=["check"]
+assert H & (H - 1) == 0, "this closed form needs a power-of-two head count"
+np.testing.assert_allclose(2.0 ** (-8.0 * (np.arange(H) + 1) / H), alibi_slopes(H), rtol=1e-6)
+o_mine = nbcuda.single_prefill(q, k, v, causal=True, score_mod=my_alibi)
+o_builtin = ref.single_prefill(q, k, v, causal=True, pos_encoding_mode="ALIBI")
+np.testing.assert_allclose(np.asarray(o_mine, np.float32), o_builtin, atol=10 * TOL, rtol=10 * TOL)
+print("✓ your compiled score_mod equals the built-in ALiBi")
+
+# %% [markdown]
+# ## 6. Reproducing the paper's figures
+#
+# `nbattn.figures` is a registry: each entry has a builder, a caption that puts the paper's
+# number beside ours, and a data source. Builders draw the performance models and, where a
+# result file exists in `benchmarks/results/`, the measured points; otherwise the figure
+# says "no measured data yet". Nothing is fabricated: a result file that fails validation
+# is left out and named below.
+
+# %%
+import nbattn.figures as figures
+from nbattn.perf.results import default_results_root
+for entry in figures.registry():
+    print(f"{entry.name:26s} {entry.data_source}")
+
+# %%
+import warnings
+warnings.filterwarnings("ignore", message="IProgress not found")   # tqdm without ipywidgets
+import shutil
+from nbattn.perf import results
+
+readable = Path(tempfile.mkdtemp(prefix="nbattn-results-"))   # result files that validate
+for path in sorted(default_results_root().glob("*.json")):
+    try:
+        results.load_suite(path.stem, default_results_root())
+        shutil.copy(path, readable / path.name)
+    except results.ResultFormatError as e:
+        print(f"left out, does not validate: {e}")
+
+outdir = Path(tempfile.mkdtemp(prefix="nbattn-figures-"))
+names = ["shared_prefix_traffic", "split_kv_speedup", "amdahl"] if SMALL else None   # all of them on a GPU box
+paths = figures.build_all(outdir, results_root=readable, progress=False,
+                          names=[n for n in (names or figures.figure_names()) if n in figures.figure_names()])
+for path in paths[:3]:
+    print(figures.get(path.stem).caption)
+    display(Image(filename=str(path)))
+print(f"{len(paths)} figures written to {outdir}")
+
+# %% [markdown]
+# ### Exercise 3 — read a paper number through Amdahl's law
+#
+# The paper reports that switching SGLang's attention backend from Triton to FlashInfer took the
+# end-to-end inter-token latency of Llama 3.1 8B on the Variable workload from 29.6 ms to
+# 9.1 ms. If attention
+# is a fraction `f` of a step and gets `k×` faster, the step gets
+# `1 / ((1 − f) + f/k)` faster. Even with infinitely fast attention (`k → ∞`), what is the
+# smallest `f` that explains the measured speedup? Store it in `f_min`.
+
+# %% tags=["exercise"]
+f_min = None   # your code here
+
+# %% jupyter={"source_hidden": true} tags=["solution"]
+# Worked solution (collapsed). Skip or delete this cell to try the exercise yourself.
+f_min = 1 - 9.1 / 29.6
+
+# %% tags=["check"]
+from nbattn.perf import roofline as rl
+assert np.isclose(rl.amdahl_speedup(f_min, 1e12), 29.6 / 9.1, rtol=1e-6)
+assert rl.amdahl_speedup(f_min - 0.01, 1e12) < 29.6 / 9.1
+print(f"✓ attention must have been at least {f_min:.0%} of the step before the switch")
+
+# %% [markdown]
+# ## Summary
+#
+# * A `Variant` names every customization; golden model and kernels read the same one.
+# * User functions are plain Python: NumPy evaluates them for the golden model, numba compiles
+#   them into the kernel, and a hashable variant keys the kernel cache.
+# * The figures are functions of models and result files; rerun them after a benchmark to see
+#   measured points beside the paper's numbers.
