@@ -6,6 +6,7 @@ comparison.  See docs/concepts/ (layouts.md, masks.md, state.md).
 from .attention import (attend, batch_decode_paged, batch_prefill_paged, batch_prefill_ragged,
                         block_sparse, cascade, single_decode, single_prefill, split_kv)
 from .page import append_paged_kv_cache
+from .rope import apply_llama31_rope, apply_llama31_rope_pos_ids, apply_rope, apply_rope_pos_ids
 from .._diff import golden_entry
 from .state import (AttentionState, lse_base2_to_natural, lse_natural_to_base2, merge_state,
                     merge_state_in_place, merge_states)
@@ -15,6 +16,7 @@ __all__ = [
     "batch_decode_paged", "block_sparse", "cascade", "split_kv", "append_paged_kv_cache",
     "AttentionState", "merge_state", "merge_states", "merge_state_in_place",
     "lse_natural_to_base2", "lse_base2_to_natural",
+    "apply_rope", "apply_rope_pos_ids", "apply_llama31_rope", "apply_llama31_rope_pos_ids",
 ]
 
 # The kernels' keywords (out=, lse=, stream=, tensor_cores=, kv_chunk=) and torch

@@ -1,0 +1,381 @@
+"""Rotary position embeddings (RoPE) on ragged q and k (docs/concepts/rope.md).
+
+FlashInfer's standalone RoPE functions, with its names and arguments.  The
+first ``rotary_dim`` dimensions of every head are split into pairs, and each
+pair is turned by an angle that grows with the row's position; the remaining
+dimensions are copied unchanged.  Two pairings exist:
+
+- non-interleaved (``interleave=False``, "rotate half", Llama/NeoX): dimension
+  ``i`` pairs with ``i + rotary_dim/2``;
+- interleaved (``interleave=True``, GPT-J): dimension ``2i`` pairs with
+  ``2i + 1``.
+
+Pair ``i`` (``0 <= i < rotary_dim/2``) turns at the frequency
+``rope_theta ** (-2i / rotary_dim)``; plain RoPE uses the angle
+``(pos / rope_scale) * freq``, Llama 3.1 rescales the frequencies instead and
+uses ``pos * freq``.  A pair ``(x1, x2)`` becomes
+``(x1 cos a - x2 sin a, x1 sin a + x2 cos a)``.
+
+Everything is computed in float64 and rounded once to the input's element
+type.  NumPy in gives NumPy out; a torch tensor (bfloat16 included) gives a
+torch tensor of the same dtype and device.  Inputs are never modified, and
+every argument is checked before anything is computed: a bad one raises
+:class:`nbattn.layout.LayoutError` (a ``ValueError``) whose message starts
+with the argument's name.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+
+from .. import layout as L
+from .attention import _float
+
+__all__ = ["apply_rope", "apply_rope_pos_ids", "apply_llama31_rope", "apply_llama31_rope_pos_ids"]
+
+
+# ---------------------------------------------------------------------------
+# Argument checks
+# ---------------------------------------------------------------------------
+
+def _qk(q: Any, k: Any) -> tuple[np.ndarray, np.ndarray]:
+    qa, ka = _float("q", q), _float("k", k)
+    if qa.ndim != 3:
+        raise L.LayoutError(f"q: must have rank 3, shape [nnz, num_qo_heads, head_dim], got {qa.shape}")
+    if ka.ndim != 3:
+        raise L.LayoutError(f"k: must have rank 3, shape [nnz, num_kv_heads, head_dim], got {ka.shape}")
+    if ka.shape[0] != qa.shape[0]:
+        raise L.LayoutError(f"k: must have as many rows (nnz) as q ({qa.shape[0]}), got {ka.shape[0]}")
+    if ka.shape[2] != qa.shape[2]:
+        raise L.LayoutError(f"k: head_dim {ka.shape[2]} must equal q's head_dim {qa.shape[2]}")
+    return qa, ka
+
+
+def _non_negative(name: str, x: Any, length: int, what: str) -> np.ndarray:
+    arr = L.as_int32(name, x)
+    if len(arr) != length:
+        raise L.LayoutError(f"{name}: must have one entry per {what} ({length}), got {len(arr)}")
+    if arr.size and arr.min() < 0:
+        i = int(np.argmax(arr < 0))
+        raise L.LayoutError(f"{name}: must be >= 0, got {name}[{i}]={int(arr[i])}")
+    return arr
+
+
+def _ragged_positions(indptr: Any, offsets: Any, nnz: int) -> np.ndarray:
+    """Position of every row: ``offsets[i] + j`` for row ``j`` of request ``i``."""
+    ptr = L.check_indptr("indptr", indptr, total=nnz, total_name="nnz, the number of rows of q and k")
+    lens = np.diff(ptr.astype(np.int64))
+    off = _non_negative("offsets", offsets, len(lens), "request")
+    local = np.arange(nnz, dtype=np.int64) - np.repeat(ptr[:-1].astype(np.int64), lens)
+    return np.repeat(off.astype(np.int64), lens) + local
+
+
+def _rotary_dim(rotary_dim: Any, head_dim: int) -> int:
+    if rotary_dim is None:
+        rotary_dim, given = head_dim, f"{head_dim} (the default, head_dim)"
+    else:
+        given = repr(rotary_dim)
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, numbers.Integral):
+        raise L.LayoutError(f"rotary_dim: must be an even integer in 1..head_dim ({head_dim}), got {given}")
+    r = int(rotary_dim)
+    if r <= 0 or r > head_dim or r % 2:
+        raise L.LayoutError(f"rotary_dim: must be even and 0 < rotary_dim <= head_dim ({head_dim}), "
+                            f"got {given}")
+    return r
+
+
+def _positive(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise L.LayoutError(f"{name}: must be a finite number > 0, got {value!r}")
+    v = float(value)
+    if not (math.isfinite(v) and v > 0):
+        raise L.LayoutError(f"{name}: must be a finite number > 0, got {value!r}")
+    return v
+
+
+def _llama31_factors(low_freq_factor: Any, high_freq_factor: Any,
+                     old_context_len: Any) -> tuple[float, float, float]:
+    low = _positive("low_freq_factor", low_freq_factor)
+    high = _positive("high_freq_factor", high_freq_factor)
+    if not high > low:
+        raise L.LayoutError(f"high_freq_factor: must be > low_freq_factor ({low_freq_factor!r}), "
+                            f"got {high_freq_factor!r}")
+    return low, high, _positive("old_context_len", old_context_len)
+
+
+# ---------------------------------------------------------------------------
+# The computation
+# ---------------------------------------------------------------------------
+
+def _inv_freq(rotary_dim: int, rope_theta: float) -> np.ndarray:
+    """``rope_theta ** (-2i / rotary_dim)`` for pair ``i < rotary_dim/2``."""
+    i = np.arange(rotary_dim // 2, dtype=np.float64)
+    return rope_theta ** (-2.0 * i / rotary_dim)
+
+
+def _llama31_freq(inv_freq: np.ndarray, rope_scale: float, low: float, high: float,
+                  old_context_len: float) -> np.ndarray:
+    """Llama 3.1's frequencies: short wavelengths kept, long ones divided by
+    ``rope_scale``, a linear blend of the two in between."""
+    wavelen = 2.0 * math.pi / inv_freq
+    smooth = (old_context_len / wavelen - low) / (high - low)
+    blend = (1.0 - smooth) * inv_freq / rope_scale + smooth * inv_freq
+    return np.where(wavelen < old_context_len / high, inv_freq,
+                    np.where(wavelen > old_context_len / low, inv_freq / rope_scale, blend))
+
+
+def _rotate(x: np.ndarray, angle: np.ndarray, rotary_dim: int, interleave: bool) -> np.ndarray:
+    """``x [nnz, H, D]`` with its pairs turned by ``angle [nnz, rotary_dim/2]``, in float64."""
+    out = x.astype(np.float64)                   # a new array; the tail dims stay as they are
+    half = rotary_dim // 2
+    first = slice(0, rotary_dim, 2) if interleave else slice(0, half)
+    second = slice(1, rotary_dim, 2) if interleave else slice(half, rotary_dim)
+    cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
+    x1, x2 = out[..., first].copy(), out[..., second].copy()
+    out[..., first] = x1 * cos - x2 * sin
+    out[..., second] = x1 * sin + x2 * cos
+    return out
+
+
+def _round_bf16(x: np.ndarray) -> np.ndarray:
+    """float64 rounded once (to nearest, ties to even) to bfloat16, returned as float32."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        m, e = np.frexp(x)                                       # x = m * 2**e, 0.5 <= |m| < 1
+        r = np.ldexp(np.round(m * 256.0) / 256.0, e)             # 8 significant bits
+        tiny = np.abs(x) < 2.0 ** -126                           # bf16 subnormals: a fixed step
+        r = np.where(tiny, np.round(x * 2.0 ** 133) * 2.0 ** -133, r)
+        return r.astype(np.float32)                              # exact, or inf past bf16's range
+
+
+def _like(out: np.ndarray, given: Any, host: np.ndarray) -> Any:
+    """The float64 result in the element type and kind (NumPy or torch) of the input."""
+    if type(given).__module__.startswith("torch"):
+        import torch
+        if given.dtype == torch.bfloat16:
+            return torch.from_numpy(_round_bf16(out)).to(device=given.device, dtype=torch.bfloat16)
+        return torch.from_numpy(out.astype(host.dtype)).to(given.device)
+    dt = given.dtype if isinstance(given, np.ndarray) else host.dtype
+    if dt.kind == "V" and dt.itemsize == 2:                      # raw bfloat16 bytes
+        return (_round_bf16(out).view(np.uint32) >> 16).astype(np.uint16).view(dt)
+    return out.astype(dt)
+
+
+def _apply(q, k, qa, ka, pos, rotary_dim, interleave, rope_theta, position_scale, freq_fn):
+    inv = _inv_freq(rotary_dim, rope_theta)
+    freq = freq_fn(inv)
+    angle = (pos.astype(np.float64) / position_scale)[:, None] * freq[None, :]
+    q_rope = _rotate(qa, angle, rotary_dim, bool(interleave))
+    k_rope = _rotate(ka, angle, rotary_dim, bool(interleave))
+    return _like(q_rope, q, qa), _like(k_rope, k, ka)
+
+
+def _plain(q, k, pos_fn, rotary_dim, interleave, rope_scale, rope_theta):
+    qa, ka = _qk(q, k)
+    pos = pos_fn(qa.shape[0])
+    rd = _rotary_dim(rotary_dim, qa.shape[2])
+    theta = _positive("rope_theta", rope_theta)
+    scale = _positive("rope_scale", rope_scale)
+    return _apply(q, k, qa, ka, pos, rd, interleave, theta, scale, lambda inv: inv)
+
+
+def _llama31(q, k, pos_fn, rotary_dim, interleave, rope_scale, rope_theta, low_freq_factor,
+             high_freq_factor, old_context_len):
+    qa, ka = _qk(q, k)
+    pos = pos_fn(qa.shape[0])
+    rd = _rotary_dim(rotary_dim, qa.shape[2])
+    theta = _positive("rope_theta", rope_theta)
+    scale = _positive("rope_scale", rope_scale)
+    low, high, old = _llama31_factors(low_freq_factor, high_freq_factor, old_context_len)
+    return _apply(q, k, qa, ka, pos, rd, interleave, theta, 1.0,
+                  lambda inv: _llama31_freq(inv, scale, low, high, old))
+
+
+# ---------------------------------------------------------------------------
+# Public functions
+# ---------------------------------------------------------------------------
+
+def apply_rope(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=1.0,
+               rope_theta=1e4):
+    """RoPE on ragged ``q`` and ``k``, positions counted from each request's offset.
+
+    Request ``i`` owns rows ``indptr[i]:indptr[i+1]`` of both ``q`` and ``k``;
+    its ``j``-th row sits at position ``offsets[i] + j``.  Pair ``p`` of a row
+    at position ``pos`` turns by ``(pos / rope_scale) * rope_theta ** (-2p / rotary_dim)``.
+
+    Parameters
+    ----------
+    q : array, shape [nnz, num_qo_heads, head_dim]
+        Queries (float16, float32, float64; torch bfloat16 too).
+    k : array, shape [nnz, num_kv_heads, head_dim]
+        Keys, one row per row of ``q``; ``num_kv_heads`` may differ from
+        ``num_qo_heads`` (GQA).
+    indptr : int array, shape [batch_size + 1]
+        Row pointer: starts at 0, non-decreasing, ends at ``nnz``.  Equal
+        neighbours are empty requests.
+    offsets : int array, shape [batch_size]
+        Position of each request's first row, ``>= 0``.
+    rotary_dim : int, optional
+        How many leading dimensions of each head rotate: even, in
+        ``1..head_dim``; ``None`` means ``head_dim``.  The others are copied.
+    interleave : bool
+        ``False``: dimension ``i`` pairs with ``i + rotary_dim/2`` (rotate
+        half, Llama/NeoX).  ``True``: ``2i`` pairs with ``2i+1`` (GPT-J).
+    rope_scale : float
+        Positions are divided by it (linear position interpolation); finite, ``> 0``.
+    rope_theta : float
+        Base of the frequencies; finite, ``> 0``.
+
+    Returns
+    -------
+    q_rope : array, shape [nnz, num_qo_heads, head_dim]
+        New array of ``q``'s dtype (and kind: NumPy or torch).
+    k_rope : array, shape [nnz, num_kv_heads, head_dim]
+        New array of ``k``'s dtype.
+
+    Raises
+    ------
+    nbattn.layout.LayoutError
+        A ``ValueError`` naming the first bad argument, raised before any work.
+    """
+    return _plain(q, k, lambda nnz: _ragged_positions(indptr, offsets, nnz), rotary_dim, interleave,
+                  rope_scale, rope_theta)
+
+
+def apply_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=1.0,
+                       rope_theta=1e4):
+    """RoPE on ``q`` and ``k`` with one position per row.
+
+    Row ``r`` of ``q`` and of ``k`` sits at position ``pos_ids[r]``; otherwise
+    as :func:`apply_rope`.
+
+    Parameters
+    ----------
+    q : array, shape [nnz, num_qo_heads, head_dim]
+        Queries.
+    k : array, shape [nnz, num_kv_heads, head_dim]
+        Keys, one row per row of ``q``.
+    pos_ids : int array, shape [nnz]
+        Position of every row, ``>= 0``.
+    rotary_dim : int, optional
+        Even, in ``1..head_dim``; ``None`` means ``head_dim``.
+    interleave : bool
+        The pairing: ``False`` rotate half, ``True`` GPT-J.
+    rope_scale : float
+        Positions are divided by it; finite, ``> 0``.
+    rope_theta : float
+        Base of the frequencies; finite, ``> 0``.
+
+    Returns
+    -------
+    q_rope : array, shape [nnz, num_qo_heads, head_dim]
+    k_rope : array, shape [nnz, num_kv_heads, head_dim]
+        New arrays of the inputs' dtypes.
+
+    Raises
+    ------
+    nbattn.layout.LayoutError
+        Naming the first bad argument, raised before any work.
+    """
+    return _plain(q, k, lambda nnz: _non_negative("pos_ids", pos_ids, nnz, "row of q and k"),
+                  rotary_dim, interleave, rope_scale, rope_theta)
+
+
+def apply_llama31_rope(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=8.0,
+                       rope_theta=5e5, low_freq_factor=1.0, high_freq_factor=4.0,
+                       old_context_len=8192):
+    """Llama 3.1 RoPE on ragged ``q`` and ``k`` (positions as in :func:`apply_rope`).
+
+    The frequency ``f = rope_theta ** (-2p / rotary_dim)`` of pair ``p`` has
+    the wavelength ``w = 2 pi / f``.  With ``w_high = old_context_len /
+    high_freq_factor`` and ``w_low = old_context_len / low_freq_factor``, the
+    pair uses ``f`` when ``w < w_high``, ``f / rope_scale`` when ``w > w_low``,
+    and in between ``(1 - s) f / rope_scale + s f`` with
+    ``s = (old_context_len / w - low_freq_factor) / (high_freq_factor - low_freq_factor)``.
+    The angle is ``pos * frequency``: positions are not divided by ``rope_scale``.
+
+    Parameters
+    ----------
+    q : array, shape [nnz, num_qo_heads, head_dim]
+        Queries.
+    k : array, shape [nnz, num_kv_heads, head_dim]
+        Keys, one row per row of ``q``.
+    indptr : int array, shape [batch_size + 1]
+        Row pointer: starts at 0, non-decreasing, ends at ``nnz``.
+    offsets : int array, shape [batch_size]
+        Position of each request's first row, ``>= 0``.
+    rotary_dim : int, optional
+        Even, in ``1..head_dim``; ``None`` means ``head_dim``.
+    interleave : bool
+        The pairing: ``False`` rotate half, ``True`` GPT-J.
+    rope_scale : float
+        Divides the low frequencies; finite, ``> 0``.
+    rope_theta : float
+        Base of the frequencies; finite, ``> 0``.
+    low_freq_factor : float
+        ``> 0``; sets the wavelength ``w_low`` above which frequencies are scaled.
+    high_freq_factor : float
+        ``> low_freq_factor``; sets the wavelength ``w_high`` below which they are kept.
+    old_context_len : float
+        The context length the model was trained with, ``> 0``.
+
+    Returns
+    -------
+    q_rope : array, shape [nnz, num_qo_heads, head_dim]
+    k_rope : array, shape [nnz, num_kv_heads, head_dim]
+        New arrays of the inputs' dtypes.
+
+    Raises
+    ------
+    nbattn.layout.LayoutError
+        Naming the first bad argument, raised before any work.
+    """
+    return _llama31(q, k, lambda nnz: _ragged_positions(indptr, offsets, nnz), rotary_dim, interleave,
+                    rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len)
+
+
+def apply_llama31_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=8.0,
+                               rope_theta=5e5, low_freq_factor=1.0, high_freq_factor=4.0,
+                               old_context_len=8192):
+    """Llama 3.1 RoPE with one position per row (frequencies as in
+    :func:`apply_llama31_rope`, positions as in :func:`apply_rope_pos_ids`).
+
+    Parameters
+    ----------
+    q : array, shape [nnz, num_qo_heads, head_dim]
+        Queries.
+    k : array, shape [nnz, num_kv_heads, head_dim]
+        Keys, one row per row of ``q``.
+    pos_ids : int array, shape [nnz]
+        Position of every row, ``>= 0``.
+    rotary_dim : int, optional
+        Even, in ``1..head_dim``; ``None`` means ``head_dim``.
+    interleave : bool
+        The pairing: ``False`` rotate half, ``True`` GPT-J.
+    rope_scale : float
+        Divides the low frequencies; finite, ``> 0``.
+    rope_theta : float
+        Base of the frequencies; finite, ``> 0``.
+    low_freq_factor : float
+        ``> 0``.
+    high_freq_factor : float
+        ``> low_freq_factor``.
+    old_context_len : float
+        ``> 0``.
+
+    Returns
+    -------
+    q_rope : array, shape [nnz, num_qo_heads, head_dim]
+    k_rope : array, shape [nnz, num_kv_heads, head_dim]
+        New arrays of the inputs' dtypes.
+
+    Raises
+    ------
+    nbattn.layout.LayoutError
+        Naming the first bad argument, raised before any work.
+    """
+    return _llama31(q, k, lambda nnz: _non_negative("pos_ids", pos_ids, nnz, "row of q and k"),
+                    rotary_dim, interleave, rope_scale, rope_theta, low_freq_factor, high_freq_factor,
+                    old_context_len)
