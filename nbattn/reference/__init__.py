@@ -1,10 +1,11 @@
 """The golden model (NumPy): what every nbattn kernel must compute.
 
 Same names and arguments as :mod:`nbattn.cuda`, so a differential test is one
-comparison.  See docs/concepts/ (layouts.md, masks.md, state.md).
+comparison.  See docs/concepts/ (layouts.md, masks.md, custom_mask.md, state.md).
 """
 from .attention import (attend, batch_decode_paged, batch_prefill_paged, batch_prefill_ragged,
                         block_sparse, cascade, single_decode, single_prefill, split_kv)
+from .custom_mask import packbits, segment_packbits
 from .page import append_paged_kv_cache
 from .rope import apply_llama31_rope, apply_llama31_rope_pos_ids, apply_rope, apply_rope_pos_ids
 from .._diff import golden_entry
@@ -17,6 +18,7 @@ __all__ = [
     "AttentionState", "merge_state", "merge_states", "merge_state_in_place",
     "lse_natural_to_base2", "lse_base2_to_natural",
     "apply_rope", "apply_rope_pos_ids", "apply_llama31_rope", "apply_llama31_rope_pos_ids",
+    "packbits", "segment_packbits",
 ]
 
 # The kernels' keywords (out=, lse=, stream=, tensor_cores=, kv_chunk=) and torch

@@ -17,6 +17,9 @@ Variant keywords (all functions; see :mod:`nbattn.variants`): ``causal``,
 ``sm_scale``, ``logits_soft_cap``, ``pos_encoding_mode`` ("NONE"/"ALIBI"),
 ``window_left``, ``sink_size``, ``use_sigmoid``, ``sigmoid_bias``,
 ``score_mod``, ``mask_mod`` -- or a ready ``variant=Variant(...)``.
+The prefill forms (``single_prefill``, ``batch_prefill_ragged``,
+``batch_prefill_paged``) also take a runtime ``custom_mask`` or
+``packed_custom_mask`` (:mod:`nbattn.reference.custom_mask`).
 """
 from __future__ import annotations
 
@@ -25,7 +28,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import layout as L
-from ..variants import Variant, check_return_lse, variant_from_kwargs
+from ..variants import Variant, check_return_lse, unknown_keywords_message, variant_from_kwargs
+from .custom_mask import check_mask_choice, request_masks
 from .masks import keep_mask, transform_logits
 from .state import LN2, AttentionState, merge_states
 
@@ -140,13 +144,25 @@ def _finish(o: np.ndarray, lse: np.ndarray, return_lse: bool):
     return (o, lse) if return_lse else o
 
 
+def _no_custom_mask(variant: dict) -> None:
+    """The decode forms take no custom mask (as FlashInfer's): refuse it as an unknown keyword."""
+    given = {"custom_mask", "packed_custom_mask"} & set(variant)
+    if given:
+        raise TypeError(unknown_keywords_message(given))
+
+
 # ---------------------------------------------------------------------------
 # Public forms
 # ---------------------------------------------------------------------------
 
 def single_prefill(q, k, v, *, kv_layout: str = "NHD", return_lse: bool = False,
-                   dtype=np.float32, **variant):
-    """One request, contiguous KV: ``q [Q, Hq, D]``, ``k, v [K, Hkv, D]`` (NHD)."""
+                   dtype=np.float32, custom_mask=None, packed_custom_mask=None, **variant):
+    """One request, contiguous KV: ``q [Q, Hq, D]``, ``k, v [K, Hkv, D]`` (NHD).
+
+    ``custom_mask``: bool ``[Q, K]`` (or flattened ``[Q*K]``), True keeps the key;
+    or ``packed_custom_mask``: uint8 ``[ceil(Q*K/8)]``, the same bits as
+    ``packbits(custom_mask.ravel(), bitorder="little")`` (docs/concepts/custom_mask.md).
+    With either, ``causal`` must be False."""
     var = variant_from_kwargs(variant)
     check_return_lse(var, return_lse)
     L.check_same_dtype(q=q, k=k, v=v)
@@ -154,15 +170,19 @@ def single_prefill(q, k, v, *, kv_layout: str = "NHD", return_lse: bool = False,
     q = _float("q", q)
     L.check_q(q, k.shape[2])
     L.check_heads(q.shape[1], k.shape[1])
+    cm = request_masks(custom_mask, packed_custom_mask, [q.shape[0]], [k.shape[0]],
+                       causal=var.causal, single=True)
     if var.causal:
         L.check_causal_lengths(np.array([q.shape[0]]), np.array([k.shape[0]]), name="q")
-    o, lse = attend(q, k, v, *_positions(q.shape[0], k.shape[0]), var, dtype=dtype)
+    o, lse = attend(q, k, v, *_positions(q.shape[0], k.shape[0]), var, dtype=dtype,
+                    keep=None if cm is None else cm[0])
     return _finish(o, lse, return_lse)
 
 
 def single_decode(q, k, v, *, kv_layout: str = "NHD", return_lse: bool = False,
                   dtype=np.float32, **variant):
     """One query token: ``q [Hq, D]``; returns ``o [Hq, D]`` (and ``lse [Hq]``)."""
+    _no_custom_mask(variant)
     q = _float("q", q)
     if q.ndim != 2:
         raise L.LayoutError(f"q: must have shape [num_qo_heads, head_dim], got {q.shape}")
@@ -171,9 +191,16 @@ def single_decode(q, k, v, *, kv_layout: str = "NHD", return_lse: bool = False,
 
 
 def batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, *, kv_layout: str = "NHD",
-                         return_lse: bool = False, dtype=np.float32, **variant):
+                         return_lse: bool = False, dtype=np.float32, custom_mask=None,
+                         packed_custom_mask=None, **variant):
     """Ragged Q and ragged contiguous KV: request r's keys are
-    ``k[kv_indptr[r]:kv_indptr[r+1]]``."""
+    ``k[kv_indptr[r]:kv_indptr[r+1]]``.
+
+    ``custom_mask``: bool, flattened: request r's row-major ``[qo_len[r], kv_len[r]]``
+    blocks concatenated (length ``sum(qo_len[r] * kv_len[r])``), True keeps the key;
+    or ``packed_custom_mask``: uint8, each request's block packed on its own as
+    ``segment_packbits`` gives (docs/concepts/custom_mask.md).  With either,
+    ``causal`` must be False."""
     var = variant_from_kwargs(variant)
     check_return_lse(var, return_lse)
     L.check_same_dtype(q=q, k=k, v=v)
@@ -185,6 +212,7 @@ def batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, *, kv_layout: str = "NHD
         raise L.LayoutError(f"kv_indptr: has {kv.batch_size} requests, qo_indptr has {qo.batch_size}")
     L.check_q(q, k.shape[2], rows=qo.total)
     L.check_heads(q.shape[1], k.shape[1])
+    cm = request_masks(custom_mask, packed_custom_mask, qo.lengths, kv.lengths, causal=var.causal)
     if var.causal:
         L.check_causal_lengths(qo.lengths, kv.lengths)
     o = np.zeros((q.shape[0], q.shape[1], q.shape[2]), dtype)
@@ -193,7 +221,7 @@ def batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, *, kv_layout: str = "NHD
         qs = slice(qo.qo_indptr[r], qo.qo_indptr[r + 1])
         ks = slice(kv.qo_indptr[r], kv.qo_indptr[r + 1])
         o[qs], lse[qs] = attend(q[qs], k[ks], v[ks], *_positions(qs.stop - qs.start, ks.stop - ks.start),
-                                var, b=r, dtype=dtype)
+                                var, b=r, dtype=dtype, keep=None if cm is None else cm[r])
     return _finish(o, lse, return_lse)
 
 
@@ -217,25 +245,31 @@ def _paged_common(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_indice
 
 def batch_prefill_paged(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_indices,
                         paged_kv_last_page_len, *, kv_layout: str = "NHD", return_lse: bool = False,
-                        dtype=np.float32, **variant):
-    """Batch prefill/append over a paged KV cache."""
+                        dtype=np.float32, custom_mask=None, packed_custom_mask=None, **variant):
+    """Batch prefill/append over a paged KV cache.
+
+    ``custom_mask`` / ``packed_custom_mask`` as in :func:`batch_prefill_ragged`,
+    with ``kv_len[r]`` request r's paged KV length."""
     var = variant_from_kwargs(variant)
     check_return_lse(var, return_lse)
+    check_mask_choice(custom_mask, packed_custom_mask, causal=var.causal)
     q, cache, qo, pkv = _paged_common(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_indices,
                                       paged_kv_last_page_len, kv_layout, var)
+    cm = request_masks(custom_mask, packed_custom_mask, qo.lengths, pkv.kv_lens, causal=var.causal)
     o = np.zeros(q.shape, dtype)
     lse = np.full(q.shape[:2], -np.inf, dtype)
     for r in range(qo.batch_size):
         qs = slice(qo.qo_indptr[r], qo.qo_indptr[r + 1])
         k, v = L.gather_kv(cache, pkv, r, kv_layout)
         o[qs], lse[qs] = attend(q[qs], k, v, *_positions(qs.stop - qs.start, k.shape[0]), var,
-                                b=r, dtype=dtype)
+                                b=r, dtype=dtype, keep=None if cm is None else cm[r])
     return _finish(o, lse, return_lse)
 
 
 def batch_decode_paged(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                        *, kv_layout: str = "NHD", return_lse: bool = False, dtype=np.float32, **variant):
     """One query row per request (``q [batch, Hq, D]``) over a paged KV cache."""
+    _no_custom_mask(variant)
     batch = len(L.to_numpy(paged_kv_indptr)) - 1
     qo_indptr = np.arange(batch + 1, dtype=np.int32)
     return batch_prefill_paged(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_indices,
