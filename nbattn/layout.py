@@ -428,10 +428,13 @@ def append_slots(batch_indices: Any, positions: Any, pkv: PagedKV) -> tuple[np.n
 
 def check_append(append_key: Any, append_value: Any, batch_indices: Any, positions: Any,
                  paged_kv_cache: Any, paged_kv_indptr: Any, paged_kv_indices: Any,
-                 paged_kv_last_page_len: Any, kv_layout: str = "NHD") -> tuple[np.ndarray, np.ndarray]:
+                 paged_kv_last_page_len: Any, kv_layout: str = "NHD", *,
+                 check_dtypes: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Validate an append (shapes, dtypes, page table, positions) and return
     the destination page and slot of every appended token.  Reads shapes and
-    index metadata only, so it serves host and device caches alike."""
+    index metadata only, so it serves host and device caches alike.
+    ``check_dtypes=False`` leaves the dtype rule to the caller (the golden
+    model's fp8 cache, which quantizes what it writes)."""
     pkv, dims = PagedKV.from_cache(paged_kv_cache, paged_kv_indptr, paged_kv_indices,
                                    paged_kv_last_page_len, kv_layout)
     want = (dims.num_kv_heads, dims.head_dim)
@@ -441,7 +444,8 @@ def check_append(append_key: Any, append_value: Any, batch_indices: Any, positio
     if tuple(int(x) for x in append_value.shape) != kshape:
         raise LayoutError(f"append_value: must match append_key's shape {kshape}, "
                           f"got {tuple(append_value.shape)}")
-    check_same_dtype(append_key=append_key, append_value=append_value, paged_kv_cache=paged_kv_cache)
+    if check_dtypes:
+        check_same_dtype(append_key=append_key, append_value=append_value, paged_kv_cache=paged_kv_cache)
     if len(as_int32("batch_indices", batch_indices)) != kshape[0]:
         raise LayoutError(f"batch_indices: must have one entry per appended token ({kshape[0]})")
     return append_slots(batch_indices, positions, pkv)

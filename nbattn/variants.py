@@ -127,7 +127,17 @@ _ALIASES = {
     "sliding_window": "window_left",
     "alibi": "pos_encoding_mode",
     "num_sinks": "sink_size",
-    "sinks": "sink_size",
+}
+
+# Names that are real arguments elsewhere: what to say where they are not taken.
+_ELSEWHERE = {
+    "sinks": ("learnable sink logits, one per query head: only the golden model's attention forms "
+              "other than split_kv take them so far; for StreamingLLM's always-visible first keys "
+              "use 'sink_size'"),
+    "k_scale": ("the scale of fp8 K: only the golden model's single_prefill, single_decode, "
+                "batch_prefill_ragged, batch_prefill_paged and batch_decode_paged take it so far"),
+    "v_scale": ("the scale of fp8 V: only the golden model's single_prefill, single_decode, "
+                "batch_prefill_ragged, batch_prefill_paged and batch_decode_paged take it so far"),
 }
 
 
@@ -149,7 +159,10 @@ def unknown_keywords_message(unknown) -> str:
     parts = []
     for name in sorted(unknown):
         hint = suggest_keyword(name)
-        parts.append(f"{name!r} (did you mean {hint!r}?)" if hint else repr(name))
+        if name in _ELSEWHERE:
+            parts.append(f"{name!r} ({_ELSEWHERE[name]})")
+        else:
+            parts.append(f"{name!r} (did you mean {hint!r}?)" if hint else repr(name))
     return (f"unknown keyword argument(s): {', '.join(parts)}; the attention keywords are "
             f"{', '.join(VARIANT_FIELDS)} and variant")
 

@@ -89,6 +89,11 @@ def gather_pages(cache, indptr, indices, last_page_len, r, kv_layout="NHD"):
     return np.stack(ks), np.stack(vs)
 
 
+def indptr_of(lens):
+    """``[0, cumsum(lens)]`` as int32 (an indptr array)."""
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
 def random_paged_batch(rng, *, qo_lens, kv_lens, page_size, num_kv_heads, group, head_dim,
                        kv_layout="NHD", extra_pages=3, share_first_page=False, dtype=np.float32):
     """A random batch: shuffled pages in a larger pool, optional shared first page.
@@ -123,3 +128,23 @@ def random_paged_batch(rng, *, qo_lens, kv_lens, page_size, num_kv_heads, group,
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
     ind = np.concatenate(indices).astype(np.int32) if indices else np.zeros(0, np.int32)
     return dict(q=q, cache=cache, qo_indptr=qo_indptr, indptr=indptr, indices=ind, last=last)
+
+
+def ragged_batch(rng, qo_lens, kv_lens, hkv=2, group=2, d=16):
+    q = rng.standard_normal((int(sum(qo_lens)), hkv * group, d)).astype(np.float32)
+    k = rng.standard_normal((int(sum(kv_lens)), hkv, d)).astype(np.float32)
+    v = rng.standard_normal((int(sum(kv_lens)), hkv, d)).astype(np.float32)
+    return q, k, v, indptr_of(qo_lens), indptr_of(kv_lens)
+
+def paged_batch(rng, qo_lens, kv_lens, page_size, kv_layout, hkv=2, group=3, d=8):
+    """Shuffled pages in a larger pool; empty requests have no pages and last_page_len 0."""
+    n_pages = [-(-int(n) // page_size) for n in kv_lens]
+    pool = sum(n_pages) + 2
+    perm = rng.permutation(pool).astype(np.int32)
+    indptr = indptr_of(n_pages)
+    indices = perm[:indptr[-1]]
+    last = np.array([0 if n == 0 else int(l) - (n - 1) * page_size for n, l in zip(n_pages, kv_lens)], np.int32)
+    shape = (pool, 2, page_size, hkv, d) if kv_layout == "NHD" else (pool, 2, hkv, page_size, d)
+    cache = rng.standard_normal(shape).astype(np.float32)
+    q = rng.standard_normal((int(sum(qo_lens)), hkv * group, d)).astype(np.float32)
+    return q, cache, indptr_of(qo_lens), indptr, indices, last

@@ -21,6 +21,7 @@ import pytest
 import nbattn  # noqa: F401  (compat first)
 from nbattn import reference as R
 from nbattn.variants import Variant
+from brute import gather_pages as gather, indptr_of, paged_batch, ragged_batch  # noqa: E402
 
 LN2 = math.log(2.0)
 
@@ -74,28 +75,12 @@ def dense(q, ks, vs, qo_lens, masks, *, sm_scale=None, window_left=-1, sink_size
     return o, lse
 
 
-def gather(cache, indptr, indices, last, r, kv_layout):
-    """Request r's K and V from a paged cache, token by token."""
-    ps = cache.shape[2] if kv_layout == "NHD" else cache.shape[3]
-    n = int(indptr[r + 1] - indptr[r])
-    length = 0 if n == 0 else (n - 1) * ps + int(last[r])
-    hkv, d = (cache.shape[3], cache.shape[4]) if kv_layout == "NHD" else (cache.shape[2], cache.shape[4])
-    k, v = np.zeros((length, hkv, d), cache.dtype), np.zeros((length, hkv, d), cache.dtype)
-    for t in range(length):
-        page, slot = int(indices[int(indptr[r]) + t // ps]), t % ps
-        if kv_layout == "NHD":
-            k[t], v[t] = cache[page, 0, slot], cache[page, 1, slot]
-        else:
-            k[t], v[t] = cache[page, 0, :, slot], cache[page, 1, :, slot]
-    return k, v
 
 
 # ---------------------------------------------------------------------------
 # Inputs
 # ---------------------------------------------------------------------------
 
-def indptr_of(lens):
-    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
 
 
 def random_masks(rng, qo_lens, kv_lens, p=0.6):
@@ -110,25 +95,8 @@ def packed(masks):
     return np.concatenate([np.packbits(m.ravel(), bitorder="little") for m in masks]).astype(np.uint8)
 
 
-def ragged_batch(rng, qo_lens, kv_lens, hkv=2, group=2, d=16):
-    q = rng.standard_normal((int(sum(qo_lens)), hkv * group, d)).astype(np.float32)
-    k = rng.standard_normal((int(sum(kv_lens)), hkv, d)).astype(np.float32)
-    v = rng.standard_normal((int(sum(kv_lens)), hkv, d)).astype(np.float32)
-    return q, k, v, indptr_of(qo_lens), indptr_of(kv_lens)
 
 
-def paged_batch(rng, qo_lens, kv_lens, page_size, kv_layout, hkv=2, group=3, d=8):
-    """Shuffled pages in a larger pool; empty requests have no pages and last_page_len 0."""
-    n_pages = [-(-int(n) // page_size) for n in kv_lens]
-    pool = sum(n_pages) + 2
-    perm = rng.permutation(pool).astype(np.int32)
-    indptr = indptr_of(n_pages)
-    indices = perm[:indptr[-1]]
-    last = np.array([0 if n == 0 else int(l) - (n - 1) * page_size for n, l in zip(n_pages, kv_lens)], np.int32)
-    shape = (pool, 2, page_size, hkv, d) if kv_layout == "NHD" else (pool, 2, hkv, page_size, d)
-    cache = rng.standard_normal(shape).astype(np.float32)
-    q = rng.standard_normal((int(sum(qo_lens)), hkv * group, d)).astype(np.float32)
-    return q, cache, indptr_of(qo_lens), indptr, indices, last
 
 
 def tree_mask(prefix, parents):

@@ -1,7 +1,8 @@
 """The golden model (NumPy): what every nbattn kernel must compute.
 
 Same names and arguments as :mod:`nbattn.cuda`, so a differential test is one
-comparison.  See docs/concepts/ (layouts.md, masks.md, custom_mask.md, state.md).
+comparison.  See docs/concepts/ (layouts.md, including fp8 KV caches; masks.md,
+custom_mask.md, sinks.md, state.md).
 """
 from .attention import (attend, batch_decode_paged, batch_prefill_paged, batch_prefill_ragged,
                         block_sparse, cascade, single_decode, single_prefill, split_kv)

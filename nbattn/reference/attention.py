@@ -19,7 +19,12 @@ Variant keywords (all functions; see :mod:`nbattn.variants`): ``causal``,
 ``score_mod``, ``mask_mod`` -- or a ready ``variant=Variant(...)``.
 The prefill forms (``single_prefill``, ``batch_prefill_ragged``,
 ``batch_prefill_paged``) also take a runtime ``custom_mask`` or
-``packed_custom_mask`` (:mod:`nbattn.reference.custom_mask`).
+``packed_custom_mask`` (:mod:`nbattn.reference.custom_mask`).  The softmax
+forms (all but ``split_kv``) take learnable attention ``sinks``
+(:mod:`nbattn.reference.sinks`): one logit per query head, merged once into
+every row's final state.  The contiguous and paged forms (not ``block_sparse``,
+``cascade``, ``split_kv``) also read fp8 K/V (torch ``float8_e4m3fn`` /
+``float8_e5m2``) with scalar ``k_scale`` / ``v_scale`` (:mod:`nbattn.reference.fp8`).
 """
 from __future__ import annotations
 
@@ -30,7 +35,9 @@ import numpy as np
 from .. import layout as L
 from ..variants import Variant, check_return_lse, unknown_keywords_message, variant_from_kwargs
 from .custom_mask import check_mask_choice, request_masks
+from .fp8 import check_kv_dtypes, check_no_fp8, dequantize, dequantize_cache, kv_scales, reject_fp8
 from .masks import keep_mask, transform_logits
+from .sinks import apply_sinks, check_sinks
 from .state import LN2, AttentionState, merge_states
 
 __all__ = [
@@ -117,6 +124,8 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, kv_po
 # ---------------------------------------------------------------------------
 
 def _float(name: str, x: Any) -> np.ndarray:
+    if L.dtype_of(x).startswith("float8"):
+        reject_fp8(name, x)
     arr = L.to_numpy(x)
     if arr.dtype.kind == "V" and arr.dtype.itemsize == 2:  # bf16 seen as raw 2 bytes
         arr = (arr.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
@@ -125,9 +134,14 @@ def _float(name: str, x: Any) -> np.ndarray:
     return arr
 
 
-def _contiguous_kv(k: Any, v: Any, kv_layout: str) -> tuple[np.ndarray, np.ndarray]:
+def _contiguous_kv(k: Any, v: Any, kv_layout: str,
+                   scales: tuple[float, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``scales``: fp8 K/V (checked), dequantized to float64 with ``(k_scale, v_scale)``."""
     L.check_kv_layout(kv_layout)
-    k, v = _float("k", k), _float("v", v)
+    if scales is not None:
+        k, v = dequantize(k, scales[0]), dequantize(v, scales[1])
+    else:
+        k, v = _float("k", k), _float("v", v)
     if k.ndim != 3 or k.shape != v.shape:
         raise L.LayoutError(f"v: k and v must both be 3-D with equal shapes, got {k.shape} and {v.shape}")
     if kv_layout == "HND":
@@ -144,6 +158,15 @@ def _finish(o: np.ndarray, lse: np.ndarray, return_lse: bool):
     return (o, lse) if return_lse else o
 
 
+def _kv_scales(q, k_scale, v_scale, **kv) -> tuple[float, float] | None:
+    """The dtype rule between q and K/V, then the scales: ``(k_scale, v_scale)``
+    for fp8 K/V, None otherwise (where a scale is rejected)."""
+    fp8 = check_kv_dtypes(q, **kv)
+    what, x = next(iter(kv.items()))
+    scales = kv_scales(k_scale, v_scale, fp8, what, L.dtype_of(x))
+    return None if fp8 is None else scales
+
+
 def _no_custom_mask(variant: dict) -> None:
     """The decode forms take no custom mask (as FlashInfer's): refuse it as an unknown keyword."""
     given = {"custom_mask", "packed_custom_mask"} & set(variant)
@@ -156,17 +179,27 @@ def _no_custom_mask(variant: dict) -> None:
 # ---------------------------------------------------------------------------
 
 def single_prefill(q, k, v, *, kv_layout: str = "NHD", return_lse: bool = False,
-                   dtype=np.float32, custom_mask=None, packed_custom_mask=None, **variant):
+                   dtype=np.float32, custom_mask=None, packed_custom_mask=None, sinks=None,
+                   k_scale=None, v_scale=None, **variant):
     """One request, contiguous KV: ``q [Q, Hq, D]``, ``k, v [K, Hkv, D]`` (NHD).
 
     ``custom_mask``: bool ``[Q, K]`` (or flattened ``[Q*K]``), True keeps the key;
     or ``packed_custom_mask``: uint8 ``[ceil(Q*K/8)]``, the same bits as
     ``packbits(custom_mask.ravel(), bitorder="little")`` (docs/concepts/custom_mask.md).
-    With either, ``causal`` must be False."""
+    With either, ``causal`` must be False.
+
+    ``sinks``: float ``[Hq]`` learnable sink logits, or None (docs/concepts/sinks.md);
+    the same in every form that takes it.
+
+    ``k``, ``v`` may be torch fp8 (``float8_e4m3fn`` or ``float8_e5m2``, one
+    dtype for both) beside a non-fp8 ``q``; they are read as ``k.float() *
+    k_scale`` and ``v.float() * v_scale`` (float scales, None = 1.0, given
+    for fp8 only: docs/concepts/layouts.md); the same in every form that
+    takes them."""
     var = variant_from_kwargs(variant)
     check_return_lse(var, return_lse)
-    L.check_same_dtype(q=q, k=k, v=v)
-    k, v = _contiguous_kv(k, v, kv_layout)
+    scales = _kv_scales(q, k_scale, v_scale, k=k, v=v)
+    k, v = _contiguous_kv(k, v, kv_layout, scales)
     q = _float("q", q)
     L.check_q(q, k.shape[2])
     L.check_heads(q.shape[1], k.shape[1])
@@ -174,25 +207,27 @@ def single_prefill(q, k, v, *, kv_layout: str = "NHD", return_lse: bool = False,
                        causal=var.causal, single=True)
     if var.causal:
         L.check_causal_lengths(np.array([q.shape[0]]), np.array([k.shape[0]]), name="q")
+    sk = check_sinks(sinks, q.shape[1], var)
     o, lse = attend(q, k, v, *_positions(q.shape[0], k.shape[0]), var, dtype=dtype,
                     keep=None if cm is None else cm[0])
-    return _finish(o, lse, return_lse)
+    return _finish(*apply_sinks(o, lse, sk), return_lse)
 
 
 def single_decode(q, k, v, *, kv_layout: str = "NHD", return_lse: bool = False,
-                  dtype=np.float32, **variant):
+                  dtype=np.float32, sinks=None, k_scale=None, v_scale=None, **variant):
     """One query token: ``q [Hq, D]``; returns ``o [Hq, D]`` (and ``lse [Hq]``)."""
     _no_custom_mask(variant)
     q = _float("q", q)
     if q.ndim != 2:
         raise L.LayoutError(f"q: must have shape [num_qo_heads, head_dim], got {q.shape}")
-    out = single_prefill(q[None], k, v, kv_layout=kv_layout, return_lse=return_lse, dtype=dtype, **variant)
+    out = single_prefill(q[None], k, v, kv_layout=kv_layout, return_lse=return_lse, dtype=dtype,
+                         sinks=sinks, k_scale=k_scale, v_scale=v_scale, **variant)
     return (out[0][0], out[1][0]) if return_lse else out[0]
 
 
 def batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, *, kv_layout: str = "NHD",
                          return_lse: bool = False, dtype=np.float32, custom_mask=None,
-                         packed_custom_mask=None, **variant):
+                         packed_custom_mask=None, sinks=None, k_scale=None, v_scale=None, **variant):
     """Ragged Q and ragged contiguous KV: request r's keys are
     ``k[kv_indptr[r]:kv_indptr[r+1]]``.
 
@@ -203,8 +238,8 @@ def batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, *, kv_layout: str = "NHD
     ``causal`` must be False."""
     var = variant_from_kwargs(variant)
     check_return_lse(var, return_lse)
-    L.check_same_dtype(q=q, k=k, v=v)
-    k, v = _contiguous_kv(k, v, kv_layout)
+    scales = _kv_scales(q, k_scale, v_scale, k=k, v=v)
+    k, v = _contiguous_kv(k, v, kv_layout, scales)
     q = _float("q", q)
     qo = L.RaggedQ.validate(qo_indptr, total_rows=q.shape[0] if q.ndim == 3 else None)
     kv = L.RaggedQ.validate(kv_indptr, total_rows=k.shape[0], name="kv_indptr")
@@ -215,6 +250,7 @@ def batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, *, kv_layout: str = "NHD
     cm = request_masks(custom_mask, packed_custom_mask, qo.lengths, kv.lengths, causal=var.causal)
     if var.causal:
         L.check_causal_lengths(qo.lengths, kv.lengths)
+    sk = check_sinks(sinks, q.shape[1], var)
     o = np.zeros((q.shape[0], q.shape[1], q.shape[2]), dtype)
     lse = np.full(q.shape[:2], -np.inf, dtype)
     for r in range(qo.batch_size):
@@ -222,14 +258,18 @@ def batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, *, kv_layout: str = "NHD
         ks = slice(kv.qo_indptr[r], kv.qo_indptr[r + 1])
         o[qs], lse[qs] = attend(q[qs], k[ks], v[ks], *_positions(qs.stop - qs.start, ks.stop - ks.start),
                                 var, b=r, dtype=dtype, keep=None if cm is None else cm[r])
-    return _finish(o, lse, return_lse)
+    return _finish(*apply_sinks(o, lse, sk), return_lse)
 
 
 def _paged_common(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_indices,
-                  paged_kv_last_page_len, kv_layout, var):
-    L.check_same_dtype(q=q, paged_kv_cache=paged_kv_cache)
+                  paged_kv_last_page_len, kv_layout, var, k_scale=None, v_scale=None):
+    scales = _kv_scales(q, k_scale, v_scale, paged_kv_cache=paged_kv_cache)
     L.check_same_device(q=q, paged_kv_cache=paged_kv_cache)
-    cache = _float("paged_kv_cache", paged_kv_cache)
+    if scales is not None:
+        L.cache_dims(paged_kv_cache, kv_layout)         # the shape first, then the (whole) conversion
+        cache = dequantize_cache(paged_kv_cache, *scales)
+    else:
+        cache = _float("paged_kv_cache", paged_kv_cache)
     pkv, dims = L.PagedKV.from_cache(cache, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                                      kv_layout)
     q = _float("q", q)
@@ -245,17 +285,20 @@ def _paged_common(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_indice
 
 def batch_prefill_paged(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_indices,
                         paged_kv_last_page_len, *, kv_layout: str = "NHD", return_lse: bool = False,
-                        dtype=np.float32, custom_mask=None, packed_custom_mask=None, **variant):
+                        dtype=np.float32, custom_mask=None, packed_custom_mask=None, sinks=None,
+                        k_scale=None, v_scale=None, **variant):
     """Batch prefill/append over a paged KV cache.
 
     ``custom_mask`` / ``packed_custom_mask`` as in :func:`batch_prefill_ragged`,
-    with ``kv_len[r]`` request r's paged KV length."""
+    with ``kv_len[r]`` request r's paged KV length.  An fp8 ``paged_kv_cache``
+    is read with ``k_scale`` / ``v_scale`` as in :func:`single_prefill`."""
     var = variant_from_kwargs(variant)
     check_return_lse(var, return_lse)
     check_mask_choice(custom_mask, packed_custom_mask, causal=var.causal)
     q, cache, qo, pkv = _paged_common(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_indices,
-                                      paged_kv_last_page_len, kv_layout, var)
+                                      paged_kv_last_page_len, kv_layout, var, k_scale, v_scale)
     cm = request_masks(custom_mask, packed_custom_mask, qo.lengths, pkv.kv_lens, causal=var.causal)
+    sk = check_sinks(sinks, q.shape[1], var)
     o = np.zeros(q.shape, dtype)
     lse = np.full(q.shape[:2], -np.inf, dtype)
     for r in range(qo.batch_size):
@@ -263,27 +306,29 @@ def batch_prefill_paged(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_
         k, v = L.gather_kv(cache, pkv, r, kv_layout)
         o[qs], lse[qs] = attend(q[qs], k, v, *_positions(qs.stop - qs.start, k.shape[0]), var,
                                 b=r, dtype=dtype, keep=None if cm is None else cm[r])
-    return _finish(o, lse, return_lse)
+    return _finish(*apply_sinks(o, lse, sk), return_lse)
 
 
 def batch_decode_paged(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
-                       *, kv_layout: str = "NHD", return_lse: bool = False, dtype=np.float32, **variant):
+                       *, kv_layout: str = "NHD", return_lse: bool = False, dtype=np.float32, sinks=None,
+                       k_scale=None, v_scale=None, **variant):
     """One query row per request (``q [batch, Hq, D]``) over a paged KV cache."""
     _no_custom_mask(variant)
     batch = len(L.to_numpy(paged_kv_indptr)) - 1
     qo_indptr = np.arange(batch + 1, dtype=np.int32)
     return batch_prefill_paged(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_indices,
                                paged_kv_last_page_len, kv_layout=kv_layout, return_lse=return_lse,
-                               dtype=dtype, **variant)
+                               dtype=dtype, sinks=sinks, k_scale=k_scale, v_scale=v_scale, **variant)
 
 
 def block_sparse(q, k, v, bsr: L.BSR, *, kv_layout: str = "NHD", return_lse: bool = False,
-                 dtype=np.float32, **variant):
+                 dtype=np.float32, sinks=None, **variant):
     """Attention restricted to a BSR view: query row i reads key j iff block
     ``(i // B_r, j // B_c)`` is non-zero (``q [M, Hq, D]``, ``k, v [N, Hkv, D]``).
     Variants apply on top (causal is bottom-right aligned over M x N)."""
     var = variant_from_kwargs(variant)
     check_return_lse(var, return_lse)
+    check_no_fp8("block_sparse", q=q, k=k, v=v)
     L.check_same_dtype(q=q, k=k, v=v)
     k, v = _contiguous_kv(k, v, kv_layout)
     q = _float("q", q)
@@ -295,9 +340,10 @@ def block_sparse(q, k, v, bsr: L.BSR, *, kv_layout: str = "NHD", return_lse: boo
     L.check_heads(q.shape[1], k.shape[1])
     if var.causal:      # as the dense forms: a causal request has no more queries than keys
         L.check_causal_lengths(np.array([q.shape[0]]), np.array([k.shape[0]]), name="q")
+    sk = check_sinks(sinks, q.shape[1], var)
     o, lse = attend(q, k, v, *_positions(q.shape[0], k.shape[0]), var, dtype=dtype,
                     keep=bsr.to_element_mask())
-    return _finish(o, lse, return_lse)
+    return _finish(*apply_sinks(o, lse, sk), return_lse)
 
 
 def split_kv(q, k, v, kv_chunk_indptr, *, kv_layout: str = "NHD", return_lse: bool = False,
@@ -311,6 +357,7 @@ def split_kv(q, k, v, kv_chunk_indptr, *, kv_layout: str = "NHD", return_lse: bo
     """
     var = variant_from_kwargs(variant)
     check_return_lse(var, return_lse)
+    check_no_fp8("split_kv", q=q, k=k, v=v)
     k, v = _contiguous_kv(k, v, kv_layout)
     q = _float("q", q)
     L.check_q(q, k.shape[2])
@@ -334,7 +381,7 @@ def split_kv(q, k, v, kv_chunk_indptr, *, kv_layout: str = "NHD", return_lse: bo
 
 
 def cascade(q, levels: Sequence[Any], paged_kv_cache, *, kv_layout: str = "NHD",
-            return_lse: bool = False, dtype=np.float32, **variant):
+            return_lse: bool = False, dtype=np.float32, sinks=None, **variant):
     """Multi-level cascade attention over composable formats.
 
     ``levels[l]`` is a :class:`~nbattn.layout.CascadeLevel` (or a tuple
@@ -343,9 +390,11 @@ def cascade(q, levels: Sequence[Any], paged_kv_cache, *, kv_layout: str = "NHD",
     level's pages for g.  The last level's rows are the requests.  A request's
     keys are the concatenation, level by level, of the pages its rows read;
     each level yields a state and the states are merged in level order.
+    ``sinks`` join once, the final merged state (never a level's).
     """
     var = variant_from_kwargs(variant)
     check_return_lse(var, return_lse)
+    check_no_fp8("cascade", q=q, paged_kv_cache=paged_kv_cache)
     L.check_same_dtype(q=q, paged_kv_cache=paged_kv_cache)
     cache = _float("paged_kv_cache", paged_kv_cache)
     dims = L.cache_dims(cache, kv_layout)
@@ -359,6 +408,7 @@ def cascade(q, levels: Sequence[Any], paged_kv_cache, *, kv_layout: str = "NHD",
     group_of, total, offsets = L.cascade_keys(lv)
     if var.causal:
         L.check_causal_lengths(req_q.lengths, total, name=f"levels[{len(lv) - 1}].qo_indptr")
+    sk = check_sinks(sinks, q.shape[1], var)
     o = np.zeros(q.shape, dtype)
     lse = np.full(q.shape[:2], -np.inf, dtype)
     for r in range(nreq):
@@ -377,4 +427,4 @@ def cascade(q, levels: Sequence[Any], paged_kv_cache, *, kv_layout: str = "NHD",
             lse[qs] = np.nan
         else:
             o[qs], lse[qs] = merge_states(po, pl)
-    return _finish(o, lse, return_lse)
+    return _finish(*apply_sinks(o, lse, sk), return_lse)
