@@ -130,6 +130,18 @@ def random_paged_batch(rng, *, qo_lens, kv_lens, page_size, num_kv_heads, group,
     return dict(q=q, cache=cache, qo_indptr=qo_indptr, indptr=indptr, indices=ind, last=last)
 
 
+def shuffled_pages(rng, kv_lens, page_size):
+    """A page table over shuffled pages of a pool two pages larger than needed:
+    ``(pool, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)``; an empty
+    request has no pages and last_page_len 0."""
+    n_pages = [-(-int(n) // page_size) for n in kv_lens]
+    pool = sum(n_pages) + 2
+    perm = rng.permutation(pool).astype(np.int32)
+    indptr = indptr_of(n_pages)
+    last = np.array([0 if n == 0 else int(l) - (n - 1) * page_size for n, l in zip(n_pages, kv_lens)], np.int32)
+    return pool, indptr, perm[:indptr[-1]], last
+
+
 def ragged_batch(rng, qo_lens, kv_lens, hkv=2, group=2, d=16):
     q = rng.standard_normal((int(sum(qo_lens)), hkv * group, d)).astype(np.float32)
     k = rng.standard_normal((int(sum(kv_lens)), hkv, d)).astype(np.float32)
@@ -138,13 +150,74 @@ def ragged_batch(rng, qo_lens, kv_lens, hkv=2, group=2, d=16):
 
 def paged_batch(rng, qo_lens, kv_lens, page_size, kv_layout, hkv=2, group=3, d=8):
     """Shuffled pages in a larger pool; empty requests have no pages and last_page_len 0."""
-    n_pages = [-(-int(n) // page_size) for n in kv_lens]
-    pool = sum(n_pages) + 2
-    perm = rng.permutation(pool).astype(np.int32)
-    indptr = indptr_of(n_pages)
-    indices = perm[:indptr[-1]]
-    last = np.array([0 if n == 0 else int(l) - (n - 1) * page_size for n, l in zip(n_pages, kv_lens)], np.int32)
+    pool, indptr, indices, last = shuffled_pages(rng, kv_lens, page_size)
     shape = (pool, 2, page_size, hkv, d) if kv_layout == "NHD" else (pool, 2, hkv, page_size, d)
     cache = rng.standard_normal(shape).astype(np.float32)
     q = rng.standard_normal((int(sum(qo_lens)), hkv * group, d)).astype(np.float32)
     return q, cache, indptr_of(qo_lens), indptr, indices, last
+
+
+def fresh():
+    """A fresh generator (what ``np.random.default_rng()`` would draw) and its seed,
+    for assertion messages that reproduce a failure."""
+    seed = np.random.SeedSequence().entropy
+    return np.random.default_rng(seed), seed
+
+
+# Variants that every optional golden argument is checked against: passing it as
+# None must give the bytes of not passing it.
+VARIANT_SAMPLES = [{}, dict(causal=True), dict(window_left=2, sink_size=1), dict(logits_soft_cap=3.0),
+                   dict(pos_encoding_mode="ALIBI"), dict(use_sigmoid=True, sigmoid_bias=0.5),
+                   dict(mask_mod=lambda b, h, qi, kj: (qi + kj) % 2 == 0)]
+
+
+def dense_batch(q, ks, vs, qo_lens, *, masks=None, sinks=None, sm_scale=None, causal=False, window_left=-1,
+                sink_size=0, mask_mod=None):
+    """float64 softmax attention of a batch, key by key, with the NaN rule.
+
+    ``q [rows, Hq, D]``; ``ks[r], vs[r]``: request r's ``[K_r, Hkv, D]``; query row i
+    of request r sits at position ``K_r - Q_r + i`` (bottom-right).  A key is visible
+    when causal, the window (with ``sink_size`` always-visible first keys),
+    ``masks[r][i, j]`` (a bool ``[Q_r, K_r]``, or None) and ``mask_mod(r, h, qi, j)``
+    all keep it.  A visible key with a non-finite score or V makes the (row, head)
+    NaN.  ``sinks [Hq]``: one more column of logit ``sinks[h]`` and value 0.
+    Returns ``(o [rows, Hq, D], lse base 2 [rows, Hq])``; a row with no column is
+    ``o = 0, lse = -inf``."""
+    q = np.asarray(q, np.float64)
+    rows, hq, d = q.shape
+    o = np.zeros((rows, hq, d))
+    lse = np.full((rows, hq), -np.inf)
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    start = 0
+    for r, nq in enumerate(qo_lens):
+        k, v = np.asarray(ks[r], np.float64), np.asarray(vs[r], np.float64)
+        nk, hkv = k.shape[0], k.shape[1]
+        g = hq // hkv
+        mask = None if masks is None else masks[r]
+        for i in range(nq):
+            qi = nk - nq + i
+            vis = [j for j in range(nk)
+                   if not (causal and j > qi)
+                   and not (window_left >= 0 and qi - j > window_left and not j < sink_size)
+                   and not (mask is not None and not mask[i, j])]
+            for h in range(hq):
+                seen = vis if mask_mod is None else [j for j in vis if mask_mod(r, h, qi, j)]
+                with np.errstate(invalid="ignore", over="ignore"):
+                    s = [float(k[j, h // g] @ q[start + i, h]) * scale for j in seen]
+                vals = [v[j, h // g] for j in seen]
+                if any(not math.isfinite(x) for x in s) or any(not np.isfinite(x).all() for x in vals):
+                    o[start + i, h] = np.nan
+                    lse[start + i, h] = np.nan
+                    continue
+                if sinks is not None:
+                    s.append(float(sinks[h]))
+                    vals.append(np.zeros(d))
+                if not s:
+                    continue
+                s = np.array(s)
+                m = s.max()
+                w = np.exp(s - m)
+                o[start + i, h] = (w @ np.array(vals)) / w.sum()
+                lse[start + i, h] = (m + math.log(w.sum())) / math.log(2.0)
+        start += nq
+    return o, lse

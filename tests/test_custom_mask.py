@@ -21,58 +21,23 @@ import pytest
 import nbattn  # noqa: F401  (compat first)
 from nbattn import reference as R
 from nbattn.variants import Variant
-from brute import gather_pages as gather, indptr_of, paged_batch, ragged_batch  # noqa: E402
+from brute import (VARIANT_SAMPLES, dense_batch, fresh, gather_pages as gather, indptr_of,  # noqa: E402
+                   paged_batch, ragged_batch)
+
+
+def dense(q, ks, vs, qo_lens, masks, **kw):
+    """The dense float64 batch attention with a custom mask per request."""
+    return dense_batch(q, ks, vs, qo_lens, masks=masks, **kw)
 
 LN2 = math.log(2.0)
 
 
-def fresh():
-    """A fresh generator (what ``np.random.default_rng()`` would draw) and its seed."""
-    seed = np.random.SeedSequence().entropy
-    return np.random.default_rng(seed), seed
 
 
 # ---------------------------------------------------------------------------
 # The independent brute force
 # ---------------------------------------------------------------------------
 
-def dense(q, ks, vs, qo_lens, masks, *, sm_scale=None, window_left=-1, sink_size=0, mask_mod=None):
-    """float64 attention of a batch.  ``q [rows, Hq, D]``; ``ks[r], vs[r]``:
-    request r's ``[K_r, Hkv, D]``; ``masks[r]``: its bool ``[Q_r, K_r]`` custom mask
-    (or None).  Returns ``(o [rows, Hq, D], lse base 2 [rows, Hq])``."""
-    q = np.asarray(q, np.float64)
-    rows, hq, d = q.shape
-    o = np.zeros((rows, hq, d))
-    lse = np.full((rows, hq), -np.inf)
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    start = 0
-    for r, nq in enumerate(qo_lens):
-        k, v = np.asarray(ks[r], np.float64), np.asarray(vs[r], np.float64)
-        nk, hkv = k.shape[0], k.shape[1]
-        g = hq // hkv
-        keep = np.ones((hq, nq, nk), bool)          # built element by element
-        for h in range(hq):
-            for i in range(nq):
-                qi = nk - nq + i                    # bottom-right aligned position
-                for j in range(nk):
-                    if masks[r] is not None and not masks[r][i, j]:
-                        keep[h, i, j] = False
-                    if window_left >= 0 and qi - j > window_left and not j < sink_size:
-                        keep[h, i, j] = False
-                    if mask_mod is not None and not mask_mod(r, h, qi, j):
-                        keep[h, i, j] = False
-        for h in range(hq):
-            for i in range(nq):
-                idx = np.flatnonzero(keep[h, i])
-                if idx.size == 0:
-                    continue                        # empty row: o = 0, lse = -inf
-                s = (k[idx, h // g] @ q[start + i, h]) * scale
-                m = s.max()
-                w = np.exp(s - m)
-                o[start + i, h] = (w @ v[idx, h // g]) / w.sum()
-                lse[start + i, h] = (m + math.log(w.sum())) / LN2
-        start += nq
-    return o, lse
 
 
 
@@ -327,9 +292,7 @@ def test_torch_mask():
 # None is the old behaviour
 # ---------------------------------------------------------------------------
 
-VARIANTS = [{}, dict(causal=True), dict(window_left=2, sink_size=1), dict(logits_soft_cap=3.0),
-            dict(pos_encoding_mode="ALIBI"), dict(use_sigmoid=True, sigmoid_bias=0.5),
-            dict(mask_mod=lambda b, h, qi, kj: (qi + kj) % 2 == 0)]
+VARIANTS = VARIANT_SAMPLES
 
 
 @pytest.mark.parametrize("kw", VARIANTS, ids=range(len(VARIANTS)))

@@ -23,7 +23,7 @@ import nbattn  # noqa: F401  (compat first)
 from nbattn import layout as L
 from nbattn import reference as R
 from nbattn.reference.fp8 import quantize
-from brute import gather_pages as gather, indptr_of  # noqa: E402
+from brute import dense_batch as dense, fresh, gather_pages as gather, indptr_of, shuffled_pages  # noqa: E402
 
 LN2 = math.log(2.0)
 FP8 = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -32,10 +32,6 @@ FMAX = {"e4m3fn": 448.0, "e5m2": 57344.0}
 QDT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def fresh():
-    """A fresh generator (what ``np.random.default_rng()`` would draw) and its seed."""
-    seed = np.random.SeedSequence().entropy
-    return np.random.default_rng(seed), seed
 
 
 # ---------------------------------------------------------------------------
@@ -87,40 +83,6 @@ def q64(q):
     return q.to(torch.float32).numpy().astype(np.float64) if isinstance(q, torch.Tensor) else np.asarray(q, np.float64)
 
 
-def dense(q, ks, vs, qo_lens, *, sm_scale=None, causal=False, window_left=-1):
-    """float64 attention of a batch: ``q [rows, Hq, D]``; ``ks[r], vs[r]`` request r's
-    ``[K_r, Hkv, D]`` float64.  A visible key with a non-finite score or V makes the
-    (row, head) NaN.  Returns ``(o, lse base 2)``."""
-    q = np.asarray(q, np.float64)
-    rows, hq, d = q.shape
-    o = np.zeros((rows, hq, d))
-    lse = np.full((rows, hq), -np.inf)
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    start = 0
-    for r, nq in enumerate(qo_lens):
-        k, v = ks[r], vs[r]
-        nk, hkv = k.shape[0], k.shape[1]
-        g = hq // hkv
-        for i in range(nq):
-            qi = nk - nq + i
-            vis = [j for j in range(nk) if not (causal and j > qi)
-                   and not (window_left >= 0 and qi - j > window_left)]
-            for h in range(hq):
-                if not vis:
-                    continue
-                with np.errstate(invalid="ignore", over="ignore"):
-                    s = np.array([float(k[j, h // g] @ q[start + i, h]) * scale for j in vis])
-                vals = np.array([v[j, h // g] for j in vis])
-                if not np.isfinite(s).all() or not np.isfinite(vals).all():
-                    o[start + i, h] = np.nan
-                    lse[start + i, h] = np.nan
-                    continue
-                m = s.max()
-                w = np.exp(s - m)
-                o[start + i, h] = (w @ vals) / w.sum()
-                lse[start + i, h] = (m + math.log(w.sum())) / LN2
-        start += nq
-    return o, lse
 
 
 
@@ -153,12 +115,7 @@ def contiguous(rng, nq, nk, fmt, qdt, hkv=2, group=2, d=16, ks=0.1, vs=2.0):
 
 def paged(rng, qo_lens, kv_lens, page_size, kv_layout, fmt, qdt, hkv=2, group=3, d=8, ks=0.1, vs=2.0):
     """Shuffled pages in a larger pool; empty requests have no pages and last_page_len 0."""
-    n_pages = [-(-int(n) // page_size) for n in kv_lens]
-    pool = sum(n_pages) + 2
-    perm = rng.permutation(pool).astype(np.int32)
-    indptr = indptr_of(n_pages)
-    indices = perm[:indptr[-1]]
-    last = np.array([0 if n == 0 else int(l) - (n - 1) * page_size for n, l in zip(n_pages, kv_lens)], np.int32)
+    pool, indptr, indices, last = shuffled_pages(rng, kv_lens, page_size)
     shape = (pool, 2, page_size, hkv, d) if kv_layout == "NHD" else (pool, 2, hkv, page_size, d)
     raw = rng.standard_normal(shape)
     raw[:, 0] *= 20 * ks

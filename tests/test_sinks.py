@@ -22,71 +22,23 @@ import torch
 import nbattn  # noqa: F401  (compat first)
 from nbattn import layout as L
 from nbattn import reference as R
-from brute import gather_pages as gather, indptr_of, paged_batch, ragged_batch  # noqa: E402
+from brute import (VARIANT_SAMPLES, dense_batch, fresh, gather_pages as gather, indptr_of,  # noqa: E402
+                   paged_batch, ragged_batch)
+
+
+def dense(q, ks, vs, qo_lens, sinks, **kw):
+    """The dense float64 batch attention with a sink column (``sinks`` None: none)."""
+    return dense_batch(q, ks, vs, qo_lens, sinks=sinks, **kw)
 
 LN2 = math.log(2.0)
 
 
-def fresh():
-    """A fresh generator (what ``np.random.default_rng()`` would draw) and its seed."""
-    seed = np.random.SeedSequence().entropy
-    return np.random.default_rng(seed), seed
 
 
 # ---------------------------------------------------------------------------
 # The independent brute force
 # ---------------------------------------------------------------------------
 
-def dense(q, ks, vs, qo_lens, sinks, *, sm_scale=None, causal=False, window_left=-1, sink_size=0,
-          masks=None):
-    """float64 attention of a batch with a sink column.
-
-    ``q [rows, Hq, D]``; ``ks[r], vs[r]``: request r's ``[K_r, Hkv, D]``;
-    ``sinks [Hq]`` or None (no extra column); ``masks[r]``: an optional bool
-    ``[Q_r, K_r]`` (True keeps the key).  A visible key with a non-finite
-    score or V makes the (row, head) NaN, o and LSE.  Returns
-    ``(o [rows, Hq, D], lse base 2 [rows, Hq])``."""
-    q = np.asarray(q, np.float64)
-    rows, hq, d = q.shape
-    o = np.zeros((rows, hq, d))
-    lse = np.full((rows, hq), -np.inf)
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    start = 0
-    for r, nq in enumerate(qo_lens):
-        k, v = np.asarray(ks[r], np.float64), np.asarray(vs[r], np.float64)
-        nk, hkv = k.shape[0], k.shape[1]
-        g = hq // hkv
-        for i in range(nq):
-            qi = nk - nq + i                        # bottom-right aligned position
-            vis = []
-            for j in range(nk):
-                if causal and j > qi:
-                    continue
-                if window_left >= 0 and qi - j > window_left and not j < sink_size:
-                    continue
-                if masks is not None and not masks[r][i, j]:
-                    continue
-                vis.append(j)
-            for h in range(hq):
-                with np.errstate(invalid="ignore", over="ignore"):
-                    s = [float(k[j, h // g] @ q[start + i, h]) * scale for j in vis]
-                vals = [v[j, h // g] for j in vis]
-                if any(not math.isfinite(x) for x in s) or any(not np.isfinite(x).all() for x in vals):
-                    o[start + i, h] = np.nan
-                    lse[start + i, h] = np.nan
-                    continue
-                if sinks is not None:
-                    s.append(float(sinks[h]))      # the sink column: logit sinks[h], value 0
-                    vals.append(np.zeros(d))
-                if not s:
-                    continue                        # no key and no sink: o = 0, lse = -inf
-                s = np.array(s)
-                m = s.max()
-                w = np.exp(s - m)
-                o[start + i, h] = (w @ np.array(vals)) / w.sum()
-                lse[start + i, h] = (m + math.log(w.sum())) / LN2
-        start += nq
-    return o, lse
 
 
 
@@ -400,9 +352,7 @@ def test_cascade_applies_the_sink_once_not_per_level():
 # None is the old behaviour; other input kinds
 # ---------------------------------------------------------------------------
 
-NONE_VARIANTS = [{}, dict(causal=True), dict(window_left=2, sink_size=1), dict(logits_soft_cap=3.0),
-                 dict(pos_encoding_mode="ALIBI"), dict(use_sigmoid=True, sigmoid_bias=0.5),
-                 dict(mask_mod=lambda b, h, qi, kj: (qi + kj) % 2 == 0)]
+NONE_VARIANTS = VARIANT_SAMPLES
 
 
 @pytest.mark.parametrize("kw", NONE_VARIANTS, ids=range(len(NONE_VARIANTS)))

@@ -41,13 +41,17 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     kv_scales(k_scale, v_scale, None, "paged_kv_cache", L.dtype_of(paged_kv_cache))
     page, slot = L.check_append(append_key, append_value, batch_indices, positions, paged_kv_cache,
                                 paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, kv_layout)
-    k, v = L.to_numpy(append_key), L.to_numpy(append_value)
+    _write(paged_kv_cache, page, slot, L.to_numpy(append_key), L.to_numpy(append_value), kv_layout)
+
+
+def _write(cache, page, slot, k, v, kv_layout: str) -> None:
+    """Token t's K and V into ``(page[t], slot[t])`` of a NumPy or torch cache."""
     if kv_layout == "NHD":
-        paged_kv_cache[page, 0, slot] = k
-        paged_kv_cache[page, 1, slot] = v
+        cache[page, 0, slot] = k
+        cache[page, 1, slot] = v
     else:
-        paged_kv_cache[page, 0, :, slot] = k
-        paged_kv_cache[page, 1, :, slot] = v
+        cache[page, 0, :, slot] = k
+        cache[page, 1, :, slot] = v
 
 
 def _append_fp8(append_key, append_value, batch_indices, positions, cache, paged_kv_indptr,
@@ -81,9 +85,4 @@ def _append_fp8(append_key, append_value, batch_indices, positions, cache, paged
         k, v = quantize(k, ks, fp8).to(cache.device), quantize(v, vs, fp8).to(cache.device)
     p = torch.from_numpy(page.astype(np.int64)).to(cache.device)
     t = torch.from_numpy(slot.astype(np.int64)).to(cache.device)
-    if kv_layout == "NHD":
-        cache[p, 0, t] = k
-        cache[p, 1, t] = v
-    else:
-        cache[p, 0, :, t] = k
-        cache[p, 1, :, t] = v
+    _write(cache, p, t, k, v, kv_layout)
