@@ -1,6 +1,7 @@
 """Prefill, cascade and page-size benchmarks on the GPU, peers in the same run.
 
-    PYTHONPATH=$PWD python3 benchmarks/gpu_prefill.py      (writes $OUT or benchmarks/results)
+    COMMIT=<sha> PYTHONPATH=$PWD python3 benchmarks/gpu_prefill.py [cascade] [page1] [prefill_8k]
+    (writes $OUT or benchmarks/results; COMMIT names the tree measured)
 
 Suites (result-file format, docs/gpu.md):
 - prefill.json: batch 1 x 8k x 8k, 32 query / 8 KV heads, head_dim 128, fp16,
@@ -114,8 +115,8 @@ def record(recs, case, metric, value, unit, peers=None, **extra):
 def write(suite, recs, copy_bw):
     os.makedirs(OUT, exist_ok=True)
     doc = {"suite": suite, "gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-           "command": "PYTHONPATH=$PWD python3 benchmarks/gpu_prefill.py",
-           "versions": {"torch": torch.__version__, "numpy": np.__version__,
+           "command": "COMMIT=<sha> PYTHONPATH=$PWD python3 benchmarks/gpu_prefill.py",
+           "versions": {"nbattn_commit": os.environ.get("COMMIT", "unknown"), "torch": torch.__version__, "numpy": np.__version__,
                         "numba_cuda": __import__("importlib.metadata").metadata.version("numba-cuda"),
                         "python": sys.version.split()[0]},
            "copy_bandwidth_GBps": copy_bw, "records": recs}

@@ -185,3 +185,88 @@ def test_decode_variant_on_path(monkeypatch, path, variant):
     # and the public call as a user makes it
     res = batch_decode_paged(q, cache, b["indptr"], b["indices"], b["last"], return_lse=not sig, **dkw)
     _check(res if sig else res[0], None if sig else res[1], ro, rlse, code, sig)
+
+
+# ---------------------------------------------------------------------------
+# The NaN rule on every GPU-only path
+# ---------------------------------------------------------------------------
+
+NAN_PATHS = dict(PREFILL_PATHS, tensor_core_plain_d256=("bf16", 256, True))
+NAN_VARIANTS = {"causal_window": dict(causal=True, window_left=37),
+                "sigmoid_window": dict(causal=True, window_left=37, use_sigmoid=True, sigmoid_bias=-1.0)}
+
+
+def _poison_kv(b, r, t, which, value, rng):
+    """One element of K (which=0) or V (which=1) of key t of request r."""
+    ps = b["cache"].shape[2]
+    page = b["indices"][b["indptr"][r] + t // ps]
+    b["cache"][page, which, t % ps, rng.integers(b["cache"].shape[3]), rng.integers(b["cache"].shape[4])] = value
+
+
+def _check_nan_rule(o, lse, ro, rlse, code, sigmoid):
+    """NaN exactly where the golden model has it, whole rows (o and LSE); the rest as _check."""
+    o64 = _f64(o)
+    assert np.array_equal(np.isnan(o64), np.isnan(ro)), \
+        f"o NaN at {np.argwhere(np.isnan(o64) != np.isnan(ro))[:5].tolist()} (first places that differ)"
+    if not sigmoid:
+        assert np.array_equal(np.isnan(_f64(lse)), np.isnan(rlse))
+    _check(o, lse, ro, rlse, code, sigmoid)
+
+
+def _nan_batch(rng, head_dim, group, qo_lens, kv_lens):
+    """Keys poisoned where some rows see them and others do not (causal, window 37),
+    V of a key no row sees, K of a visible key, and one q element."""
+    b = random_paged_batch(rng, qo_lens=qo_lens, kv_lens=kv_lens, page_size=16, num_kv_heads=2, group=group,
+                           head_dim=head_dim, share_first_page=False)
+    for r, t, which, value in [(0, kv_lens[0] - 1, 1, np.nan),   # only request 0's last row sees it
+                               (0, 5, 1, np.inf),                 # outside every row's window
+                               (0, kv_lens[0] - 40, 0, np.nan),   # K: some rows see it
+                               (1, 10, 1, np.nan),                # hidden by the window
+                               (2, 40, 1, -np.inf)]:              # rows 40..69 of request 2 see it
+        if t < kv_lens[r]:
+            _poison_kv(b, r, t, which, value, rng)
+    if len(b["q"]) > 3:
+        b["q"][-3, int(rng.integers(b["q"].shape[1])), 0] = np.nan
+    return b
+
+
+@pytest.mark.parametrize("variant", list(NAN_VARIANTS))
+@pytest.mark.parametrize("path", list(NAN_PATHS))
+def test_paged_prefill_nan_rule_on_path(path, variant):
+    code, head_dim, tc = NAN_PATHS[path]
+    kw = NAN_VARIANTS[variant]
+    rng = np.random.default_rng([zlib.crc32(path.encode()), zlib.crc32(variant.encode()), 11])
+    b = _nan_batch(rng, head_dim, 4, [37, 1, 70, 0], [300, 129, 70, 5])
+    assert _prefill_spec("paged", code, head_dim, 8, 2, kw, tc).tensor_cores == tc
+    q, cache = _cast(b["q"], code), _cast(b["cache"], code)
+    sig = bool(kw.get("use_sigmoid"))
+    res = batch_prefill_paged(q, cache, b["qo_indptr"], b["indptr"], b["indices"], b["last"],
+                              return_lse=not sig, tensor_cores=tc, **kw)
+    o, lse = (res, None) if sig else res
+    qg, cg = _golden_inputs(q, cache)
+    gold = R.batch_prefill_paged(qg, cg, b["qo_indptr"], b["indptr"], b["indices"], b["last"],
+                                 return_lse=not sig, dtype=np.float64, **kw)
+    ro, rlse = (gold, None) if sig else gold
+    assert np.isnan(ro).any() and not np.isnan(ro).all()          # the case has both kinds of rows
+    _check_nan_rule(o, lse, ro, rlse, code, sig)
+
+
+@pytest.mark.parametrize("path", list(DECODE_PATHS))
+def test_decode_nan_rule_on_path(monkeypatch, path):
+    code, head_dim, group, forced = DECODE_PATHS[path]
+    monkeypatch.setattr(DEC, "DECODE_PATH", forced)
+    rng = np.random.default_rng([zlib.crc32(path.encode()), 12])
+    kv_lens = [300, 129, 70, 17]
+    b = _nan_batch(rng, head_dim, group, [1] * 4, kv_lens)
+    kw = dict(window_left=37)
+    q, cache = _cast(b["q"], code), _cast(b["cache"], code)
+    qg, cg = _golden_inputs(q, cache)
+    ro, rlse = R.batch_decode_paged(qg, cg, b["indptr"], b["indices"], b["last"], return_lse=True,
+                                    dtype=np.float64, **kw)
+    assert np.isnan(ro).any() and not np.isnan(ro).all()
+    for chunk in (None, 64):
+        p = DEC.prepare_decode(q, cache, b["indptr"], b["indices"], b["last"], return_lse=True, **kw)
+        assert p.config().path == forced
+        DEC.run_split(p, chunk)
+        o, lse = DEC.finish_decode(p, True)
+        _check_nan_rule(o, lse, ro, rlse, code, False)

@@ -25,6 +25,14 @@ How the kernels keep it, without a branch in their inner products:
    skips a NaN operand, so a NaN score is carried explicitly.  A NaN max makes
    every later weight, rescale factor and the final sum NaN.
 4. The final write tests the max (NaN -> NaN row; -inf -> empty row).
+
+The pipelined tensor-core tile copies V with ``cp.async`` after the scores of
+its tile are taken, so step 1 cannot reach K there.  It checks its result
+instead: a row whose O holds a non-finite value while its max is not NaN met a
+non-finite V (a hidden key's, through a 0 weight, or a visible key's in one
+column only).  Then, rarely, the CTA runs the tile again scrubbing each V tile
+as it lands (:func:`chunk_bad`: zeros stored, the key flagged), and a row that
+sees a flagged key gets a NaN max.
 """
 from __future__ import annotations
 
@@ -34,7 +42,7 @@ from numba import float32, uint32
 
 from .primitives import device_fn
 
-__all__ = ["poison_kv", "checked", "max_nan", "NAN_F32", "EXP_MASK", "NAN_WORD"]
+__all__ = ["chunk_bad", "poison_kv", "checked", "max_nan", "NAN_F32", "EXP_MASK", "NAN_WORD"]
 
 NAN_F32 = float32(math.nan)
 # Exponent bits (all ones = inf or NaN) of each element in a 32-bit word, and a NaN word.
@@ -44,14 +52,14 @@ NAN_WORD = {"f32": 0x7FC00000, "f16": 0x7E007E00, "bf16": 0x7FC07FC0}
 _cache: dict = {}
 
 
-def poison_kv(code: str):
-    """Device function ``(k0, k1, k2, k3, v0, v1, v2, v3) -> (k0..k3, v0..v3)`` on raw
-    uint32 words: a V chunk with a non-finite element comes back as zeros and the
-    K chunk of the same key and dims as NaN (step 1 of the module doc)."""
-    if code in _cache:
-        return _cache[code]
+def chunk_bad(code: str):
+    """Device function ``(w0, w1, w2, w3) -> bool`` on the raw uint32 words of a
+    16-byte chunk: True when an element is inf or NaN (all exponent bits set)."""
+    key = ("bad", code)
+    if key in _cache:
+        return _cache[key]
     lo_m, hi_m = EXP_MASK[code]
-    LO, HI, NANW = uint32(lo_m), uint32(hi_m), uint32(NAN_WORD[code])
+    LO, HI = uint32(lo_m), uint32(hi_m)
     TWO = hi_m != 0
 
     @device_fn
@@ -63,8 +71,25 @@ def poison_kv(code: str):
         return False
 
     @device_fn
+    def chunk(w0, w1, w2, w3):
+        return bad(w0) or bad(w1) or bad(w2) or bad(w3)
+
+    _cache[key] = chunk
+    return chunk
+
+
+def poison_kv(code: str):
+    """Device function ``(k0, k1, k2, k3, v0, v1, v2, v3) -> (k0..k3, v0..v3)`` on raw
+    uint32 words: a V chunk with a non-finite element comes back as zeros and the
+    K chunk of the same key and dims as NaN (step 1 of the module doc)."""
+    if code in _cache:
+        return _cache[code]
+    bad = chunk_bad(code)
+    NANW = uint32(NAN_WORD[code])
+
+    @device_fn
     def poison(k0, k1, k2, k3, v0, v1, v2, v3):
-        if bad(v0) or bad(v1) or bad(v2) or bad(v3):
+        if bad(v0, v1, v2, v3):
             z = uint32(0)
             return NANW, NANW, NANW, NANW, z, z, z, z
         return k0, k1, k2, k3, v0, v1, v2, v3

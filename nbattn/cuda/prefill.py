@@ -289,33 +289,49 @@ def tile_rows(spec: KernelSpec, positional: bool):
     return stage
 
 
+def tile_visible(spec: KernelSpec, positional: bool):
+    """Device function ``(r, row_ok, t_local, s_qpos, s_diag, s_req, s_kpos, head0, row0)
+    -> bool``: whether fused row ``r`` of the tile sees key ``t_local`` (the key
+    exists, the row is not padding and every mask keeps it) -- the mask half of
+    :func:`tile_score`, which the NaN rule asks about a key whose V is not finite."""
+    group = spec.group
+    _, keep = variant_device_fns(spec.variant)
+
+    @cuda.jit(device=True, inline=True)
+    def visible(r, row_ok, t_local, s_qpos, s_diag, s_req, s_kpos, head0, row0):
+        pos = s_kpos[t_local]
+        if not row_ok or pos == NO_KEY:
+            return False
+        q_idx = s_qpos[r]
+        kv_idx = pos + (q_idx - s_diag[r] if positional else 0)
+        return keep(s_req[r], head0 + (row0 + r) % group, q_idx, kv_idx)
+    return visible
+
+
 def tile_score(spec: KernelSpec, positional: bool):
     """Device function ``(x, r, row_ok, t_local, s_qpos, s_diag, s_req, s_kpos, head0,
     row0, slopes)``: the raw dot product ``x`` of the tile's fused row ``r`` and key
-    ``t_local`` as a base-2 logit (natural for sigmoid) with the variant applied
-    (SPEC 2), or -inf where the key is missing, the row is padding or the mask
-    drops it.  The row's query head is ``head0 + (row0 + r) % group``: a tile
-    starts at fused row ``row0`` of its request, which need not be a multiple of
-    the group.  The register-tiled and tensor-core tiles use it."""
+    ``t_local`` as a base-2 logit (natural for sigmoid) with the variant applied,
+    or -inf where the row does not see the key (:func:`tile_visible`).  The row's
+    query head is ``head0 + (row0 + r) % group``: a tile starts at fused row
+    ``row0`` of its request, which need not be a multiple of the group.  The
+    register-tiled and tensor-core tiles use it."""
     group, var = spec.group, spec.variant
     sigmoid = var.use_sigmoid
     scale = float32(var.scale(spec.head_dim))
     log2e = float32(LOG2E)
     neg_inf = float32(-math.inf)
-    transform, keep = variant_device_fns(var)
+    transform, _ = variant_device_fns(var)
+    visible = tile_visible(spec, positional)
 
     @cuda.jit(device=True, inline=True)
     def score(x, r, row_ok, t_local, s_qpos, s_diag, s_req, s_kpos, head0, row0, slopes):
-        pos = s_kpos[t_local]
-        if not row_ok or pos == NO_KEY:
+        if not visible(r, row_ok, t_local, s_qpos, s_diag, s_req, s_kpos, head0, row0):
             return neg_inf
         q_idx = s_qpos[r]
-        kv_idx = pos + (q_idx - s_diag[r] if positional else 0)
+        kv_idx = s_kpos[t_local] + (q_idx - s_diag[r] if positional else 0)
         h = head0 + (row0 + r) % group
-        b = s_req[r]
-        if not keep(b, h, q_idx, kv_idx):
-            return neg_inf
-        s = NR.checked(x * scale, transform(x * scale, b, h, q_idx, kv_idx, slopes[h]))
+        s = NR.checked(x * scale, transform(x * scale, s_req[r], h, q_idx, kv_idx, slopes[h]))
         if sigmoid:
             return s
         return s * log2e

@@ -131,8 +131,9 @@ def _row_writer(spec: P.KernelSpec):
     accumulator fragments hold rows ``r_lo`` (C elements 0, 1) and ``r_hi`` (2, 3)
     at columns ``8 nt + 2 tq`` (+1); the row sums are spread over the lane's quad,
     so they are added up by shuffles first, then each row is normalized and
-    written with its base-2 LSE (SPEC 3: o = 0 and -inf for a row that kept no
-    key, NaN LSE for sigmoid, whose rows are not normalized)."""
+    written with its base-2 LSE (o = 0 and -inf for a row that kept no key, NaN
+    LSE for sigmoid, whose rows are not normalized; a NaN max, or NaN sum, is a
+    NaN row)."""
     NDT = spec.head_dim // 8
     group, sigmoid = spec.group, spec.variant.use_sigmoid
     _, store, _ = element_io(spec.out_kind)
@@ -151,9 +152,9 @@ def _row_writer(spec: P.KernelSpec):
             bad_hi = m_hi != m_hi or l_hi != l_hi
             inv_lo = NR.NAN_F32 if bad_lo else (float32(0.0) if m_lo == neg_inf else float32(1.0) / l_lo)
             inv_hi = NR.NAN_F32 if bad_hi else (float32(0.0) if m_hi == neg_inf else float32(1.0) / l_hi)
-        else:
-            inv_lo = float32(1.0)
-            inv_hi = float32(1.0)
+        else:               # sigmoid keeps no max; a NaN one is the V check's mark of a poisoned row
+            inv_lo = NR.NAN_F32 if m_lo != m_lo else float32(1.0)
+            inv_hi = NR.NAN_F32 if m_hi != m_hi else float32(1.0)
         if ok_lo:
             qi = qo_start + (row0 + r_lo) // group
             h = head0 + (row0 + r_lo) % group
@@ -225,6 +226,7 @@ def mma_tile(spec: P.KernelSpec):
     sh16 = uint32(16)
 
     score = P.tile_score(spec, positional)
+    poison = NR.poison_kv(spec.kind)
 
     @device_fn
     def tile(wi, q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
@@ -299,26 +301,30 @@ def mma_tile(spec: P.KernelSpec):
                 s_kslot[tid] = slot
                 s_kpos[tid] = pos if t < hi else NO_KEY
             cuda.syncthreads()
-            # K rows as packed pairs; V transposed so that pairs run along keys.
-            for e in range(tid, T_k * (D // 8), NT):
-                j = e // (D // 8)
-                c = e % (D // 8)
-                w0 = w1 = w2 = w3 = uint32(0)
-                if s_kpos[j] != NO_KEY:
-                    w0, w1, w2, w3 = vec(k_src, 0, s_kpage[j], s_kslot[j], kv_head, c * 8)
-                s_k[j, c * 4] = w0
-                s_k[j, c * 4 + 1] = w1
-                s_k[j, c * 4 + 2] = w2
-                s_k[j, c * 4 + 3] = w3
+            # K rows as packed pairs; V transposed so that pairs run along keys.  Two keys
+            # per step, K and V of the same dims together: the NaN rule's poison (a bad V
+            # chunk stored as zeros, its K chunk as NaN) needs both.
             for e in range(tid, (T_k // 2) * (D // 8), NT):
                 jj = e // (D // 8)
                 c = e % (D // 8)
-                a0 = a1 = a2 = a3 = uint32(0)
-                b0 = b1 = b2 = b3 = uint32(0)
+                ka0 = ka1 = ka2 = ka3 = a0 = a1 = a2 = a3 = uint32(0)
+                kb0 = kb1 = kb2 = kb3 = b0 = b1 = b2 = b3 = uint32(0)
                 if s_kpos[2 * jj] != NO_KEY:
+                    ka0, ka1, ka2, ka3 = vec(k_src, 0, s_kpage[2 * jj], s_kslot[2 * jj], kv_head, c * 8)
                     a0, a1, a2, a3 = vec(v_src, 1, s_kpage[2 * jj], s_kslot[2 * jj], kv_head, c * 8)
+                    ka0, ka1, ka2, ka3, a0, a1, a2, a3 = poison(ka0, ka1, ka2, ka3, a0, a1, a2, a3)
                 if s_kpos[2 * jj + 1] != NO_KEY:
+                    kb0, kb1, kb2, kb3 = vec(k_src, 0, s_kpage[2 * jj + 1], s_kslot[2 * jj + 1], kv_head, c * 8)
                     b0, b1, b2, b3 = vec(v_src, 1, s_kpage[2 * jj + 1], s_kslot[2 * jj + 1], kv_head, c * 8)
+                    kb0, kb1, kb2, kb3, b0, b1, b2, b3 = poison(kb0, kb1, kb2, kb3, b0, b1, b2, b3)
+                s_k[2 * jj, c * 4] = ka0
+                s_k[2 * jj, c * 4 + 1] = ka1
+                s_k[2 * jj, c * 4 + 2] = ka2
+                s_k[2 * jj, c * 4 + 3] = ka3
+                s_k[2 * jj + 1, c * 4] = kb0
+                s_k[2 * jj + 1, c * 4 + 1] = kb1
+                s_k[2 * jj + 1, c * 4 + 2] = kb2
+                s_k[2 * jj + 1, c * 4 + 3] = kb3
                 d0 = c * 8
                 s_vt[d0, jj] = (a0 & lo16) | (b0 << sh16)
                 s_vt[d0 + 1, jj] = (a0 >> sh16) | (b0 & hi16)
@@ -434,6 +440,7 @@ def _fast_fragments(D: int, T_k: int, ROW: int, mma, pack, score, sigmoid: bool,
     - ``softmax(s, m_lo, m_hi, l_lo, l_hi)`` -> (P packed as A fragments,
       m_lo, m_hi, l_lo, l_hi, alpha_lo, alpha_hi); base-2 online softmax, or
       sigmoid weights with alpha 1;
+    - ``o_finite(o)`` -> (row r_lo's O is finite, row r_hi's is);
     - ``pv(o, p, addr, alpha_lo, alpha_hi)``: O = alpha O + P V (ldmatrix.x4.trans
       = B of two n-tiles of one k-step).
     """
@@ -515,6 +522,12 @@ def _fast_fragments(D: int, T_k: int, ROW: int, mma, pack, score, sigmoid: bool,
         L.append(f"    p{4 * ks + 3} = pack(s{b + 6}, s{b + 7})")
     L.append("    return " + tup(Pn) + ", m_lo, m_hi, l_lo, l_hi, alpha_lo, alpha_hi")
 
+    L.append("def o_finite(o):")                     # x - x is 0 for finite x, NaN for inf or NaN
+    L.append("    " + ", ".join(O) + ", = o")
+    for name, cs in (("lo", (0, 1)), ("hi", (2, 3))):
+        L.append(f"    {name} = " + " + ".join(f"({O[4 * nt + c]} - {O[4 * nt + c]})" for nt in range(NDT) for c in cs))
+    L.append("    return lo == float32(0.0), hi == float32(0.0)")
+
     L.append("def pv(o, p, addr, alpha_lo, alpha_hi):")
     L.append("    " + ", ".join(O) + ", = o")
     for nt in range(NDT):
@@ -535,7 +548,7 @@ def _fast_fragments(D: int, T_k: int, ROW: int, mma, pack, score, sigmoid: bool,
            "sigmoid_weight": sigmoid_weight, "bias": bias, "neg_inf": float32(-math.inf),
            "max_nan": NR.max_nan}
     exec(compile("\n".join(L), f"<nbattn pipelined fragments D={D} T_k={T_k}>", "exec"), env)
-    names = ("o_zero", "q_frags", "qk", "scaled", "masked", "softmax", "pv")
+    names = ("o_zero", "q_frags", "qk", "scaled", "masked", "softmax", "o_finite", "pv")
     return {name: device_fn(env[name]) for name in names}
 
 
@@ -663,9 +676,35 @@ def pipelined_tile(spec: P.KernelSpec):
 
     fr = _fast_fragments(D, T_k, ROW, mma, pack, score, sigmoid, float32(var.sigmoid_bias))
     o_zero, q_frags, qk, scaled = fr["o_zero"], fr["q_frags"], fr["qk"], fr["scaled"]
-    masked, softmax, pv = fr["masked"], fr["softmax"], fr["pv"]
+    masked, softmax, o_finite, pv = fr["masked"], fr["softmax"], fr["o_finite"], fr["pv"]
 
     issue = _issue_function(CH, NT, K_ITERS, ROW, NO_KEY)
+    visible = P.tile_visible(spec, positional)
+    bad_chunk = NR.chunk_bad(spec.kind)
+    JS = NT // CH                    # rows of a tile one pass of the block copies
+
+    @device_fn
+    def scrub_v(buf, v_word, s_vbad, base, tid):
+        """The NaN rule on the V tile just landed: each chunk this thread copied that
+        holds inf or NaN is zeroed and its key flagged in ``s_vbad``."""
+        for i in range(K_ITERS):
+            jr = tid // CH + i * JS
+            w = v_word + (jr * ROW + (tid % CH) * 16) // 4
+            if bad_chunk(buf[w], buf[w + 1], buf[w + 2], buf[w + 3]):
+                buf[w] = uint32(0)
+                buf[w + 1] = uint32(0)
+                buf[w + 2] = uint32(0)
+                buf[w + 3] = uint32(0)
+                s_vbad[base + jr] = 1
+
+    @device_fn
+    def sees_flagged(r, ok, s_vbad, base, s_qpos, s_diag, s_req, s_kpos, head0, row0):
+        """Whether row ``r`` sees a key of this tile whose V was flagged."""
+        hit = False
+        for j in range(T_k):
+            if s_vbad[base + j] != 0 and visible(r, ok, base + j, s_qpos, s_diag, s_req, s_kpos, head0, row0):
+                hit = True
+        return hit
 
     @device_fn
     def put(s_kaddr, s_vaddr, s_kpos, k_src, v_src, page, slot, pos, t, hi, kv_head, at):
@@ -697,6 +736,7 @@ def pipelined_tile(spec: P.KernelSpec):
         s_kaddr = cuda.shared.array(LOCS, uint64)
         s_vaddr = cuda.shared.array(LOCS, uint64)
         s_kpos = cuda.shared.array(LOCS, int32)
+        s_vbad = cuda.shared.array(LOCS, int32)       # keys whose V was not finite (pass 1)
         s_qpos = cuda.shared.array(T_q, int32)
         s_diag = cuda.shared.array(T_q, int32)
         s_req = cuda.shared.array(T_q, int32)
@@ -744,53 +784,80 @@ def pipelined_tile(spec: P.KernelSpec):
         if block > 0 and block & (block - 1) == 0:
             shift = 31 - cuda.clz(int32(block))
         jk = tid % T_k                  # the key this thread locates (threads >= T_k repeat, unstored)
-        t0 = next_tile(kv_begin, lo, sink_end)
-        if t0 < hi:
-            t = t0 + jk
-            page, slot, pos = loc(kv_indices, kv_ptr, kv_base, min(t, hi - 1), block, n_keys, shift)
-            if tid < T_k:
-                put(s_kaddr, s_vaddr, s_kpos, k_src, v_src, page, slot, pos, t, hi, kv_head, jk)
-        cuda.syncthreads()
-        if t0 < hi:
-            issue(s_k, s_kaddr, s_kpos, 0, tid)
-        commit()
-        wait_all()
-        cuda.syncthreads()
-
+        for j in range(tid, LOCS, NT):
+            s_vbad[j] = 0
+        v_word = int32((s_v - shared_addr(buf)) >> uint32(2))
         o = o_zero()
         m_lo = neg_inf
         m_hi = neg_inf
         l_lo = float32(0.0)
         l_hi = float32(0.0)
-        base = 0
-        while t0 < hi:
-            nbase = T_k - base
-            t1 = next_tile(t0 + T_k, lo, sink_end)
-            # next tile's page ids: loaded now, used after the math below
-            t = t1 + jk
-            page, slot, pos = loc(kv_indices, kv_ptr, kv_base, min(t, hi - 1), block, n_keys, shift)
-            issue(s_v, s_vaddr, s_kpos, base, tid)
+        # Pass 0 is the kernel.  Pass 1 runs only when a row's O came out non-finite
+        # with a finite max (a non-finite V met it): the same walk, scrubbing V.
+        for attempt in range(2):
+            scrub = attempt == 1
+            t0 = next_tile(kv_begin, lo, sink_end)
+            if t0 < hi:
+                t = t0 + jk
+                page, slot, pos = loc(kv_indices, kv_ptr, kv_base, min(t, hi - 1), block, n_keys, shift)
+                if tid < T_k:
+                    put(s_kaddr, s_vaddr, s_kpos, k_src, v_src, page, slot, pos, t, hi, kv_head, jk)
+            cuda.syncthreads()
+            if t0 < hi:
+                issue(s_k, s_kaddr, s_kpos, 0, tid)
             commit()
-            s = qk(qf, k_lane)
-            last = t0 + T_k - 1
-            if plain and positional and warp_full and last < hi and (not causal or last <= warp_diag):
-                s = scaled(s, scale_log2)
-            else:
-                s = masked(s, r_lo, r_hi, ok_lo, ok_hi, tq, s_qpos, s_diag, s_req, s_kpos, base, head0, row0,
-                           slopes)
-            p, m_lo, m_hi, l_lo, l_hi, alpha_lo, alpha_hi = softmax(s, m_lo, m_hi, l_lo, l_hi)
-            if tid < T_k and t1 < hi:
-                put(s_kaddr, s_vaddr, s_kpos, k_src, v_src, page, slot, pos, t, hi, kv_head, nbase + jk)
             wait_all()
             cuda.syncthreads()
-            if t1 < hi:
-                issue(s_k, s_kaddr, s_kpos, nbase, tid)
-            commit()
-            o = pv(o, p, v_lane, alpha_lo, alpha_hi)
-            wait_all()
-            cuda.syncthreads()
-            t0 = t1
-            base = nbase
+
+            o = o_zero()
+            m_lo = neg_inf
+            m_hi = neg_inf
+            l_lo = float32(0.0)
+            l_hi = float32(0.0)
+            base = 0
+            while t0 < hi:
+                nbase = T_k - base
+                t1 = next_tile(t0 + T_k, lo, sink_end)
+                # next tile's page ids: loaded now, used after the math below
+                t = t1 + jk
+                page, slot, pos = loc(kv_indices, kv_ptr, kv_base, min(t, hi - 1), block, n_keys, shift)
+                issue(s_v, s_vaddr, s_kpos, base, tid)
+                commit()
+                s = qk(qf, k_lane)
+                last = t0 + T_k - 1
+                if plain and positional and warp_full and last < hi and (not causal or last <= warp_diag):
+                    s = scaled(s, scale_log2)
+                else:
+                    s = masked(s, r_lo, r_hi, ok_lo, ok_hi, tq, s_qpos, s_diag, s_req, s_kpos, base, head0, row0,
+                               slopes)
+                p, m_lo, m_hi, l_lo, l_hi, alpha_lo, alpha_hi = softmax(s, m_lo, m_hi, l_lo, l_hi)
+                if tid < T_k and t1 < hi:
+                    put(s_kaddr, s_vaddr, s_kpos, k_src, v_src, page, slot, pos, t, hi, kv_head, nbase + jk)
+                wait_all()
+                if scrub:
+                    scrub_v(buf, v_word, s_vbad, base, tid)
+                cuda.syncthreads()
+                if scrub:
+                    if sees_flagged(r_lo, ok_lo, s_vbad, base, s_qpos, s_diag, s_req, s_kpos, head0, row0):
+                        m_lo = NR.NAN_F32
+                    if sees_flagged(r_hi, ok_hi, s_vbad, base, s_qpos, s_diag, s_req, s_kpos, head0, row0):
+                        m_hi = NR.NAN_F32
+                if t1 < hi:
+                    issue(s_k, s_kaddr, s_kpos, nbase, tid)
+                commit()
+                o = pv(o, p, v_lane, alpha_lo, alpha_hi)
+                wait_all()
+                cuda.syncthreads()
+                if scrub and tid < T_k:
+                    s_vbad[base + tid] = 0
+                t0 = t1
+                base = nbase
+            if scrub:
+                break
+            fin_lo, fin_hi = o_finite(o)
+            again = (ok_lo and m_lo == m_lo and not fin_lo) or (ok_hi and m_hi == m_hi and not fin_hi)
+            if cuda.syncthreads_or(int32(1) if again else int32(0)) == 0:
+                break
 
         write_rows(o, m_lo, m_hi, l_lo, l_hi, ok_lo, ok_hi, r_lo, r_hi, tq, qo_start, row0, head0, out_shift,
                    out, lse)
