@@ -40,7 +40,7 @@ import numpy as np
 from numba import cuda
 
 from .. import layout as L
-from ..variants import alibi_slopes, check_return_lse, variant_from_kwargs
+from ..variants import check_return_lse, variant_from_kwargs
 from . import _arrays as A
 from . import merge as M
 from . import prefill as P
@@ -155,7 +155,7 @@ def _launch(spec, min_blocks, q, cache, kv_indices, work, row_pos, row_kvoff, ro
     """One level: :func:`nbattn.cuda.prefill.launch` on :func:`_level_kernel`."""
     if len(work) == 0:
         return
-    slopes = alibi_slopes(spec.num_qo_heads) if spec.variant.has_alibi else np.zeros(spec.num_qo_heads, np.float32)
+    slopes = P.tile_slopes(spec.num_qo_heads, spec.variant.has_alibi)
     idx = kv_indices if len(kv_indices) else np.zeros(1, np.int32)
     meta = [A.device_meta(x, x, stream) for x in (idx, work, row_pos, row_kvoff, row_req)]
     args = (q, cache, cache, *meta, cuda.to_device(slopes, stream=stream), np.int32(block), np.int32(0), out, lse)

@@ -26,13 +26,14 @@ How the kernels keep it, without a branch in their inner products:
    every later weight, rescale factor and the final sum NaN.
 4. The final write tests the max (NaN -> NaN row; -inf -> empty row).
 
-The pipelined tensor-core tile copies V with ``cp.async`` after the scores of
-its tile are taken, so step 1 cannot reach K there.  It checks its result
-instead: a row whose O holds a non-finite value while its max is not NaN met a
-non-finite V (a hidden key's, through a 0 weight, or a visible key's in one
-column only).  Then, rarely, the CTA runs the tile again scrubbing each V tile
-as it lands (:func:`chunk_bad`: zeros stored, the key flagged), and a row that
-sees a flagged key gets a NaN max.
+The pipelined tensor-core tile copies V with ``cp.async`` after its scores
+are taken, so step 1 cannot reach K there.  It checks its result instead: a
+row whose O holds a non-finite value while its max is not NaN met a
+non-finite V (a hidden key's, through a 0 weight, or a visible key's, in one
+column only).  Then, rarely, the CTA walks its keys again; this time each
+key's V row is checked (:func:`chunk_bad`) when its address is taken, and a
+bad key's V is zero-filled and its K read from a row of NaN (kept after the
+ALiBi slopes, :func:`nbattn.cuda.prefill.tile_slopes`): step 1 by addresses.
 """
 from __future__ import annotations
 

@@ -293,7 +293,7 @@ def tile_visible(spec: KernelSpec, positional: bool):
     """Device function ``(r, row_ok, t_local, s_qpos, s_diag, s_req, s_kpos, head0, row0)
     -> bool``: whether fused row ``r`` of the tile sees key ``t_local`` (the key
     exists, the row is not padding and every mask keeps it) -- the mask half of
-    :func:`tile_score`, which the NaN rule asks about a key whose V is not finite."""
+    :func:`tile_score`."""
     group = spec.group
     _, keep = variant_device_fns(spec.variant)
 
@@ -644,6 +644,25 @@ def build_work(qo_starts, qo_lens, kv_ptrs, kv_bases, kv_lens, group: int, tile_
     return np.asarray(rows, dtype=np.int32).reshape(-1, 8)
 
 
+NAN_ROW = 128          # floats: 256 NaN half-words, a K row of head_dim <= 256
+
+
+def nan_row_at(num_qo_heads: int) -> int:
+    """Index in a prefill kernel's ``slopes`` where the NaN row starts (16-byte aligned)."""
+    return (num_qo_heads + 3) // 4 * 4
+
+
+def tile_slopes(num_qo_heads: int, alibi: bool) -> np.ndarray:
+    """The ``slopes`` argument of every prefill kernel: ALiBi slopes (zeros when off)
+    for the query heads, then from :func:`nan_row_at` a row of NaN that the pipelined
+    tensor-core tile reads as K of a key whose V is not finite (the NaN rule; see
+    :mod:`nbattn.cuda.nanrule`)."""
+    at = nan_row_at(num_qo_heads)
+    out = np.full(at + NAN_ROW, np.nan, np.float32)
+    out[:num_qo_heads] = alibi_slopes(num_qo_heads) if alibi else 0.0
+    return out
+
+
 def launch(spec: KernelSpec, q, k_src, v_src, kv_indices: np.ndarray, work: np.ndarray,
            row_pos: np.ndarray, row_kvoff: np.ndarray, row_req: np.ndarray,
            block: int, n_keys: int, num_kv_heads: int, out, lse, stream=0):
@@ -653,7 +672,7 @@ def launch(spec: KernelSpec, q, k_src, v_src, kv_indices: np.ndarray, work: np.n
         return
     kernel = get_kernel(spec)
     work = longest_first(spec, work, row_pos, row_kvoff)
-    slopes = alibi_slopes(spec.num_qo_heads) if spec.variant.has_alibi else np.zeros(spec.num_qo_heads, np.float32)
+    slopes = tile_slopes(spec.num_qo_heads, spec.variant.has_alibi)
     idx = kv_indices if len(kv_indices) else np.zeros(1, np.int32)
     meta = [A.device_meta(x, x, stream) for x in (idx, work, row_pos, row_kvoff, row_req)]
     args = (q, k_src, v_src, *meta, cuda.to_device(slopes, stream=stream), np.int32(block), np.int32(n_keys),

@@ -152,9 +152,9 @@ def _row_writer(spec: P.KernelSpec):
             bad_hi = m_hi != m_hi or l_hi != l_hi
             inv_lo = NR.NAN_F32 if bad_lo else (float32(0.0) if m_lo == neg_inf else float32(1.0) / l_lo)
             inv_hi = NR.NAN_F32 if bad_hi else (float32(0.0) if m_hi == neg_inf else float32(1.0) / l_hi)
-        else:               # sigmoid keeps no max; a NaN one is the V check's mark of a poisoned row
-            inv_lo = NR.NAN_F32 if m_lo != m_lo else float32(1.0)
-            inv_hi = NR.NAN_F32 if m_hi != m_hi else float32(1.0)
+        else:
+            inv_lo = float32(1.0)
+            inv_hi = float32(1.0)
         if ok_lo:
             qi = qo_start + (row0 + r_lo) // group
             h = head0 + (row0 + r_lo) % group
@@ -679,39 +679,36 @@ def pipelined_tile(spec: P.KernelSpec):
     masked, softmax, o_finite, pv = fr["masked"], fr["softmax"], fr["o_finite"], fr["pv"]
 
     issue = _issue_function(CH, NT, K_ITERS, ROW, NO_KEY)
-    visible = P.tile_visible(spec, positional)
     bad_chunk = NR.chunk_bad(spec.kind)
-    JS = NT // CH                    # rows of a tile one pass of the block copies
+    vec = P.kv_reader(spec.mode, spec.kv_layout, _mma.load_u32x4)
+    NAN_AT = P.nan_row_at(spec.num_qo_heads)
 
     @device_fn
-    def scrub_v(buf, v_word, s_vbad, base, tid):
-        """The NaN rule on the V tile just landed: each chunk this thread copied that
-        holds inf or NaN is zeroed and its key flagged in ``s_vbad``."""
-        for i in range(K_ITERS):
-            jr = tid // CH + i * JS
-            w = v_word + (jr * ROW + (tid % CH) * 16) // 4
-            if bad_chunk(buf[w], buf[w + 1], buf[w + 2], buf[w + 3]):
-                buf[w] = uint32(0)
-                buf[w + 1] = uint32(0)
-                buf[w + 2] = uint32(0)
-                buf[w + 3] = uint32(0)
-                s_vbad[base + jr] = 1
+    def v_row_bad(v_src, page, slot, kv_head):
+        """Whether the key's V row holds inf or NaN (read from global memory; pass 1 only)."""
+        bad = False
+        for c in range(CH):
+            w0, w1, w2, w3 = vec(v_src, 1, page, slot, kv_head, c * 8)
+            if bad_chunk(w0, w1, w2, w3):
+                bad = True
+        return bad
 
     @device_fn
-    def sees_flagged(r, ok, s_vbad, base, s_qpos, s_diag, s_req, s_kpos, head0, row0):
-        """Whether row ``r`` sees a key of this tile whose V was flagged."""
-        hit = False
-        for j in range(T_k):
-            if s_vbad[base + j] != 0 and visible(r, ok, base + j, s_qpos, s_diag, s_req, s_kpos, head0, row0):
-                hit = True
-        return hit
-
-    @device_fn
-    def put(s_kaddr, s_vaddr, s_kpos, k_src, v_src, page, slot, pos, t, hi, kv_head, at):
-        """Row addresses and position of one key (a clamped, valid address when it has no key)."""
-        s_kaddr[at] = addr_of(k_src, 0, page, slot, kv_head, 0)
+    def put(s_kaddr, s_vaddr, s_kpos, s_vpos, k_src, v_src, page, slot, pos, t, hi, kv_head, at, scrub, nan_row):
+        """Row addresses and position of one key (a clamped, valid address when it has no key).
+        Pass 1 (``scrub``): a key whose V is not finite gets V zero-filled and K read from
+        the NaN row, so each row that sees it scores NaN and no other row meets it."""
+        p = pos if t < hi else NO_KEY
+        ka = addr_of(k_src, 0, page, slot, kv_head, 0)
+        vp = p
+        if scrub and p != NO_KEY:
+            if v_row_bad(v_src, page, slot, kv_head):
+                ka = nan_row
+                vp = NO_KEY
+        s_kaddr[at] = ka
         s_vaddr[at] = addr_of(v_src, 1, page, slot, kv_head, 0)
-        s_kpos[at] = pos if t < hi else NO_KEY
+        s_kpos[at] = p
+        s_vpos[at] = vp
 
     @device_fn
     def next_tile(t, lo, sink_end):
@@ -736,7 +733,7 @@ def pipelined_tile(spec: P.KernelSpec):
         s_kaddr = cuda.shared.array(LOCS, uint64)
         s_vaddr = cuda.shared.array(LOCS, uint64)
         s_kpos = cuda.shared.array(LOCS, int32)
-        s_vbad = cuda.shared.array(LOCS, int32)       # keys whose V was not finite (pass 1)
+        s_vpos = cuda.shared.array(LOCS, int32)       # s_kpos, or NO_KEY: V zero-filled (pass 1)
         s_qpos = cuda.shared.array(T_q, int32)
         s_diag = cuda.shared.array(T_q, int32)
         s_req = cuda.shared.array(T_q, int32)
@@ -784,16 +781,14 @@ def pipelined_tile(spec: P.KernelSpec):
         if block > 0 and block & (block - 1) == 0:
             shift = 31 - cuda.clz(int32(block))
         jk = tid % T_k                  # the key this thread locates (threads >= T_k repeat, unstored)
-        for j in range(tid, LOCS, NT):
-            s_vbad[j] = 0
-        v_word = int32((s_v - shared_addr(buf)) >> uint32(2))
+        nan_row = gaddr(slopes, (NAN_AT,))
         o = o_zero()
         m_lo = neg_inf
         m_hi = neg_inf
         l_lo = float32(0.0)
         l_hi = float32(0.0)
         # Pass 0 is the kernel.  Pass 1 runs only when a row's O came out non-finite
-        # with a finite max (a non-finite V met it): the same walk, scrubbing V.
+        # with a finite max (a non-finite V met it): the same walk, V checked in put().
         for attempt in range(2):
             scrub = attempt == 1
             t0 = next_tile(kv_begin, lo, sink_end)
@@ -801,7 +796,8 @@ def pipelined_tile(spec: P.KernelSpec):
                 t = t0 + jk
                 page, slot, pos = loc(kv_indices, kv_ptr, kv_base, min(t, hi - 1), block, n_keys, shift)
                 if tid < T_k:
-                    put(s_kaddr, s_vaddr, s_kpos, k_src, v_src, page, slot, pos, t, hi, kv_head, jk)
+                    put(s_kaddr, s_vaddr, s_kpos, s_vpos, k_src, v_src, page, slot, pos, t, hi, kv_head, jk, scrub,
+                        nan_row)
             cuda.syncthreads()
             if t0 < hi:
                 issue(s_k, s_kaddr, s_kpos, 0, tid)
@@ -821,7 +817,7 @@ def pipelined_tile(spec: P.KernelSpec):
                 # next tile's page ids: loaded now, used after the math below
                 t = t1 + jk
                 page, slot, pos = loc(kv_indices, kv_ptr, kv_base, min(t, hi - 1), block, n_keys, shift)
-                issue(s_v, s_vaddr, s_kpos, base, tid)
+                issue(s_v, s_vaddr, s_vpos, base, tid)
                 commit()
                 s = qk(qf, k_lane)
                 last = t0 + T_k - 1
@@ -832,24 +828,16 @@ def pipelined_tile(spec: P.KernelSpec):
                                slopes)
                 p, m_lo, m_hi, l_lo, l_hi, alpha_lo, alpha_hi = softmax(s, m_lo, m_hi, l_lo, l_hi)
                 if tid < T_k and t1 < hi:
-                    put(s_kaddr, s_vaddr, s_kpos, k_src, v_src, page, slot, pos, t, hi, kv_head, nbase + jk)
+                    put(s_kaddr, s_vaddr, s_kpos, s_vpos, k_src, v_src, page, slot, pos, t, hi, kv_head, nbase + jk,
+                        scrub, nan_row)
                 wait_all()
-                if scrub:
-                    scrub_v(buf, v_word, s_vbad, base, tid)
                 cuda.syncthreads()
-                if scrub:
-                    if sees_flagged(r_lo, ok_lo, s_vbad, base, s_qpos, s_diag, s_req, s_kpos, head0, row0):
-                        m_lo = NR.NAN_F32
-                    if sees_flagged(r_hi, ok_hi, s_vbad, base, s_qpos, s_diag, s_req, s_kpos, head0, row0):
-                        m_hi = NR.NAN_F32
                 if t1 < hi:
                     issue(s_k, s_kaddr, s_kpos, nbase, tid)
                 commit()
                 o = pv(o, p, v_lane, alpha_lo, alpha_hi)
                 wait_all()
                 cuda.syncthreads()
-                if scrub and tid < T_k:
-                    s_vbad[base + tid] = 0
                 t0 = t1
                 base = nbase
             if scrub:

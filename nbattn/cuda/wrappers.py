@@ -68,7 +68,7 @@ from numba import cuda
 from .. import layout as L
 from .._checks import count_arg
 from ..sched.plan import DIRECT, Plan, plan as lpt_plan
-from ..variants import alibi_slopes, check_return_lse, variant_from_kwargs
+from ..variants import check_return_lse, variant_from_kwargs
 from . import _arrays as A
 from . import decode as DEC
 from ._driver import BoundLaunch, HostToDevice, data_ptr, launch as launch_kernel, sm_count, stream_handle
@@ -277,6 +277,7 @@ class _PlanRunWrapper:
         self._dirty: list = []         # element spans of _host that plan() wrote
         self._plan: Plan | None = None
         self._slopes = None
+        self._slopes_heads = 0
         self._bound: dict = {}          # bound launches of run(), by configuration
         self._scratch_lse = None
         self.plan_seconds = 0.0
@@ -361,8 +362,10 @@ class _PlanRunWrapper:
 
     def _slopes_for(self, num_qo_heads: int, stream):
         # Kept at one address while the head count is unchanged (captured graphs read it).
-        if self._slopes is None or int(self._slopes.shape[0]) != num_qo_heads:
-            self._slopes = cuda.to_device(alibi_slopes(num_qo_heads).astype(np.float32))
+        if self._slopes is None or self._slopes_heads != num_qo_heads:
+            from . import prefill as P
+            self._slopes = cuda.to_device(P.tile_slopes(num_qo_heads, True))
+            self._slopes_heads = num_qo_heads
         return self._slopes
 
     def _write_common(self, p: Plan, kv_indptr, kv_indices, kv_last, stream) -> None:
