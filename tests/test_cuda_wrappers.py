@@ -421,3 +421,30 @@ def test_decode_run_python_work_is_constant(monkeypatch):
         assert not [n for n in names if n.rsplit(".", 1)[-1] in metadata_work], names
         counts.append(len(names))
     assert counts[0] == counts[1], counts
+
+
+@pytest.mark.skipif(not __import__("nbattn").simulator_enabled(), reason="counts the simulator's Python calls; on a GPU numba's allocator adds calls of its own")
+def test_prefill_run_python_work_is_constant(monkeypatch):
+    """The prefill wrapper's run() too: bound launches, no metadata work, no per-request loop."""
+    rng = np.random.default_rng(65)
+    counts = []
+    for qo, kv in (([3, 2], [9, 5]), ([int(x) for x in rng.integers(1, 4, 30)], [int(x) for x in rng.integers(4, 30, 30)])):
+        b = prefill_batch(rng, qo, kv)
+        w = BatchPrefillWithPagedKVCacheWrapper(workspace(WS), num_ctas=C)
+        w.plan(b["qo_indptr"], b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, causal=True)
+        names = _count_run_calls(w, b, monkeypatch)
+        metadata_work = {"validate", "as_int32", "from_cache", "plan", "host_meta", "split_work", "build_work",
+                         "check_causal_lengths", "kv_lens", "_page_table", "request_rows", "get_persistent_kernel"}
+        assert not [n for n in names if n.rsplit(".", 1)[-1] in metadata_work], names
+        counts.append(len(names))
+    assert counts[0] == counts[1], counts
+
+
+def test_prefill_run_after_replan_to_other_shapes_rebinds():
+    """Bound launches are per configuration: a re-plan to another total_q, then back, is right each time."""
+    rng = np.random.default_rng(66)
+    w = BatchPrefillWithPagedKVCacheWrapper(workspace(WS), num_ctas=C)
+    for qo, kv in (([3, 1], [12, 4]), ([5], [7]), ([2, 2], [9, 11])):
+        b = prefill_batch(rng, qo, kv)
+        w.plan(b["qo_indptr"], b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, causal=True)
+        close(w.run(b["q"], b["cache"], return_lse=True), ref_prefill(b, True))

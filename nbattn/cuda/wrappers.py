@@ -37,7 +37,7 @@ Fixed grid, fixed addresses (what makes run() CUDA-graph capturable)
   ``c`` walks its queue ``cta_indptr[c]:cta_indptr[c+1]``
   (:func:`nbattn.cuda.decode.run_decode_work`), reading the queue bounds from
   the workspace.
-* Merge (:func:`nbattn.cuda.merge.run_merge_tiles`): a fixed grid of
+* Merge (:func:`nbattn.cuda.merge.merge_tiles_launch`): a fixed grid of
   ``num_ctas`` CTAs per KV head (a plan has at most ``num_ctas`` split tiles,
   since each has >= 2 of the <= 2*C partial slots);
   the number of merges is read from the workspace header, extra CTAs exit.
@@ -71,8 +71,8 @@ from ..sched.plan import DIRECT, Plan, plan as lpt_plan
 from ..variants import check_return_lse, variant_from_kwargs
 from . import _arrays as A
 from . import decode as DEC
-from ._driver import BoundLaunch, HostToDevice, data_ptr, launch as launch_kernel, sm_count, stream_handle
-from .merge import FEW_PARTIALS, MergeMap, merge_partials_launch, merge_tiles_launch, run_merge_tiles
+from ._driver import BoundLaunch, HostToDevice, data_ptr, sm_count, stream_handle
+from .merge import FEW_PARTIALS, MergeMap, merge_partials_launch, merge_tiles_launch
 from .primitives import SIMULATOR
 
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
@@ -405,70 +405,93 @@ class _PlanRunWrapper:
         if self._plan is None:
             raise RuntimeError("run() called before plan()")
 
-    def _merge(self, stream, out_raw, lse_dev, po, pl, qo_indptr_view, slot_rows: int) -> None:
-        """The fixed-grid merge (:func:`nbattn.cuda.merge.run_merge_tiles`); the merge
-        count is read on the device from the header."""
-        run_merge_tiles(
-            self._view("header")[H_NUM_MERGES:H_NUM_MERGES + 1], self._view("merge_indptr"),
-            self._view("merge_request"), self._view("merge_qo_tile"), self._view("merge_slots"),
-            qo_indptr_view, po, pl, A.flat(out_raw), A.flat(lse_dev), code=self._code,
-            head_dim=self._head_dim, num_qo_heads=self._num_qo_heads, num_kv_heads=self._num_kv_heads,
-            group=self._group, tile_q=self._plan.tile_q, slot_rows=slot_rows, num_ctas=self.num_ctas,
-            per_request_row=self._decode, use_sigmoid=self._variant.use_sigmoid, stream=stream)
-
-    def _check_cache(self, q, paged_kv_cache, rows: int):
-        code = A.dtype_code(q, "q")
-        if code != self._code:
-            raise L.LayoutError(f"q: dtype {L.dtype_of(q)} differs from plan()'s q_data_type "
-                                f"({self._code})")
-        if A.dtype_code(paged_kv_cache, "paged_kv_cache") != code:
-            raise L.LayoutError(f"paged_kv_cache: dtype must match q, got {L.dtype_of(paged_kv_cache)}")
-        L.check_same_device(q=q, paged_kv_cache=paged_kv_cache)
-        dims = L.cache_dims(paged_kv_cache, self._kv_layout)
-        want = (self._page_size, self._num_kv_heads, self._head_dim)
-        got = (dims.page_size, dims.num_kv_heads, dims.head_dim)
-        if got != want:
-            raise L.LayoutError(f"paged_kv_cache: (page_size, num_kv_heads, head_dim) = {got} "
-                                f"differs from plan()'s {want}")
-        if self._max_page >= dims.num_pages:
-            raise L.LayoutError(f"paged_kv_cache: plan() uses page {self._max_page} but the cache "
-                                f"has {dims.num_pages} pages")
-        shape = tuple(int(s) for s in q.shape)
-        if shape != (rows, self._num_qo_heads, self._head_dim):
-            raise L.LayoutError(f"q: must have shape {(rows, self._num_qo_heads, self._head_dim)} "
-                                f"for this plan, got {shape}")
+    def _check_run(self, q, cache, out, lse):
+        """The per-call checks of run(): (kind, dtype code, cache size in 32-bit words)."""
         kind = A.kind_of(q)
-        if A.is_device_kind(kind) != A.is_device_kind(A.kind_of(paged_kv_cache)):
+        code = _code_of(q, "q")
+        if code != self._code:
+            raise L.LayoutError(f"q: dtype {L.dtype_of(q)} differs from plan()'s q_data_type ({self._code})")
+        if _code_of(cache, "paged_kv_cache") != code:
+            raise L.LayoutError(f"paged_kv_cache: dtype must match q, got {L.dtype_of(cache)}")
+        shape = self._q_shape
+        if q.shape != shape:
+            raise L.LayoutError(f"q: must have shape {shape} for this plan, got {tuple(int(x) for x in q.shape)}")
+        cshape = tuple(cache.shape)
+        if len(cshape) != 5 or cshape[1] != 2:
+            L.cache_dims(cache, self._kv_layout)              # raises the layout's message
+        ps, hk = (cshape[2], cshape[3]) if self._kv_layout == "NHD" else (cshape[3], cshape[2])
+        if (ps, hk, cshape[4]) != (self._page_size, self._num_kv_heads, self._head_dim):
+            raise L.LayoutError(f"paged_kv_cache: (page_size, num_kv_heads, head_dim) = "
+                                f"{(int(ps), int(hk), int(cshape[4]))} differs from plan()'s "
+                                f"{(self._page_size, self._num_kv_heads, self._head_dim)}")
+        if self._max_page >= cshape[0]:
+            raise L.LayoutError(f"paged_kv_cache: plan() uses page {self._max_page} but the cache "
+                                f"has {int(cshape[0])} pages")
+        dev = kind in ("torch", "numba", "cai")
+        if dev != (A.kind_of(cache) in ("torch", "numba", "cai")):
             raise L.LayoutError("paged_kv_cache: must live where q lives")
-        if A.is_device_kind(kind):
+        if kind == "torch":
+            if q.device != cache.device:
+                raise L.LayoutError(f"paged_kv_cache: must be on q's device ({q.device}), got {cache.device}")
+            if not (q.is_contiguous() and cache.is_contiguous()):
+                raise L.LayoutError("q, paged_kv_cache: device arrays must be C-contiguous "
+                                    "(they are used in place)")
+        elif dev:
             A.check_contiguous(q, "q")
-            A.check_contiguous(paged_kv_cache, "paged_kv_cache")
-        return code, kind, shape
+            A.check_contiguous(cache, "paged_kv_cache")
+        for name, x, want, c in (("out", out, shape, code), ("lse", lse, shape[:2], None)):
+            if x is not None:
+                DEC._check_out(name, x, tuple(int(v) for v in want), c, kind)
+                if kind == "torch" and x.device != q.device:
+                    raise L.LayoutError(f"{name}: must be on q's device ({q.device}), got {x.device}")
+        n = 1
+        for v in cshape:
+            n *= int(v)
+        return kind, code, n * ELEM_BYTES[code] // 4
 
-    def _begin_run(self, q, paged_kv_cache, out, lse, return_lse: bool):
-        """What every run() does first, before any launch: check the inputs against the
-        plan, pick the stream, bring q and the cache to the device, make the outputs."""
+    def _run_inputs(self, q, paged_kv_cache, out, lse, return_lse: bool):
+        """What every run() does before it launches: the per-call checks (:meth:`_check_run`),
+        q and the cache on the device (torch CUDA tensors as they are), the stream, and
+        the outputs.  Returns (kind, code, stream, q_dev, kv_dev, out_user, out_dev,
+        lse_user, lse_dev)."""
         self._need_plan()
-        check_return_lse(self._variant, return_lse)
-        rows = self._batch if self._decode else self._total_q     # q rows the plan expects
-        code, kind, shape = self._check_cache(q, paged_kv_cache, rows)
-        L.check_same_device(q=q, out=out, lse=lse)
-        stream = A.launch_stream(q, paged_kv_cache, out, lse)
-        q_dev = A.to_device(q, "q", stream, code)
-        kv_dev = A.to_device(paged_kv_cache, "paged_kv_cache", stream, code)
-        out_user, out_dev, lse_user, lse_dev = self._outputs(kind, shape, code, stream, q, out, lse)
-        return code, kind, stream, q_dev, kv_dev, out_user, out_dev, lse_user, lse_dev
+        if return_lse and self._variant.use_sigmoid:
+            check_return_lse(self._variant, return_lse)
+        kind, code, kv_words = self._check_run(q, paged_kv_cache, out, lse)
+        dev = kind in ("torch", "numba", "cai")
+        q_dev = q if dev else A.to_device(q, "q", 0, code)
+        kv_dev = paged_kv_cache if dev else A.to_device(paged_kv_cache, "paged_kv_cache", 0, code)
+        if not SIMULATOR and (data_ptr(q_dev) | data_ptr(kv_dev)) % 16:
+            raise L.LayoutError("q, paged_kv_cache: must start at 16-byte aligned addresses (the kernels "
+                                "read 16 bytes at a time)")
+        stream = 0 if SIMULATOR else stream_handle(q)
+        shape = self._q_shape
+        if kind == "torch":
+            out_dev = out if out is not None else q.new_empty(shape)
+            lse_dev = lse if lse is not None else self._lse_scratch(q, return_lse)
+            out_user, lse_user = out_dev, lse_dev
+        else:
+            out_user, out_dev = A.output_for("out", out, kind, shape, code, 0, like=q)
+            lse_user, lse_dev = A.output_for("lse", lse, kind, shape[:2], "f32", 0, like=q)
+        return kind, code, stream, q_dev, kv_dev, kv_words, out_user, out_dev, lse_user, lse_dev
 
-    def _outputs(self, kind, shape, code, stream, q, out, lse):
-        """(out_user, out_raw_dev, lse_user, lse_dev): given buffers in place, else fresh ones."""
-        if out is not None:
-            DEC._check_out("out", out, shape, code, kind)
-        if lse is not None:
-            DEC._check_out("lse", lse, shape[:2], None, kind)
-        out_user, out_dev = A.output_for("out", out, kind, shape, code, stream, like=q)
-        lse_user, lse_dev = A.output_for("lse", lse, kind, shape[:2], "f32", stream, like=q)
-        return out_user, out_dev, lse_user, lse_dev
+    def _results(self, kind, code, out, out_user, out_dev, lse, lse_user, lse_dev, return_lse: bool):
+        if kind == "torch":
+            return (out_dev, lse_dev) if return_lse else out_dev
+        return A.finish_results(kind, code, 0, out, out_user, out_dev, lse, lse_user, lse_dev, return_lse)
 
+    def _lse_scratch(self, q, return_lse: bool):
+        """A fresh LSE when the caller gets it, else one reused buffer (the kernels write
+        an LSE either way)."""
+        shape = self._q_shape[:2]
+        if return_lse:
+            import torch
+            return torch.empty(shape, dtype=torch.float32, device=q.device)
+        buf = self._scratch_lse
+        if buf is None or tuple(buf.shape) != shape or buf.device != q.device:
+            import torch
+            buf = self._scratch_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
+        return buf
 
 # ---------------------------------------------------------------------------
 # Decode
@@ -615,25 +638,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_PlanRunWrapper):
         ``q``, the cache, ``out`` and ``lse``) and launches the kernels bound at
         the first run of this plan's configuration; with torch CUDA tensors it
         launches on torch's current stream and returns torch tensors."""
-        self._need_plan()
-        if return_lse and self._variant.use_sigmoid:
-            check_return_lse(self._variant, return_lse)
-        kind, code, kv_words = self._check_run(q, paged_kv_cache, out, lse)
-        dev = kind in ("torch", "numba", "cai")
-        q_dev = q if dev else A.to_device(q, "q", 0, code)
-        kv_dev = paged_kv_cache if dev else A.to_device(paged_kv_cache, "paged_kv_cache", 0, code)
-        if not SIMULATOR and (data_ptr(q_dev) | data_ptr(kv_dev)) % 16:
-            raise L.LayoutError("q, paged_kv_cache: must start at 16-byte aligned addresses (the decode "
-                                "kernels read 16 bytes at a time)")
-        stream = 0 if SIMULATOR else stream_handle(q)
-        shape = self._q_shape
-        if kind == "torch":
-            out_dev = out if out is not None else q.new_empty(shape)
-            lse_dev = lse if lse is not None else self._lse_scratch(q, return_lse)
-            out_user, lse_user = out_dev, lse_dev
-        else:
-            out_user, out_dev = A.output_for("out", out, kind, shape, code, 0, like=q)
-            lse_user, lse_dev = A.output_for("lse", lse, kind, shape[:2], "f32", 0, like=q)
+        kind, code, stream, q_dev, kv_dev, kv_words, out_user, out_dev, lse_user, lse_dev = self._run_inputs(
+            q, paged_kv_cache, out, lse, return_lse)
         dec, merge, ix = self._bound_launches(q_dev, kv_dev)
         dec.set(ix["q"], q_dev)
         dec.set(ix["kv"], kv_dev, kv_words)
@@ -644,68 +650,9 @@ class BatchDecodeWithPagedKVCacheWrapper(_PlanRunWrapper):
             merge.set(ix["merge_out"], out_dev)
             merge.set(ix["merge_lse"], lse_dev)
             merge(stream)
-        if kind == "torch":
-            return (out_dev, lse_dev) if return_lse else out_dev
-        return A.finish_results(kind, code, 0, out, out_user, out_dev, lse, lse_user, lse_dev, return_lse)
+        return self._results(kind, code, out, out_user, out_dev, lse, lse_user, lse_dev, return_lse)
 
     forward = run
-
-    def _lse_scratch(self, q, return_lse: bool):
-        """A fresh LSE when the caller gets it, else one reused buffer (the kernels write
-        an LSE either way)."""
-        shape = (self._batch, self._num_qo_heads)
-        if return_lse:
-            import torch
-            return torch.empty(shape, dtype=torch.float32, device=q.device)
-        buf = self._scratch_lse
-        if buf is None or tuple(buf.shape) != shape or buf.device != q.device:
-            import torch
-            buf = self._scratch_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
-        return buf
-
-    def _check_run(self, q, cache, out, lse):
-        """The per-call checks of run(): (kind, dtype code, cache size in 32-bit words)."""
-        kind = A.kind_of(q)
-        code = _code_of(q, "q")
-        if code != self._code:
-            raise L.LayoutError(f"q: dtype {L.dtype_of(q)} differs from plan()'s q_data_type ({self._code})")
-        if _code_of(cache, "paged_kv_cache") != code:
-            raise L.LayoutError(f"paged_kv_cache: dtype must match q, got {L.dtype_of(cache)}")
-        shape = self._q_shape
-        if q.shape != shape:
-            raise L.LayoutError(f"q: must have shape {shape} for this plan, got {tuple(int(x) for x in q.shape)}")
-        cshape = tuple(cache.shape)
-        if len(cshape) != 5 or cshape[1] != 2:
-            L.cache_dims(cache, self._kv_layout)              # raises the layout's message
-        ps, hk = (cshape[2], cshape[3]) if self._kv_layout == "NHD" else (cshape[3], cshape[2])
-        if (ps, hk, cshape[4]) != (self._page_size, self._num_kv_heads, self._head_dim):
-            raise L.LayoutError(f"paged_kv_cache: (page_size, num_kv_heads, head_dim) = "
-                                f"{(int(ps), int(hk), int(cshape[4]))} differs from plan()'s "
-                                f"{(self._page_size, self._num_kv_heads, self._head_dim)}")
-        if self._max_page >= cshape[0]:
-            raise L.LayoutError(f"paged_kv_cache: plan() uses page {self._max_page} but the cache "
-                                f"has {int(cshape[0])} pages")
-        dev = kind in ("torch", "numba", "cai")
-        if dev != (A.kind_of(cache) in ("torch", "numba", "cai")):
-            raise L.LayoutError("paged_kv_cache: must live where q lives")
-        if kind == "torch":
-            if q.device != cache.device:
-                raise L.LayoutError(f"paged_kv_cache: must be on q's device ({q.device}), got {cache.device}")
-            if not (q.is_contiguous() and cache.is_contiguous()):
-                raise L.LayoutError("q, paged_kv_cache: device arrays must be C-contiguous "
-                                    "(they are used in place)")
-        elif dev:
-            A.check_contiguous(q, "q")
-            A.check_contiguous(cache, "paged_kv_cache")
-        for name, x, want, c in (("out", out, shape, code), ("lse", lse, shape[:2], None)):
-            if x is not None:
-                DEC._check_out(name, x, tuple(int(v) for v in want), c, kind)
-                if kind == "torch" and x.device != q.device:
-                    raise L.LayoutError(f"{name}: must be on q's device ({q.device}), got {x.device}")
-        n = 1
-        for v in cshape:
-            n *= int(v)
-        return kind, code, n * ELEM_BYTES[code] // 4
 
     def _bound_launches(self, q_dev, kv_dev):
         """(decode, merge or None, argument indices): bound once per configuration."""
@@ -860,32 +807,73 @@ class BatchPrefillWithPagedKVCacheWrapper(_PlanRunWrapper):
         self._num_qo_heads, self._num_kv_heads, self._group = hq, hk, group
         self._head_dim, self._page_size, self._total_q = D, int(page_size), qo.total
         self._max_page = int(pkv.paged_kv_indices.max()) if pkv.paged_kv_indices.size else -1
+        self._q_shape = (qo.total, hq, D)
         self.plan_seconds = time.perf_counter() - t0
 
     def run(self, q, paged_kv_cache, out=None, lse=None, return_lse: bool = False):
         """Attention of ragged ``q [total_q, num_qo_heads, head_dim]`` (rows as
         in plan()'s ``qo_indptr``) over the planned pages; returns ``o`` (and
-        the base-2 ``lse``)."""
+        the base-2 ``lse``).
+
+        As the decode wrapper's run(): only what can change between calls is
+        checked, then three launches bound once per plan configuration run on
+        torch's current stream (torch CUDA tensors in, torch tensors out)."""
+        kind, code, stream, q_dev, kv_dev, kv_words, out_user, out_dev, lse_user, lse_dev = self._run_inputs(
+            q, paged_kv_cache, out, lse, return_lse)
+        part, final, merge = self._bound_launches(q_dev, kv_dev, out_dev, lse_dev)
+        for bl in (part, final):
+            bl.set(0, q_dev)
+            bl.set(1, kv_dev)
+            bl.set(2, kv_dev)
+        final.set(12, out_dev)
+        final.set(13, lse_dev)
+        merge.set(8, out_dev)
+        merge.set(9, lse_dev)
+        part(stream)
+        final(stream)
+        merge(stream)
+        return self._results(kind, code, out, out_user, out_dev, lse, lse_user, lse_dev, return_lse)
+
+    def _bound_launches(self, q_dev, kv_dev, out_dev, lse_dev):
+        """(part, final, merge): the two persistent launches of C CTAs per KV head -- chunks
+        of split tiles into float32 partial states, then unsplit tiles -- and the fixed-grid
+        merge, bound once per configuration (every array but q, the cache, out and lse is
+        a fixed view of the workspace)."""
         from . import prefill as P
 
-        code, kind, stream, q_dev, kv_dev, out_user, out_dev, lse_user, lse_dev = self._begin_run(
-            q, paged_kv_cache, out, lse, return_lse)
-        H, D, rows_cap = self._num_qo_heads, self._head_dim, 2 * self.num_ctas * self._slot_rows
+        key = (self._spec, self._spec_part, self._slot_rows, self._q_shape, tuple(kv_dev.shape))
+        hit = self._bound.get(key)
+        if hit is not None:
+            return hit
+        code, H, D = self._code, self._num_qo_heads, self._head_dim
+        rows_cap = 2 * self.num_ctas * self._slot_rows
+        raw = {"q": lambda x: A.to_device(x, "q", 0, code),
+               "kv": lambda x: A.to_device(x, "paged_kv_cache", 0, code),
+               "out": lambda x: A.to_device(x, "out", 0, code),
+               "lse": lambda x: A.to_device(x, "lse", 0, "f32")}
+        q_raw, kv_raw, out_raw, lse_raw = raw["q"](q_dev), raw["kv"](kv_dev), raw["out"](out_dev), raw["lse"](lse_dev)
         po, pl = self._partials(self._slot_rows, H, D)
-        common = (q_dev, kv_dev, kv_dev, self._view("kv_indices"))
         tail = (self._view("row_pos"), self._view("row_kvoff"), self._view("row_req"), self._slopes,
                 np.int32(self._page_size), np.int32(0))
-        # Two persistent launches of C CTAs per KV head, the same for every plan:
-        # chunks of split tiles (float32 partial states), then unsplit tiles.
+        conv = {0: raw["q"], 1: raw["kv"], 2: raw["kv"], 12: raw["out"], 13: raw["lse"]}
+        bound = []
         for spec, name, cap, o, l in (
-                (self._spec_part, "part", 2 * self.num_ctas, po.reshape(rows_cap, H, D),
-                 pl.reshape(rows_cap, H)),
-                (self._spec, "final", self.max_work_items, out_dev, lse_dev)):
+                (self._spec_part, "part", 2 * self.num_ctas, po.reshape(rows_cap, H, D), pl.reshape(rows_cap, H)),
+                (self._spec, "final", self.max_work_items, out_raw, lse_raw)):
             work = self._view(f"{name}_rows")[:8 * cap].reshape(cap, 8)
-            launch_kernel(P.get_persistent_kernel(spec), (self.num_ctas, self._num_kv_heads), spec.threads, stream,
-                   (*common, work, self._view(f"{name}_indptr"), *tail, o, l))
-        self._merge(stream, out_dev, lse_dev, po, pl, self._view("qo_indptr"), self._slot_rows)
-        return A.finish_results(kind, code, stream, out, out_user, out_dev, lse, lse_user, lse_dev,
-                                return_lse)
+            args = (q_raw, kv_raw, kv_raw, self._view("kv_indices"), work, self._view(f"{name}_indptr"), *tail, o, l)
+            bound.append(BoundLaunch(P.get_persistent_kernel(spec), (self.num_ctas, self._num_kv_heads),
+                                     spec.threads, args, convert=conv))
+        k, g, t, a = merge_tiles_launch(
+            self._view("header")[H_NUM_MERGES:H_NUM_MERGES + 1], self._view("merge_indptr"),
+            self._view("merge_request"), self._view("merge_qo_tile"), self._view("merge_slots"),
+            self._view("qo_indptr"), po, pl, A.flat(out_raw), A.flat(lse_raw), code=code, head_dim=D,
+            num_qo_heads=H, num_kv_heads=self._num_kv_heads, group=self._group, tile_q=self._plan.tile_q,
+            slot_rows=self._slot_rows, num_ctas=self.num_ctas, per_request_row=False,
+            use_sigmoid=self._variant.use_sigmoid)
+        merge = BoundLaunch(k, g, t, a, convert={8: lambda x: A.flat(raw["out"](x)),
+                                                  9: lambda x: A.flat(raw["lse"](x))})
+        self._bound[key] = (bound[0], bound[1], merge)
+        return self._bound[key]
 
     forward = run
