@@ -3,6 +3,11 @@ each, merged into ``benchmarks/results/verify.json`` (GPU only).
 
     PYTHONPATH=$PWD python3 benchmarks/gpu_verify_campaign.py --commit SHA \\
         [--seeds 1 2 3 4] [--cases 3000] [--per-config 120] [--time-budget 300] [--out DIR]
+        [--job SEED:CASES:KERNEL,KERNEL ...]
+
+``--job`` runs one process on a kernel subset with its own case count (repeat
+it; it replaces ``--seeds``): the decode-side kernels compile in seconds and
+can run thousands of cases in the time one prefill process compiles its tiles.
 
 On a GPU the cost of a campaign is compiling each new kernel configuration, so
 every process draws few configurations with many cases each (``--per-config``);
@@ -50,18 +55,26 @@ def main(argv=None) -> int:
     ap.add_argument("--per-config", type=int, default=120, help="cases per configuration")
     ap.add_argument("--time-budget", type=float, default=300.0, help="seconds per seed process")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/nbattn_out"), help="directory for the result files")
+    ap.add_argument("--job", action="append", default=[],
+                    help="SEED:CASES:KERNELS, one process on a comma-separated kernel subset (repeatable)")
     args = ap.parse_args(argv)
+    jobs = []
+    for j in args.job:
+        seed, cases, kernels = j.split(":", 2)
+        jobs.append((int(seed), int(cases), kernels))
+    if not jobs:
+        jobs = [(s, args.cases, None) for s in args.seeds]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="nbattn_verify_"))
     procs = []
     t0 = time.time()
-    for s in args.seeds:
+    for s, n_cases, kernels in jobs:
         env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp / f"cache{s}"),
                    PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        cmd = [sys.executable, "-m", "nbattn.verify", "--seed", str(s), "--cases", str(args.cases),
+        cmd = [sys.executable, "-m", "nbattn.verify", "--seed", str(s), "--cases", str(n_cases),
                "--per-config", str(args.per_config), "--time-budget", str(args.time_budget),
-               "--no-progress", "--out", str(tmp / f"seed{s}.json")]
+               "--no-progress", "--out", str(tmp / f"seed{s}.json")] + (["--kernel", kernels] if kernels else [])
         log = open(tmp / f"seed{s}.log", "w")
         procs.append((s, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT), log))
     reports = []
@@ -96,14 +109,15 @@ def main(argv=None) -> int:
     total_cases = sum(r.get("cases_run", 0) for r in reports)
     total_bad = sum(r.get("mismatches", 0) for r in reports)
     records.append({"case": {"kernel": "all", "cases": total_cases, "configurations": sum(configs.values()),
-                             "seeds": " ".join(str(s) for s in args.seeds), "per_config": args.per_config,
+                             "seeds": " ".join(str(s) for s, _, _ in jobs), "per_config": args.per_config,
                              "cases_skipped_for_time": sum(r.get("cases_skipped_for_time", 0) for r in reports),
                              "seconds": round(time.time() - t0, 1)},
                     "metric": "mismatches", "value": float(total_bad), "unit": "count"})
     records += failure_records([dict(f, seed=r.get("seed")) for r in reports for f in r.get("failures", [])])
+    which = (" ".join(f"--job {s}:{n}:{k}" for s, n, k in jobs) if args.job
+             else f"--seeds {' '.join(map(str, args.seeds))} --cases {args.cases}")
     cmd = ("PYTHONPATH=$PWD python3 benchmarks/gpu_verify_campaign.py --commit " + args.commit
-           + f" --seeds {' '.join(map(str, args.seeds))} --cases {args.cases} --per-config {args.per_config}"
-           + f" --time-budget {args.time_budget:g}")
+           + f" {which} --per-config {args.per_config} --time-budget {args.time_budget:g}")
     path = write_suite("verify", records, gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "CUDA simulator", command=cmd,
                        versions={"nbattn_commit": args.commit, "numba": numba.__version__,
                                  "numpy": np.__version__, "torch": torch.__version__,

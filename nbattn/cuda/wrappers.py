@@ -279,6 +279,7 @@ class _PlanRunWrapper:
         self._slopes = None
         self._slopes_heads = 0
         self._bound: dict = {}          # bound launches of run(), by configuration
+        self._bound_now = None          # the current plan's entry of _bound (reset by plan())
         self._scratch_lse = None
         self.plan_seconds = 0.0
 
@@ -327,6 +328,7 @@ class _PlanRunWrapper:
         """The stream a plan's copies go on (torch's current one for a torch workspace),
         once the staging image may be rewritten."""
         self._h2d.begin()
+        self._bound_now = None
         return 0 if SIMULATOR else stream_handle(self._ws_user)
 
     def _copy(self, name: str, host: np.ndarray) -> None:
@@ -640,7 +642,10 @@ class BatchDecodeWithPagedKVCacheWrapper(_PlanRunWrapper):
         launches on torch's current stream and returns torch tensors."""
         kind, code, stream, q_dev, kv_dev, kv_words, out_user, out_dev, lse_user, lse_dev = self._run_inputs(
             q, paged_kv_cache, out, lse, return_lse)
-        dec, merge, ix = self._bound_launches(q_dev, kv_dev)
+        bound = self._bound_now               # this plan's launches, found once (not hashed per call)
+        if bound is None:
+            bound = self._bound_now = self._bound_launches(q_dev, kv_dev)
+        dec, merge, ix = bound
         dec.set(ix["q"], q_dev)
         dec.set(ix["kv"], kv_dev, kv_words)
         dec.set(ix["out"], out_dev)
@@ -820,7 +825,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_PlanRunWrapper):
         torch's current stream (torch CUDA tensors in, torch tensors out)."""
         kind, code, stream, q_dev, kv_dev, kv_words, out_user, out_dev, lse_user, lse_dev = self._run_inputs(
             q, paged_kv_cache, out, lse, return_lse)
-        part, final, merge = self._bound_launches(q_dev, kv_dev, out_dev, lse_dev)
+        bound = self._bound_now               # this plan's launches for this cache shape
+        if bound is None or bound[0] != kv_dev.shape:
+            bound = self._bound_now = (kv_dev.shape, self._bound_launches(q_dev, kv_dev, out_dev, lse_dev))
+        part, final, merge = bound[1]
         for bl in (part, final):
             bl.set(0, q_dev)
             bl.set(1, kv_dev)
