@@ -114,9 +114,6 @@ def main():
     copy_bw = max(bw.values())
     G.log("copy bandwidth GB/s", {k: round(v) for k, v in bw.items()})
     recs = []
-    # B1_STREAM: the small-batch shape's K/V loads with the L2 evict-first policy ("1"), plain ("0"),
-    # or both, group 4 only, one after the other ("both")
-    mode = os.environ.get("B1_STREAM", "")
     toggle = os.environ.get("B1_TOGGLE", "")
     if toggle:
         # B1_TOGGLE=NAME: a boolean switch of decode_warp, on then off; NAME=V1,V2,..: those
@@ -141,17 +138,7 @@ def main():
                     r["case"][name.lower()] = "x".join(map(str, value)) if isinstance(value, tuple) else value
                     recs.append(r)
         setattr(mod, name, default)
-    elif mode == "both":
-        for on in (True, False):
-            WARP.STREAM_EVICT_FIRST = on
-            DEC._kernels.clear()
-            for r in case(8, copy_bw):
-                r["case"]["kv_loads"] = "evict_first" if on else "plain"
-                recs.append(r)
-        WARP.STREAM_EVICT_FIRST = False
     else:
-        if mode:
-            WARP.STREAM_EVICT_FIRST = mode == "1"
         for hkv in (8, 4):
             recs += case(hkv, copy_bw)
     G.write_gpu_suite("decode_b1", recs, copy_bw, OUT, "gpu_decode_b1.py")

@@ -276,7 +276,7 @@ def time_single(n, causal, reps, label, n_kv=None):
 def main():
     os.makedirs(OUT, exist_ok=True)
     say("device", torch.cuda.get_device_name(), "| lane grids", CC.LANE_GRIDS, "policy", CC.POLICY,
-        "unroll", CC.UNROLL, "min_blocks", CC.MIN_BLOCKS, "longest_first", P.LONGEST_FIRST,
+        "unroll", CC.UNROLL, "longest_first", P.LONGEST_FIRST,
         "| tiles d128 f16", CC.cuda_core_tiles(128, "f16"))
     roof, sgemm = fp32_roof()
     save()
@@ -348,25 +348,23 @@ def main():
         save()
 
     # Alternatives beside the default, each at 8k x 8k full and causal (ALTS: ';'-separated
-    # alternatives, each one or more '+'-joined settings of prefill_cc.POLICY / MIN_BLOCKS /
+    # alternatives, each one or more '+'-joined settings of prefill_cc.POLICY /
     # SMEM_BUDGET (smem=bytes) / MAX_TILE_K, prefill.LONGEST_FIRST, or shape=QxK (full only: the same FLOPs in another grid, e.g.
     # 16384x4096 = twice the CTAs at half the keys each), e.g.
-    # "min_blocks=none;policy=wide;longest_first=0;min_blocks=3+shape=16384x4096").
+    # "policy=keys;longest_first=0;shape=16384x4096").
     # Kernels are rebuilt for each.
-    alts = [a for a in os.environ.get("ALTS", "min_blocks=none;longest_first=0;policy=wide").split(";") if a]
+    alts = [a for a in os.environ.get("ALTS", "longest_first=0;policy=keys").split(";") if a]
     for alt in alts:
         if left() < 40:
             say("skipping the remaining alternatives (time)")
             break
         settings = dict(kv.split("=") for kv in alt.split("+"))
-        saved = (CC.POLICY, CC.MIN_BLOCKS, P.LONGEST_FIRST, CC.SMEM_BUDGET, CC.MAX_TILE_K)
+        saved = (CC.POLICY, P.LONGEST_FIRST, CC.SMEM_BUDGET, CC.MAX_TILE_K)
         try:
             CC.POLICY = settings.get("policy", CC.POLICY)
             CC.SMEM_BUDGET = int(settings.get("smem", CC.SMEM_BUDGET))
             if "max_tile_k" in settings:
                 CC.MAX_TILE_K = int(settings["max_tile_k"])
-            if "min_blocks" in settings:
-                CC.MIN_BLOCKS = None if settings["min_blocks"] == "none" else int(settings["min_blocks"])
             if "longest_first" in settings:
                 P.LONGEST_FIRST = settings["longest_first"] == "1"
             nq, nk = (int(x) for x in settings.get("shape", "8192x8192").split("x"))
@@ -383,7 +381,7 @@ def main():
         except Exception:  # noqa: BLE001
             say(f"alternative {alt} failed:\n" + traceback.format_exc()[-1500:])
         finally:
-            CC.POLICY, CC.MIN_BLOCKS, P.LONGEST_FIRST, CC.SMEM_BUDGET, CC.MAX_TILE_K = saved
+            CC.POLICY, P.LONGEST_FIRST, CC.SMEM_BUDGET, CC.MAX_TILE_K = saved
             P._KERNELS.clear()
         save()
 

@@ -84,13 +84,11 @@ WARP_UNROLL = 0           # tokens per row per step on the warp path (0: by head
 # (0: never, unless DECODE_PATH = "tc").  H200, fp16, d128, batch 64, KV 4k/16k/32k: group 8
 # 0.97-1.02 of copy bandwidth (warp path 0.49-0.50), group 4 0.91-0.95 (warp path 0.92-0.93).
 TC_MIN_GROUP = 4
-# CTA shape (warps, CTAs per SM for the launch bounds).  168 registers a thread (ptxas,
-# sm_90) allow 12 warps an SM.  Blocks of up to 4 heads (batch 64 x 8 KV heads = 512 CTAs)
-# take 6 warps x 2 CTAs: 264 slots, ~2 full waves rather than 1.3 of 396 slots; blocks of 8
-# heads (256 CTAs: one wave either way) measured faster as 4 warps x 3 (0.97 vs 0.83 at 4k).
-# 0: by heads per CTA as said.
-TC_WARPS = 0
-TC_MIN_BLOCKS = 0
+# CTA shape (warps, CTAs per SM for the launch bounds), by heads per CTA: 168 registers a
+# thread (ptxas, sm_90) allow 12 warps an SM.  Blocks of up to 4 heads (batch 64 x 8 KV heads
+# = 512 CTAs) take 6 warps x 2 CTAs: 264 slots, ~2 full waves rather than 1.3 of 396 slots;
+# blocks of 8 heads (256 CTAs: one wave either way) measured faster as 4 warps x 3 (0.97 vs
+# 0.83 at 4k).  (make_config)
 # Small batches (the unsplit grid fills at most half the SMs, e.g. batch 1 x 32k) split
 # into one wave of TC_SPLIT_SHAPE = (warps a CTA, CTAs an SM) instead.  H200, fp16, d128,
 # batch 1 x 32k, decode kernel alone: 39.0 us (group 4) / 24.6 us (group 8) as 8 warps x 1
@@ -173,7 +171,7 @@ def make_config(code: str, head_dim: int, group: int, kv_layout: str, variant: V
     known) picks the tensor-core CTA shape for small batches.  Memoized (a call's
     hot path asks for it)."""
     key = (code, head_dim, group, kv_layout, variant, aligned, batch_kv_heads, DECODE_PATH, WARP_MAX_HEADS,
-           WARP_WARPS, WARP_UNROLL, TC_WARPS, TC_MIN_BLOCKS, TC_SPLIT_SHAPE, TC_MIN_GROUP, SMEM_BUDGET)
+           WARP_WARPS, WARP_UNROLL, TC_SPLIT_SHAPE, TC_MIN_GROUP, SMEM_BUDGET)
     try:
         return _configs[key]
     except KeyError:
@@ -190,7 +188,6 @@ def _make_config(code: str, head_dim: int, group: int, kv_layout: str, variant: 
         nw, mb = (4, 3) if hg > 4 else (6, 2)
         if batch_kv_heads is not None and 2 * batch_kv_heads * (group // hg) <= sm_count():
             nw, mb = TC_SPLIT_SHAPE
-        nw, mb = TC_WARPS or nw, TC_MIN_BLOCKS or mb
         return DecodeConfig(code, head_dim, hg, kv_layout, kernel_variant_key(variant), 32 * nw, 16 * nw,
                             aligned, "tc", 1, mb)
     if _use_warp(code, head_dim, aligned):

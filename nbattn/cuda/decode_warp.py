@@ -49,7 +49,7 @@ import numpy as np
 from numba import cuda, float32, int64, uint32
 
 from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f, load_i32_cg,
-                         load_v4, load_v4_stream, prefetch_l2, shfl_idx_f32, shfl_xor_f32, st_v4)
+                         load_v4, prefetch_l2, shfl_idx_f32, shfl_xor_f32, st_v4)
 from ._driver import jit_kernel
 from .mma import grid_dependency_wait, grid_dependents_launch
 from .variants import LOG2E, variant_device_fns
@@ -365,12 +365,6 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
 # Tensor-core variant (GPU only, fp16/bf16): the group's heads as one mma operand
 # ---------------------------------------------------------------------------
 
-# K/V loads of the small-batch tensor-core shape with an L2 evict-first policy
-# (primitives.load_v4_stream), so that a launch's page table, work list and partials,
-# read again by the next launch and the merge, are not evicted by the 134 MB KV stream.
-# Off: H200, batch 1 x 32k, group 4, same run, decode kernel 39.58 us with it against
-# 38.53 us without (benchmarks/results/decode_b1_evict_first.json).
-STREAM_EVICT_FIRST = False
 # Steps of K/V (16 tokens a warp each) that the small-batch tensor-core shape prefetches into
 # L2 before its programmatic dependency wait, when launched with ``prefetch`` (split_runner's
 # programmatic launches): while the previous call's merge ends, HBM would otherwise idle.
@@ -452,7 +446,6 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     # at most 8 warps an SM; 6 x 2 and 4 x 3 would spill)
     AHEAD = NW * min_blocks <= 8
     LEAD = STEP if AHEAD else 0
-    STREAM = AHEAD and STREAM_EVICT_FIRST
     PF = PREFETCH_STEPS if AHEAD and HG <= PREFETCH_MAX_HEADS else 0
     PFL = max(1, 2 * PF)
     NHD = cfg.kv_layout == "NHD"
@@ -491,10 +484,7 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
         for j in range(NJ):
             w0 = w1 = w2 = w3 = uint32(0)
             if row >= 0:
-                if STREAM:     # small-batch shape: the page table and partials outlive the KV stream in L2
-                    w0, w1, w2, w3 = load_v4_stream(kv_w, row + j * 16)
-                else:
-                    w0, w1, w2, w3 = load_v4(kv_w, row + j * 16)
+                w0, w1, w2, w3 = load_v4(kv_w, row + j * 16)
             o = o0 + 4 * j
             dst[o] = w0
             dst[o + 1] = w1

@@ -103,7 +103,7 @@ from .primitives import (SHARED_ALIGN, SIMULATOR, bf16x2_to_f32, device_fn, elem
 from .variants import LOG2E, sigmoid_weight
 
 __all__ = ["cuda_core_tiles", "cuda_core_tile", "covers", "launch_bounds", "dynamic_smem", "ENABLED", "LANE_GRIDS",
-           "POLICY", "UNROLL", "PREFETCH_MAX_CHUNKS", "MIN_BLOCKS", "SMEM_BUDGET", "MAX_TILE_K"]
+           "POLICY", "UNROLL", "PREFETCH_MAX_CHUNKS", "SMEM_BUDGET", "MAX_TILE_K"]
 
 # Lane grids (RG x CG lanes per warp) a tile can take, and rows per lane.
 # GPU: 32-lane warps of 4 x 8 lanes (16 rows per warp, 16 dims of O per
@@ -119,8 +119,7 @@ SMEM_BUDGET = STATIC_LIMIT if SIMULATOR else 100 * 1024
 # Longest KV tile a shape may take (None: what fits SMEM_BUDGET); benchmarks vary it.
 MAX_TILE_K = None
 # Which fitting shape wins: "rows" = 4 x 8 lanes, the most warps, then the most
-# keys per lane; "keys" = 4 x 8 lanes, the most keys per lane, then warps;
-# "wide" = 2 x 16 lanes, the most warps, then keys.
+# keys per lane; "keys" = 4 x 8 lanes, the most keys per lane, then warps.
 POLICY = "rows"
 # Loop trips of the generated S and P V loops cover UNROLL[0] 4-dim chunks / UNROLL[1] keys.
 UNROLL = (8, 4)
@@ -128,12 +127,6 @@ UNROLL = (8, 4)
 PREFETCH_MAX_CHUNKS = 4
 # Benchmarks switch the path off to time the scalar core_tile on the same build route.
 ENABLED = True
-# CTAs per SM asked of ptxas as launch bounds (None: no bound).  The "rows"
-# shape needs 246-250 registers, so two 128-thread CTAs fit an SM's 64K registers
-# (and its shared memory).  For the earlier T_k = 16 shape (172-174 registers) a
-# bound of 3 CTAs measured 31.72 / 30.18 TFLOP/s full / causal against 31.60 / 30.78
-# without (H200, same run, prefill_cuda_core.json at f2a3302): no bound.
-MIN_BLOCKS = None
 
 ELEMS_PER_16B = {"f16": 8, "bf16": 8, "f32": 4}
 
@@ -193,8 +186,6 @@ def _tiles_of(RG: int, CG: int, NW: int, C: int) -> tuple[int, int, int]:
 
 def _rank(shape):
     RG, CG, NW, C = shape
-    if POLICY == "wide":
-        return (CG == 16, NW, C)
     if POLICY == "keys":
         return (CG == 8, C, NW)
     return (CG == 8, NW, C)
@@ -228,10 +219,9 @@ def covers(spec) -> bool:
 
 
 def launch_bounds(spec):
-    """``(threads, MIN_BLOCKS)`` for a spec this tile covers, else None."""
-    if MIN_BLOCKS is None or not covers(spec):
-        return None
-    return spec.threads, MIN_BLOCKS
+    """Launch bounds of this tile's kernels: None (the "rows" shape needs 246-250
+    registers, so two 128-thread CTAs fit an SM whatever ptxas is told)."""
+    return None
 
 
 for _d in (32, 64, 96, 128, 256):

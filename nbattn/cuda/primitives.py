@@ -14,8 +14,6 @@ Interface (stable; the prefill/sparse/cascade kernels use it too):
                                 array; i*4 bytes must be 16-byte aligned on the GPU.
                                 Read-only (non-coherent) cache path: only for data the
                                 kernel never writes.
-    load_v4_stream(words, i) -> load_v4 with an L2 evict-first policy: for data a kernel
-                                streams once (KV), so reused data keeps its L2 lines.
     load_i32_cg(arr, i)      -> int32 arr[i] of a 1-D int32 array read through L2 only
                                 (ld.global.cg): a value read before a programmatic
                                 dependency wait as a hint, so that no stale L1 line
@@ -57,7 +55,7 @@ import numpy as np
 
 from .._compat import simulator_enabled
 
-__all__ = ["load_v4", "load_v4_stream", "load_i32_cg", "prefetch_l2", "ld_v4", "st_v4", "SHARED_ALIGN", "u32_as_f32", "f32_as_u32",
+__all__ = ["load_v4", "load_i32_cg", "prefetch_l2", "ld_v4", "st_v4", "SHARED_ALIGN", "u32_as_f32", "f32_as_u32",
            "f16x2_to_f32", "bf16x2_to_f32", "f32_to_f16_bits", "f32_to_bf16_bits", "exp2f", "device_fn",
            "SIMULATOR", "shfl_xor_f32", "shfl_idx_f32", "warp_sync"]
 
@@ -93,8 +91,6 @@ if SIMULATOR:
 
     def load_v4(words, i):
         return words[i], words[i + 1], words[i + 2], words[i + 3]
-
-    load_v4_stream = load_v4
 
     def load_i32_cg(arr, i):
         return arr[i]
@@ -196,11 +192,6 @@ else:  # pragma: no cover - needs a GPU
         return load
 
     load_v4 = _load_v4_intrinsic("ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];")
-    # data read once per kernel (a KV stream): first out of L2, so that what the next
-    # launch reads again (page table, work list, partial states) stays there
-    load_v4_stream = _load_v4_intrinsic(
-        "{ .reg .b64 pol; createpolicy.fractional.L2::evict_first.b64 pol, 1.0; "
-        "ld.global.nc.L2::cache_hint.v4.u32 {$0, $1, $2, $3}, [$4], pol; }")
 
     def _pointer_asm(dtype, ret_ir, ret, ptx: str, constraints: str):
         """An intrinsic ``(arr, i)`` running ``ptx`` on the address of ``arr[i]`` (a 1-D
