@@ -131,9 +131,9 @@ _ALIASES = {
 
 # Names that are real arguments elsewhere: what to say where they are not taken.
 _ELSEWHERE = {
-    "sinks": ("learnable sink logits, one per query head: only the golden model's attention forms "
-              "other than split_kv take them so far; for StreamingLLM's always-visible first keys "
-              "use 'sink_size'"),
+    "sinks": ("learnable sink logits, one per query head: the attention forms other than split_kv "
+              "take them (golden and kernels; the wrappers not yet); for StreamingLLM's always-visible "
+              "first keys use 'sink_size'"),
     "k_scale": ("the scale of fp8 K: only the golden model's single_prefill, single_decode, "
                 "batch_prefill_ragged, batch_prefill_paged and batch_decode_paged take it so far"),
     "v_scale": ("the scale of fp8 V: only the golden model's single_prefill, single_decode, "

@@ -413,14 +413,14 @@ def test_the_sink_logit_is_not_scaled():
         close(l1, np.logaddexp2(l0, lse_of(sinks)), seed, f"{kw}", atol=1e-13, rtol=1e-12)
 
 
-def test_kernels_do_not_take_sinks_yet():
+def test_split_kv_does_not_take_sinks():
+    """split_kv returns partial states: a sink belongs to the merged result, not to a chunk."""
     from nbattn import cuda as C
     rng, seed = fresh()
     q, k, v, _, _ = ragged_batch(rng, [2], [4])
-    with pytest.raises(TypeError, match="'sinks' .*golden model.*'sink_size'"):
-        C.single_prefill(q, k, v, sinks=np.zeros(4, np.float32))
-    with pytest.raises(TypeError, match="'sinks'"):
-        R.split_kv(q, k, v, np.array([0, 2, 4], np.int32), sinks=np.zeros(4, np.float32))
+    for M in (R, C):
+        with pytest.raises(TypeError, match="'sinks' .*split_kv.*'sink_size'"):
+            M.split_kv(q, k, v, np.array([0, 2, 4], np.int32), sinks=np.zeros(4, np.float32))
 
 
 # ---------------------------------------------------------------------------

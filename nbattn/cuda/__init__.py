@@ -27,6 +27,7 @@ from . import cascade   # the module, callable as the cascade function
 from .split import split_kv
 from .wrappers import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
 from .page import append_paged_kv_cache
+from .sinks import with_sinks
 
 __all__ = ["batch_decode_paged", "merge_state", "merge_states", "merge_state_in_place",
            "batch_prefill_paged", "batch_prefill_ragged", "single_prefill", "block_sparse", "cascade",
@@ -34,6 +35,8 @@ __all__ = ["batch_decode_paged", "merge_state", "merge_states", "merge_state_in_
            "append_paged_kv_cache", "single_decode", "split_kv"]
 
 # The golden model's dtype= keyword is a documented no-op here (nbattn._diff).
-(batch_decode_paged, single_decode, batch_prefill_paged, batch_prefill_ragged, single_prefill, block_sparse,
- split_kv) = (kernel_entry(f) for f in (batch_decode_paged, single_decode, batch_prefill_paged,
-                                        batch_prefill_ragged, single_prefill, block_sparse, split_kv))
+# Learnable sinks (sinks=) are one more state merged once after the kernels (nbattn.cuda.sinks).
+(batch_decode_paged, single_decode, batch_prefill_paged, batch_prefill_ragged, single_prefill,
+ block_sparse) = (kernel_entry(with_sinks(f)) for f in (batch_decode_paged, single_decode, batch_prefill_paged,
+                                                       batch_prefill_ragged, single_prefill, block_sparse))
+split_kv = kernel_entry(split_kv)

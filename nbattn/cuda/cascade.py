@@ -232,13 +232,18 @@ def _chunk_size(qo: L.RaggedQ, pkv: L.PagedKV, spec: P.KernelSpec, num_kv_heads:
     return 0 if chunk >= longest else chunk
 
 
+def _cascade_with_sinks(*args, **kwargs):
+    from .sinks import with_sinks       # (imports nbattn.cuda.merge, as this module does)
+    return with_sinks(cascade)(*args, **kwargs)
+
+
 class _CallableModule(types.ModuleType):
     """This module, callable as :func:`cascade`: ``import nbattn.cuda.cascade`` gives
     the module and ``nbattn.cuda.cascade(...)`` still runs the cascade."""
 
     def __call__(self, *args, **kwargs):
         kwargs.pop("dtype", None)      # the golden model's keyword: a no-op here
-        return cascade(*args, **kwargs)
+        return _cascade_with_sinks(*args, **kwargs)
 
 
 sys.modules[__name__].__class__ = _CallableModule
