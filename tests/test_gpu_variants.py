@@ -271,3 +271,28 @@ def test_decode_nan_rule_on_path(monkeypatch, path):
         DEC.run_split(p, chunk)
         o, lse = DEC.finish_decode(p, True)
         _check_nan_rule(o, lse, ro, rlse, code, False)
+
+
+@pytest.mark.parametrize("path", ["tensor_core_pipelined_f16", "cuda_core_f32"])
+def test_sinks_on_path(path):
+    """Learnable sinks through the public calls on a GPU path: prefill (paged) and decode."""
+    code, head_dim, tc = PREFILL_PATHS[path]
+    rng = np.random.default_rng([zlib.crc32(path.encode()), 13])
+    b = random_paged_batch(rng, qo_lens=[37, 1, 70, 0], kv_lens=[300, 129, 70, 5], page_size=16, num_kv_heads=2,
+                           group=4, head_dim=head_dim, share_first_page=True)
+    sinks = (rng.standard_normal(8) * 3).astype(np.float32)
+    q, cache = _cast(b["q"], code), _cast(b["cache"], code)
+    qg, cg = _golden_inputs(q, cache)
+    o, lse = batch_prefill_paged(q, cache, b["qo_indptr"], b["indptr"], b["indices"], b["last"], return_lse=True,
+                                 tensor_cores=tc, causal=True, sinks=sinks)
+    ro, rlse = R.batch_prefill_paged(qg, cg, b["qo_indptr"], b["indptr"], b["indices"], b["last"],
+                                     return_lse=True, dtype=np.float64, causal=True, sinks=sinks)
+    _check(o, lse, ro, rlse, code, False)
+    bd = random_paged_batch(rng, qo_lens=[1] * 4, kv_lens=[300, 0, 70, 17], page_size=16, num_kv_heads=2,
+                            group=4, head_dim=head_dim, share_first_page=True)
+    q, cache = _cast(bd["q"], code), _cast(bd["cache"], code)
+    qg, cg = _golden_inputs(q, cache)
+    o, lse = batch_decode_paged(q, cache, bd["indptr"], bd["indices"], bd["last"], return_lse=True, sinks=sinks)
+    ro, rlse = R.batch_decode_paged(qg, cg, bd["indptr"], bd["indices"], bd["last"], return_lse=True,
+                                    dtype=np.float64, sinks=sinks)
+    _check(o, lse, ro, rlse, code, False)
