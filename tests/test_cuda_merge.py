@@ -1,4 +1,4 @@
-"""nbattn.cuda merge kernels vs the golden merge operator (SPEC section 3)."""
+"""nbattn.cuda merge kernels vs the golden merge operator (docs/concepts/state.md)."""
 from __future__ import annotations
 
 import numpy as np
@@ -72,7 +72,7 @@ def test_merge_state_in_place_with_mask_host_and_device():
 
 
 def test_merge_of_split_halves_spec_example():
-    # SPEC 3: scores [1,2,3,4], values [10,20,30,40]; halves merge to ~34.93
+    # docs/concepts/state.md: scores [1,2,3,4], values [10,20,30,40]; halves merge to ~34.93
     s = np.array([1.0, 2.0, 3.0, 4.0])
     v = np.array([10.0, 20.0, 30.0, 40.0])
 

@@ -1,4 +1,4 @@
-"""nbattn.cuda prefill kernels against the golden model (SPEC sections 1-3).
+"""nbattn.cuda prefill kernels against the golden model (docs/concepts/layouts.md, masks.md, state.md).
 
 Under the simulator (CI) the CUDA-core path runs on tiny shapes; on a GPU the
 same cases also run the tensor-core path (``gpu`` marks the real-size ones).

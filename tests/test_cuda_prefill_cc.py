@@ -1,5 +1,5 @@
 """The register-tiled CUDA-core prefill tile (nbattn.cuda.prefill_cc) against a
-float64 brute force and the golden model (SPEC sections 1-3).
+float64 brute force and the golden model (docs/concepts/layouts.md, masks.md, state.md).
 
 Under the simulator the tile runs at its tiny shape (T_q = 16 fused rows in two
 "warps", T_k = 8 keys); the cases are sized so that several row tiles, several

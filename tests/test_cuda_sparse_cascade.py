@@ -1,4 +1,4 @@
-"""nbattn.cuda block_sparse and cascade against the golden model (SPEC sections 1, 3)."""
+"""nbattn.cuda block_sparse and cascade against the golden model (docs/concepts/layouts.md, state.md)."""
 import numpy as np
 import pytest
 

@@ -1,4 +1,4 @@
-"""Plan/run wrappers (SPEC section 5) against the golden model.
+"""Plan/run wrappers (docs/concepts/scheduler.md) against the golden model.
 
 In the simulator (CI) the shapes are tiny and num_ctas is 4, so some requests
 are split and merged and some are written directly.  The ``gpu`` tests
@@ -66,7 +66,7 @@ def ref_prefill(b, causal):
 
 
 def decode_wrapper(b, layout="NHD", **kw):
-    # SPEC section 5's chunk rule and no item price: at these tiny lengths the
+    # docs/concepts/scheduler.md's chunk rule and no item price: at these tiny lengths the
     # default price would keep every request whole, and the merge path untested.
     kw.setdefault("chunk_overhead", 0.0)
     kw.setdefault("chunk_limit", None)

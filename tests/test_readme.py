@@ -34,3 +34,23 @@ def test_readme_tour_runs():
     exec(compile(code, "README.md", "exec"), ns)
     assert ns["pkv"].kv_lens.tolist() == [6, 2, 9]
     assert ns["o"].shape == (8, 8, 64) and np.isfinite(ns["o"]).all()
+
+
+def test_no_file_cites_the_contract_outside_the_repository():
+    """Code, tests, notebooks and docs cite docs/ (the project's own words), never the
+    contract files a clone does not have."""
+    import re
+    import subprocess
+    root = README.parent
+    files = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True).stdout.split()
+    pattern = re.compile(r"SPEC section|SPEC [0-9]|SPEC\.md|GPU\.md|\.\./shared/")
+    me = Path(__file__).resolve()
+    hits = []
+    for name in files:
+        path = root / name
+        if path.suffix not in (".py", ".md", ".ipynb", ".rst", ".txt") or path.resolve() == me or not path.is_file():
+            continue
+        for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if pattern.search(line):
+                hits.append(f"{name}:{i}: {line.strip()[:100]}")
+    assert not hits, "\n".join(hits[:20])

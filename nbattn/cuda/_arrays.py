@@ -1,7 +1,7 @@
 """Inputs and outputs of the nbattn.cuda kernels: what kind of array came in,
 how it reaches the device, which stream to launch on, and what goes back.
 
-Rules (issue 3, SPEC section 1):
+Rules (docs/concepts/layouts.md):
 - NumPy arrays (and CPU torch tensors) are copied to the device; results come
   back as the same kind (NumPy / CPU torch).
 - numba device arrays, torch CUDA tensors and anything with

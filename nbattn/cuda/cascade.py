@@ -1,4 +1,4 @@
-"""Multi-level cascade attention over composable formats (SPEC sections 1, 3;
+"""Multi-level cascade attention over composable formats (docs/concepts/layouts.md, state.md;
 golden: :func:`nbattn.reference.cascade`; FlashInfer's
 MultiLevelCascadeAttentionWrapper).
 
@@ -12,7 +12,7 @@ How it runs:
    whose work items are the level's *groups*: all query rows of a group --
    every request sharing the prefix, with their GQA heads fused in -- form
    the query tiles, so each KV tile of a shared prefix is loaded once for the
-   whole group (SPEC section 6: ``P + nS`` tokens read instead of ``n(P+S)``).
+   whole group (docs/concepts/performance.md: ``P + nS`` tokens read instead of ``n(P+S)``).
    Each row carries its own request, query position and the position of the
    level's first key (its ``kvoff``: the lengths of its earlier levels).
    A level whose groups are single decode rows (the unique suffixes of a
@@ -24,7 +24,7 @@ How it runs:
    read by one group) has its keys split into chunks; each chunk writes a
    partial state (float32).
 3. The states are merged per row in order -- chunks of level 0, then of
-   level 1, ... -- with the merge operator of SPEC section 3 (sigmoid
+   level 1, ... -- with the merge operator of docs/concepts/state.md (sigmoid
    attention: partial outputs add) into the output in q's dtype, by
    :func:`nbattn.cuda.merge.run_merge_partials`'s kernel over a merge map that
    lists, per row, exactly the states written for it (a group with fewer

@@ -1,4 +1,4 @@
-"""Batch decode over a paged KV cache (SPEC sections 1-3, 6): one query row per
+"""Batch decode over a paged KV cache (docs/concepts/layouts.md, masks.md, state.md, performance.md): one query row per
 request reads its whole KV history.  Memory-bound, so the design is about
 reading each K/V byte once: a CTA owns one (work item, KV head) pair, gathers
 each KV tile from its scattered pages into shared memory with 16-byte loads and

@@ -1,4 +1,4 @@
-"""Decode on the GPU without block barriers in the main loop (SPEC sections 1-3, 6).
+"""Decode on the GPU without block barriers in the main loop (docs/concepts/layouts.md, masks.md, state.md, performance.md).
 
 Same work-list contract as :mod:`nbattn.cuda.decode` (that module's doc): a CTA
 runs the items ``cta_indptr[c]:cta_indptr[c+1]`` for a block of ``HG`` query
@@ -13,10 +13,10 @@ Why it is shaped like this
 * A lane owns one 16-byte chunk (``VEC`` elements) of head_dim, so ``NX = D /
   VEC`` lanes hold one token's K row and a warp covers ``TW = 32 / NX`` tokens
   at a time.  Every load is one ``ld.global.nc.v4`` (~1.0 of copy bandwidth,
-  ../shared/GPU.md), straight into registers: no shared-memory staging.
+  docs/gpu.md), straight into registers: no shared-memory staging.
 * Each (warp, token-slot) row walks its own strided subset of the item's
   tokens and keeps its *own* online-softmax state; rows never wait for each
-  other.  They meet once, at the end, through the merge rule of SPEC 3.
+  other.  They meet once, at the end, through the merge rule (docs/concepts/state.md).
 * ``U`` tokens per row are loaded before any is used, and the page ids of the
   next step are fetched right after, so a row has ``2U`` 16-byte loads plus the
   index loads of the next step in flight while it does arithmetic.
@@ -121,7 +121,7 @@ def make_state_writer(HG: int, D: int, NT: int, ROWS: int, STRIDE: int, sigmoid:
     part_o, part_lse)``, the end of both decode kernels: the ``ROWS`` streams of
     a CTA left their states in shared memory (stream ``y``, head ``g`` at
     ``y * STRIDE + g``: accumulator ``st_acc[.. * D + dim]``, max ``st_m``, mass
-    ``st_l``); fold them with the SPEC 3 rule (sigmoid states just add) and
+    ``st_l``); fold them with the merge rule of docs/concepts/state.md (sigmoid states just add) and
     write the final row (``slot < 0``) or the partial state of slot ``slot``."""
 
     @device_fn
@@ -342,7 +342,7 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
                         for e in range(VEC):
                             acc[g * VEC + e] += p * xf[e]
 
-            # combine the R rows' states (SPEC 3 merge rule) and write
+            # combine the R rows' states (merge rule, docs/concepts/state.md) and write
             for g in range(HG):
                 o_at = (row * HG + g) * D + x * VEC
                 for e in range(0, VEC, 4):
@@ -408,7 +408,7 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
       are fetched with two indexed shuffles.
 
     Each warp keeps its own state over tiles ``warp, warp + NW, ...``; the
-    warps' states meet once at the end (SPEC 3 merge rule), as in the
+    warps' states meet once at the end (merge rule, docs/concepts/state.md), as in the
     CUDA-core kernel.
 
     With at most 8 warps an SM (the small-batch shapes: registers to spare) K

@@ -1,4 +1,4 @@
-"""Merging attention states on the GPU (SPEC section 3).
+"""Merging attention states on the GPU (docs/concepts/state.md).
 
 A state over a key set is ``(o, lse)``: the normalized output and the base-2
 log-sum-exp.  Merging two disjoint sets weighs each output by its share of the
@@ -443,7 +443,7 @@ def _tile_threads() -> int:
     return 16 if SIMULATOR else 128
 
 
-TILE_ROWS_MAX = 128   # the largest query tile (SPEC section 5: T_q <= 128)
+TILE_ROWS_MAX = 128   # the largest query tile (docs/concepts/scheduler.md: T_q <= 128)
 
 
 def tile_merge_kernel(code: str, head_dim: int, per_request_row: bool, use_sigmoid: bool):
@@ -452,7 +452,7 @@ def tile_merge_kernel(code: str, head_dim: int, per_request_row: bool, use_sigmo
     Grid ``(num_ctas, num_kv_heads)``, fixed: CTA x handles merges
     ``x, x + gridDim.x, ...`` below ``num_merges[0]``, so the launch does not
     depend on the plan.  Fused row ``f`` of tile ``t`` of request ``r`` is
-    position ``f // group``, head ``kv_head*group + f % group`` (SPEC section 2);
+    position ``f // group``, head ``kv_head*group + f % group`` (docs/concepts/masks.md);
     in slot ``s`` its partial row is ``s*slot_rows + f//group - first_position``.
     With ``per_request_row`` (decode) request r has one row, row r
     (``qo_indptr`` is not read), and a slot holds one row.

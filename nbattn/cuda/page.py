@@ -1,4 +1,4 @@
-"""Appending new K/V tokens into a paged cache (SPEC section 1; FlashInfer's
+"""Appending new K/V tokens into a paged cache (docs/concepts/layouts.md; FlashInfer's
 ``append_paged_kv_cache``), the kernel twin of :mod:`nbattn.reference.page`.
 
 What it computes: token i of ``append_key/append_value [nnz, num_kv_heads,

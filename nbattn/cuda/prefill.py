@@ -1,10 +1,10 @@
-"""Batch prefill / append attention as numba.cuda kernels (SPEC sections 1-3).
+"""Batch prefill / append attention as numba.cuda kernels (docs/concepts/layouts.md, masks.md, state.md).
 
 What it computes: exactly :func:`nbattn.reference.batch_prefill_paged`,
 ``batch_prefill_ragged`` and ``single_prefill`` -- same arguments, same
 variants, output in q's dtype plus the base-2 LSE in float32.
 
-Work decomposition (SPEC section 2).  GQA heads are fused into rows: for one
+Work decomposition (docs/concepts/masks.md).  GQA heads are fused into rows: for one
 KV head, fused row ``r`` of a request is query position ``r // group`` and
 query head ``kv_head*group + r % group``.  A *work item* is one tile of
 ``T_q`` consecutive fused rows of one request (or of one cascade group, or one
@@ -534,7 +534,7 @@ def prefill_entry(tile, bounds=None):
 
 
 def persistent_entry(tile, bounds=None):
-    """A fixed grid of C CTAs per KV head walking work queues (SPEC section 5).
+    """A fixed grid of C CTAs per KV head walking work queues (docs/concepts/scheduler.md).
 
     ``grid = (C, num_kv_heads)``; CTA ``c`` runs rows ``cta_indptr[c] :
     cta_indptr[c+1]`` of ``work`` in order, so the launch does not depend on
@@ -690,7 +690,7 @@ def longest_first(spec: KernelSpec, work: np.ndarray, row_pos, row_kvoff) -> np.
     CTAs start in ``blockIdx.x`` order, and :func:`build_work` lists a causal
     request's query tiles shortest first, so the longest tiles would start
     last and run alone at the end of the grid; starting them first is the LPT
-    rule of SPEC section 5.  Rows are independent, so the order changes no
+    rule of docs/concepts/scheduler.md.  Rows are independent, so the order changes no
     result.  Other masks keep the list's order."""
     if not (LONGEST_FIRST and spec.variant.causal) or spec.mode == "bsr" or len(work) < 2:
         return work

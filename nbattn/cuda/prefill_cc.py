@@ -2,9 +2,9 @@
 
 What it computes: the per-row body ``tile(wi, ...)`` of a prefill kernel
 build, exactly what :func:`nbattn.cuda.prefill.core_tile` computes -- the
-attention of SPEC section 2 (scale, logits transform, mask, softmax or
+attention of docs/concepts/masks.md (scale, logits transform, mask, softmax or
 sigmoid, in that order) over one work item's keys, returning the state of
-SPEC section 3 (normalized output plus base-2 LSE; ``o = 0``, ``lse = -inf``
+docs/concepts/state.md (normalized output plus base-2 LSE; ``o = 0``, ``lse = -inf``
 for a row that kept no key; NaN LSE for sigmoid).  Same signature, work list,
 shared helpers (``tile_rows``, ``tile_score``, ``key_locator``, ``kv_reader``,
 ``tile_key_range``, ``element_io``) and entries (``prefill_entry``,

@@ -1,7 +1,7 @@
 """Per-thread GPU primitives with two faces: inline PTX on the GPU, plain Python
 under numba's CUDA simulator.
 
-Why this module exists (../shared/GPU.md): plain 4-byte numba loads reach only
+Why this module exists (docs/gpu.md): plain 4-byte numba loads reach only
 0.73-0.86 of the H200's copy bandwidth, a 16-byte ``ld.global.nc.v4.u32``
 reaches ~1.0; and fp16/bf16 data is easiest to move as raw 32-bit words (two
 16-bit values each) and unpack in registers.  The simulator runs no PTX, so

@@ -1,4 +1,4 @@
-"""Block-sparse attention over a BSR view (SPEC section 1, golden:
+"""Block-sparse attention over a BSR view (docs/concepts/layouts.md, golden:
 :func:`nbattn.reference.block_sparse`).
 
 Query row i reads key j iff block ``(i // B_r, j // B_c)`` is non-zero; the

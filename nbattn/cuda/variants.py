@@ -2,7 +2,7 @@
 functions that every attention kernel (decode, prefill, sparse, cascade) calls
 per score, so a variant is written once for all of them.
 
-SPEC section 2 order: scale, then the logits transform (ALiBi bias, soft-cap,
+docs/concepts/masks.md order: scale, then the logits transform (ALiBi bias, soft-cap,
 user ``score_mod``), then the mask (causal, window with sinks, user
 ``mask_mod``), then softmax -- or sigmoid.  Positions are sequence positions
 (``q_idx = K - Q + i``, ``kv_idx = j``), exactly as the golden model uses them.
@@ -110,5 +110,5 @@ def variant_device_fns(variant: Variant):
 
 @cuda.jit(device=True)
 def sigmoid_weight(s, bias):
-    """Sigmoid attention (SPEC section 2): the weight of a transformed score."""
+    """Sigmoid attention (docs/concepts/masks.md): the weight of a transformed score."""
     return float32(1.0) / (float32(1.0) + math.exp(-(s + bias)))

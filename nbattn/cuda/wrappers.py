@@ -1,4 +1,4 @@
-"""Plan/run wrappers over a preallocated workspace (SPEC section 5), shaped like
+"""Plan/run wrappers over a preallocated workspace (docs/concepts/scheduler.md), shaped like
 FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` and
 ``BatchPrefillWithPagedKVCacheWrapper``.
 
@@ -8,7 +8,7 @@ Every layer of a model sees the same lengths in one generation step, so the
 load-balancing decision is made once: :meth:`plan` runs the LPT planner
 (:func:`nbattn.sched.plan`) on the CPU and copies its result into the device
 workspace; :meth:`run` is then called once per layer with that layer's ``q``
-and KV cache and only launches kernels.  SPEC section 6 says when this pays:
+and KV cache and only launches kernels.  docs/concepts/performance.md says when this pays:
 ``L*(u - v) > p + h`` (``p`` is the plan() cost measured here).
 
 The workspace
@@ -24,7 +24,7 @@ into fixed regions when the wrapper is built, so a plan never moves anything:
   offset and a fixed capacity (constructor arguments ``max_batch_size``,
   ``max_num_pages``, ``max_work_items``, ``max_qo_rows``).
 * **partial region** (float32, the rest): partial outputs and their base-2
-  LSEs.  Its size is the SPEC section 5 bound, 2*C slots (App. D.3 of the
+  LSEs.  Its size is the docs/concepts/scheduler.md bound, 2*C slots (App. D.3 of the
   paper), so *every* plan of a given head configuration fits once the first
   one did.
 
@@ -319,8 +319,8 @@ class _PlanRunWrapper:
             total = self.layout.plan_bytes + need
             raise ValueError(
                 f"float_workspace_buffer too small: partial states need {need} bytes but only "
-                f"{have} remain after the {self.layout.plan_bytes}-byte plan region. Rule (SPEC "
-                f"section 5, paper App. D.3): reserve 2*C*T_q*H_qo*(head_dim+1) floats for partial "
+                f"{have} remain after the {self.layout.plan_bytes}-byte plan region. Rule "
+                f"(docs/concepts/scheduler.md, paper App. D.3): reserve 2*C*T_q*H_qo*(head_dim+1) floats for partial "
                 f"outputs and LSEs, here 2*{C} slots x {slot_rows} rows x {num_qo_heads} heads x "
                 f"({head_dim}+1) (T_q={tile_q}); pass at least {total} bytes or fewer num_ctas")
 
@@ -396,7 +396,7 @@ class _PlanRunWrapper:
                              f"{C} the wrapper was built for")
         if p.num_partials > 2 * C or p.num_merges > C:
             raise ValueError(f"plan has {p.num_partials} partial slots / {p.num_merges} merges, over "
-                             f"the SPEC section 5 bound of 2*C={2 * C} / C={C}")
+                             f"the scheduler's bound of 2*C={2 * C} / C={C} (docs/concepts/scheduler.md)")
 
     @property
     def last_plan(self) -> Plan | None:
@@ -501,7 +501,7 @@ class _PlanRunWrapper:
 
 class BatchDecodeWithPagedKVCacheWrapper(_PlanRunWrapper):
     """Batch decode (one query row per request) over a paged KV cache, planned
-    once per step and run once per layer (SPEC section 5).
+    once per step and run once per layer (docs/concepts/scheduler.md).
 
     >>> ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     >>> w = BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
@@ -721,7 +721,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PlanRunWrapper):
 
 class BatchPrefillWithPagedKVCacheWrapper(_PlanRunWrapper):
     """Batch prefill/append over a paged KV cache with a planned KV split
-    (SPEC section 5); kernels from :mod:`nbattn.cuda.prefill`.
+    (docs/concepts/scheduler.md); kernels from :mod:`nbattn.cuda.prefill`.
 
     The planner's query tile is the prefill kernel's ``T_q`` (fused rows, GQA
     heads fused).  Unsplit tiles write the final output directly; chunks of
@@ -742,7 +742,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PlanRunWrapper):
         """LPT-plan a prefill step (FlashInfer's arguments) and copy it into the workspace.
 
         The planner's cost and limit rule (``alpha``, ``beta``, ``chunk_overhead``,
-        ``chunk_limit``) default to SPEC section 5 exactly: the persistent prefill
+        ``chunk_limit``) default to docs/concepts/scheduler.md exactly: the persistent prefill
         kernel's per-item price has not been measured."""
         from . import prefill as P
 
