@@ -279,6 +279,53 @@ for K, D, tile in [(1, 3, 4), (37, 8, 5), (64, 16, 64), (100, 4, 7)]:
 print("✓ online_softmax matches single_decode for every tile size")
 
 # %% [markdown]
+# ### The walk, drawn
+#
+# One query over 96 keys in tiles of 8. The scores drift upward over the first tiles, so
+# those tiles keep raising the running max. **Top:** every score (dots) and the running max `m` after each tile
+# (steps), in base 2. **Middle:** the factor `2^(m_old - m_new)` by which `acc` and `d` are
+# rescaled when a tile raises the max (1 when it does not; the first tile has nothing to
+# rescale). **Bottom:** how far the running output `acc / d` is from the final `o` of the
+# golden model. The running output is the softmax over the keys seen so far: it shrinks
+# as tiles come in (each new tile carries less of the total weight), and it is exact after
+# the last tile. (The cell keeps its own copy of the loop, so it draws even before the exercise is done.)
+
+# %%
+import matplotlib.pyplot as plt
+rng_w = np.random.default_rng(5)
+K_w, D_w, T_w = 96, 8, 8
+s_w = rng_w.normal(scale=0.6, size=K_w) + 2.5 * (1 - np.exp(-np.arange(K_w) / 16))   # early keys score lower
+v_w = rng_w.normal(size=(K_w, D_w))
+q_w = np.zeros((1, D_w)); q_w[0, 0] = 1.0
+k_w = np.zeros((K_w, 1, D_w)); k_w[:, 0, 0] = s_w
+o_end, lse_end = single_decode(q_w, k_w, v_w[:, None, :], sm_scale=1.0, return_lse=True, dtype=np.float64)
+log2e = 1.0 / np.log(2.0)
+m, d, acc = -np.inf, 0.0, np.zeros(D_w)
+ends, maxes, scales, errors = [], [], [], []
+for start in range(0, K_w, T_w):
+    t = s_w[start:start + T_w] * log2e
+    m_new = max(m, t.max())
+    scale = 2.0 ** (m - m_new) if m > -np.inf else np.nan        # nothing to rescale before tile 1
+    p = 2.0 ** (t - m_new)
+    d = d * (0.0 if np.isnan(scale) else scale) + p.sum()
+    acc = acc * (0.0 if np.isnan(scale) else scale) + p @ v_w[start:start + T_w]
+    m = m_new
+    ends.append(start + T_w); maxes.append(m); scales.append(scale)
+    errors.append(np.abs(acc / d - o_end[0]).max())
+fig, ax = plt.subplots(3, 1, figsize=(7.5, 6.5), sharex=True)
+ax[0].plot(np.arange(K_w) + 0.5, s_w * log2e, ".", color="0.6", label="score (base 2)")
+ax[0].step([0] + ends, [maxes[0]] + maxes, where="pre", color="C0", label="running max m")
+ax[0].set_ylabel("base-2 logit"); ax[0].legend(loc="upper left", fontsize=8)
+ax[1].bar(np.array(ends) - T_w / 2, np.nan_to_num(scales, nan=0.0), width=T_w * 0.8, color="C1")
+ax[1].set_ylabel("rescale 2^(m_old-m_new)"); ax[1].set_ylim(0, 1.05)
+ax[2].plot(ends, errors, "o-", color="C2")
+ax[2].set_ylabel("max |acc/d - o|"); ax[2].set_xlabel("keys absorbed (tiles of 8)")
+ax[0].set_title("Online softmax, one tile at a time")
+fig.tight_layout()
+plt.show()
+assert errors[-1] < 1e-12 and abs(maxes[-1] + np.log2(d) - lse_end[0]) < 1e-12
+
+# %% [markdown]
 # ## 7. Natural vs base-2 LSE
 #
 # PyTorch's `logsumexp` and most papers report `ln Σ e^s`. nbattn's states use

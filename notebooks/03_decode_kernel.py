@@ -205,6 +205,49 @@ for i in range(min(len(request), 8)):
 print("reduction map:", [(int(merge_row[m]), merge_slots[merge_indptr[m]:merge_indptr[m + 1]].tolist())
                          for m in range(min(len(merge_row), 4))])
 
+# %% [markdown]
+# ### From work items to CTAs to SMs, drawn
+#
+# Each work item runs once per KV head: the decode grid is (work items) x (KV heads), one
+# CTA per cell, and the CTA takes every query head of that KV head's group. The picture uses
+# a small batch of its own (four requests of 9, 3, 14 and 6 keys, chunks of 4 keys, 2 KV
+# heads) so that it reads the same with or without a GPU. Each box is one CTA: the keys it
+# reads, its request and KV head. Its colour is the *wave* it would start in on a made-up
+# GPU of 6 SMs that takes CTAs in launch order, and the label the SM it would land on. The
+# short request is one CTA per KV head; the long one is four, which is the point of
+# splitting: more CTAs, so more SMs pull its bytes at once. (A real GPU hands out CTAs as
+# SMs free up, several per SM at a time; the H200 has 132 SMs.)
+
+# %%
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch, Rectangle
+lens_pic, chunk_pic, hkv_pic, sms_pic = np.array([9, 3, 14, 6]), 4, 2, 6
+items = dec.split_work(lens_pic, chunk_pic)
+req_pic, start_pic, end_pic = items[1], items[2], items[3]
+n_items = len(req_pic)
+fig, ax = plt.subplots(figsize=(9, 4))
+rows, labels = 0, []
+for r in range(len(lens_pic)):
+    for h in range(hkv_pic):
+        for i in np.flatnonzero(req_pic == r):
+            cta = h * n_items + i                      # blockIdx.x = item, blockIdx.y = KV head
+            wave, sm = divmod(cta, sms_pic)
+            ax.add_patch(Rectangle((start_pic[i], rows + 0.1), end_pic[i] - start_pic[i], 0.8,
+                                   facecolor=plt.get_cmap("tab10")(wave), edgecolor="k"))
+            ax.text((start_pic[i] + end_pic[i]) / 2, rows + 0.5, f"CTA {cta}\nSM {sm}", ha="center",
+                    va="center", fontsize=7)
+        labels.append(f"request {r}, KV head {h}")
+        rows += 1
+ax.set_xlim(0, lens_pic.max()); ax.set_ylim(rows, 0)
+ax.set_yticks(np.arange(rows) + 0.5, labels); ax.set_xlabel("key position")
+waves = -(-2 * n_items // sms_pic)
+ax.legend(handles=[Patch(color=plt.get_cmap("tab10")(w), label=f"wave {w}") for w in range(waves)],
+          loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+ax.set_title(f"{n_items} work items x {hkv_pic} KV heads = {hkv_pic * n_items} CTAs on {sms_pic} SMs")
+fig.tight_layout()
+plt.show()
+assert int(np.sum(end_pic - start_pic)) == int(lens_pic.sum())      # every key in exactly one item
+
 
 # %%
 def run_items(prob):
