@@ -359,7 +359,7 @@ for r in (floor.select("latency_us") if floor else []):
 # %% [markdown]
 # ## 4. Variants ride along
 #
-# The decode kernel compiles the same variants as the prefill kernel (notebook 06). A
+# The decode kernel compiles the same variants as the prefill kernel (notebook 07). A
 # soft-cap and a sliding window with sinks, checked once more against the golden model:
 
 # %%

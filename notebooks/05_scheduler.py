@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # 05 · The scheduler: plan once, run every layer
+# # 05 · The scheduler, part 1: planning
 #
 # **What you will learn**
 #
@@ -22,15 +22,15 @@
 # 2. The LPT planner (`nbattn.sched.plan`): cut each query tile's KV range into chunks of at
 #    most `L` keys, then hand the largest chunks first to the least-loaded CTA.
 # 3. The **reduction map**: which partial states are merged, in which fixed order.
-# 4. Running a plan — with the golden model, then on the device with the decode and merge
-#    kernels — and why a fixed order makes the output bitwise reproducible (no atomics).
+# 4. Running a plan with the golden model, and why a fixed order makes the output bitwise
+#    reproducible (no atomics).
 # 5. Gantt charts of three policies — one request per CTA, FlashDecoding's fixed split, and
 #    LPT — under the simulator's cost model (`nbattn.sched.simulate`), against the makespan
-#    lower bound.
-# 6. Why plan/run makes a step CUDA-graph capturable.
+#    lower bound, and the bound on the partial-state buffer.
 #
-# The planner runs on the CPU; without a GPU the kernels run in numba's simulator. Only the
-# CUDA-graph cell needs a real GPU (it says so and skips itself otherwise).
+# Everything here runs on the CPU. Part 2 (`06_scheduler_on_the_gpu`) runs plans on the
+# device, replays them in CUDA graphs, and compares the policies as the H200 measured them,
+# which is not always what the model predicts.
 
 # %% [markdown]
 # The next cell says where the kernels run: numba's CUDA simulator without a GPU (tiny shapes,
@@ -248,84 +248,7 @@ assert 0 <= drift < 1e-5, "another C changes the order, so only rounding may dif
 print(f"✓ bitwise reproducible for one plan; another C drifts by {drift:.1e} (float32 rounding)")
 
 # %% [markdown]
-# ## 4. Plan once, run on the device, every layer
-#
-# The decode kernel of notebook 03 runs exactly this kind of work list: CSR queues over CTAs
-# (`nbattn.cuda.decode.WorkList`), and the merge kernel folds slots by a CSR reduction map
-# (`nbattn.cuda.merge.MergeMap`, `run_merge_partials`). The kernel covers all query heads of an
-# item with its second grid dimension, so for the planner a decode request is one row
-# (`tile_q = 1`).
-#
-# The run step below allocates its workspace **once**, sized by the planner's bound on partial states, and
-# then serves two layers (two different KV caches) with the same plan, the same grid and the
-# same buffer addresses. Only the data changes — which is what a CUDA graph needs to replay a
-# captured step. (Capturing a graph needs a real GPU; the simulator has no graphs.)
-
-# %%
-from numba import cuda
-from nbattn import layout as L
-from nbattn.cuda import decode as dec
-from nbattn.cuda.merge import MergeMap, run_merge_partials
-
-B, Hq, Hkv, D, C = (4, 4, 2, 16, 4) if SMALL else (32, 32, 8, 128, 132)
-kv_dev_lens = rng.integers(4, 24 if SMALL else 4096, size=B)
-kv_dev_lens[0] *= 4                                    # one long request
-pkv = L.PagedKV.allocate(kv_dev_lens, 4 if SMALL else 16, rng=rng)
-table = (pkv.paged_kv_indptr, pkv.paged_kv_indices, pkv.paged_kv_last_page_len)
-
-# plan: once per step, on the CPU
-step = sched.plan(np.ones(B, int), pkv.kv_lens, num_ctas=C, tile_q=1)
-to_dev = lambda a: cuda.to_device(np.array(a, np.int32))
-work = dec.WorkList(*(to_dev(a) for a in (step.cta_indptr, step.request, step.kv_start, step.kv_end, step.out_slot)))
-merge_map = MergeMap(*(to_dev(a) for a in (step.merge_indptr, step.merge_request, step.merge_slots)))
-
-# workspace: once, for any plan of C CTAs (2*C*T_q slots of H*(D+1) values)
-slots = sched.partial_buffer_bound(C, 1, Hq, D) // (Hq * (D + 1))
-part_o = cuda.device_array((slots, Hq, D), np.float32)
-part_lse = cuda.device_array((slots, Hq), np.float32)
-print(f"{step.num_items} items on {C} CTAs, {step.num_partials} partials (workspace holds {slots})")
-
-
-# %%
-def address(a):   # the device pointer on a GPU; the simulator has none, so the object's identity
-    return a.device_ctypes_pointer.value if not SMALL else id(a)
-
-start_address = address(part_o)
-for layer in range(2):
-    cache = rng.normal(size=(pkv.num_pages, 2, pkv.page_size, Hkv, D)).astype(np.float32)
-    q_l = rng.normal(size=(B, Hq, D)).astype(np.float32)
-    prob = dec.prepare_decode(q_l, cache, *table)
-    dec.run_decode_work(prob, work, part_o, part_lse)                  # run: fixed grid of C CTAs
-    run_merge_partials(part_o, part_lse, merge_map, prob.out_dev, prob.lse_dev, code=prob.code)
-    o_dev = prob.out_dev.copy_to_host()
-    err = np.abs(o_dev - ref.batch_decode_paged(q_l, cache, *table)).max()
-    print(f"layer {layer}: max |device - golden| = {err:.1e}; workspace address unchanged: "
-          f"{address(part_o) == start_address}")
-    assert err < TOL
-
-# %% [markdown]
-# The package wraps this as FlashInfer's `BatchDecodeWithPagedKVCacheWrapper`
-# (`nbattn.cuda`): the constructor cuts one preallocated device buffer into fixed
-# regions (plan arrays, partial states), `plan()` runs LPT and copies the plan in, and
-# `run()` only launches the decode and merge kernels — once per layer.
-
-# %%
-from nbattn.cuda import BatchDecodeWithPagedKVCacheWrapper
-
-workspace = cuda.device_array(1 << 20 if SMALL else 128 << 20, np.uint8)   # allocated once
-wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", num_ctas=C)
-wrapper.plan(*table, Hq, Hkv, D, pkv.page_size, q_data_type="float32")      # once per step
-print(f"plan() took {wrapper.plan_seconds * 1e3:.2f} ms: {wrapper.last_plan.num_items} items, "
-      f"{wrapper.last_plan.num_merges} merged requests")
-for layer in range(2):                                                       # run() per layer
-    cache = rng.normal(size=(pkv.num_pages, 2, pkv.page_size, Hkv, D)).astype(np.float32)
-    q_l = rng.normal(size=(B, Hq, D)).astype(np.float32)
-    err = np.abs(wrapper.run(q_l, cache) - ref.batch_decode_paged(q_l, cache, *table)).max()
-    print(f"layer {layer}: max |run() - golden| = {err:.1e}")
-    assert err < TOL
-
-# %% [markdown]
-# ## 5. Policies compared: Gantt charts
+# ## 4. Policies compared: Gantt charts (simulated)
 #
 # The simulator places chunks on CTAs under a cost model
 # (`chunk_overhead + alpha·l_q + beta·l_kv`, plus a merge pass) and reports the makespan,
@@ -371,40 +294,6 @@ for rule in (None, "auto"):
           f"partials {pp.num_partials:3d}  makespan {pp.makespan:6.0f}  (bound {pp.lower_bound:.0f})")
 
 # %% [markdown]
-# The simulator is a model. `benchmarks/gpu_sched.py` times the real kernels on a GPU for the
-# same kinds of steps and writes `benchmarks/results/sched.json`; when that file is present,
-# here is what it measured (latency per step, relative to one request per CTA). Compare the
-# skewed step with the constant one: balancing pays where the lengths are uneven, and costs a
-# little (extra chunks, a merge pass) where they are not.
-
-# %%
-from nbattn.perf import results
-try:
-    measured = results.load_suite("sched")
-except results.ResultFormatError as e:
-    measured = None
-    print("sched.json does not validate, left out:", e)
-rows = {}
-for r in (measured.select("latency_us") if measured else []):
-    rows.setdefault(r.case.get("workload"), {})[r.case.get("policy")] = r.value
-if not rows:
-    print("no measured scheduler results yet (benchmarks/results/sched.json)")
-else:
-    print(f"measured on {measured.gpu}, {measured.date} ({measured.command})")
-    pols = sorted({p for row in rows.values() for p in row}, key=lambda p: (p != "one_per_cta", p))
-    fig, ax = plt.subplots(figsize=(9, 3))
-    width = 0.8 / len(pols)
-    for k, pol in enumerate(pols):
-        rel = [rows[w].get(pol, np.nan) / rows[w]["one_per_cta"] for w in rows]
-        ax.bar(np.arange(len(rows)) + (k - (len(pols) - 1) / 2) * width, rel, width, label=pol)
-    ax.set_xticks(range(len(rows)), list(rows)); ax.set_yscale("log")
-    ax.axhline(1, color="k", lw=0.8); ax.set_ylabel("latency / one_per_cta")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1)); plt.tight_layout(); plt.show()
-    for r in measured.select("plan_us"):
-        print(f"{r.case.get('workload'):14s} plan() {r.value:7.0f} us (planner alone "
-              f"{r.peers.get('planner_only', float('nan')):.0f} us)")
-
-# %% [markdown]
 # ### Exercise 4 — the partial buffer fits, always
 #
 # The run step preallocates the partial buffer once (for CUDA graphs, addresses must not
@@ -432,82 +321,13 @@ assert worst is not None and 0 < worst <= 1.0, f"worst fraction {worst} should b
 print(f"✓ the fullest plan used {worst:.0%} of the bound")
 
 # %% [markdown]
-# ## 6. Plan/run and CUDA graphs
-#
-# A CUDA graph replays a fixed sequence of kernel launches with fixed arguments. Plan/run
-# is built for it: the plan is written into a **preallocated** device workspace (the bound
-# above), the run kernel always launches the same grid of `C` CTAs and reads its work from
-# the workspace, and the merge pass reads the reduction map from the same place. Per step,
-# only the *contents* of the workspace change (a host-to-device copy before replay);
-# every layer then replays the captured graph.
-#
-# On a GPU with a CUDA build of PyTorch, the cell below captures one `run()` in a graph,
-# re-plans a step with **different lengths** (same batch size, pages from the same pool),
-# and replays the graph unchanged: the result matches the golden model for the new lengths.
-# Without a GPU it says so and does nothing.
-
-# %%
-try:
-    import torch
-    have_graphs = (not SMALL) and torch.cuda.is_available()
-except ImportError:
-    have_graphs = False
-
-if not have_graphs:
-    print("CUDA graphs need a real GPU and a CUDA build of torch: skipped here")
-else:
-    hq, hk, d, page = 32, 8, 128, 16
-    lens1, lens2 = [4096, 100, 700, 3000], [50, 3900, 1200, 17]
-    pool = sum(-(-n // page) for n in lens1) + sum(-(-n // page) for n in lens2)
-    def table_for(lens):
-        n = [-(-x // page) for x in lens]
-        indices = rng.permutation(pool)[:sum(n)].astype(np.int32)
-        indptr = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
-        last = np.array([x - (k - 1) * page for x, k in zip(lens, n)], np.int32)
-        return indptr, indices, last
-    cache_t = torch.randn(pool, 2, page, hk, d, dtype=torch.float16, device="cuda")
-    q_t = torch.randn(len(lens1), hq, d, dtype=torch.float16, device="cuda")
-    out_t = torch.empty_like(q_t)
-    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), num_ctas=16)
-    w.plan(*table_for(lens1), hq, hk, d, page)
-    w.run(q_t, cache_t, out=out_t)                 # compile before capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        w.run(q_t, cache_t, out=out_t)
-    t2 = table_for(lens2)
-    w.plan(*t2, hq, hk, d, page)                   # new lengths: only workspace contents change
-    q_t.copy_(torch.randn_like(q_t))
-    g.replay()
-    torch.cuda.synchronize()
-    want = ref.batch_decode_paged(q_t.cpu().numpy(), cache_t.cpu().numpy(), *t2)
-    err = np.abs(out_t.float().cpu().numpy() - want).max()
-    print(f"graph replayed after a re-plan: max |replay - golden| = {err:.1e}")
-    assert err < 4e-3 * (1 + np.abs(want).max())
-
-# %% [markdown]
-# The break-even of planning (the performance model): with `L` layers, per-layer times `u`
-# (no plan) and `v` (with plan), plan cost `p` and integration cost `h`, planning pays
-# when `L·(u − v) > p + h`:
-
-# %%
-from nbattn.perf import roofline as rl
-import time
-wl = sched.make_workload("variable", batch=64, seed=0)
-t0 = time.perf_counter(); sched.plan(wl.qo_lens, wl.kv_lens, 132); plan_us = (time.perf_counter() - t0) * 1e6
-u = sched.simulate(wl.qo_lens, wl.kv_lens, 132, "one_per_cta").makespan
-v = sched.simulate(wl.qo_lens, wl.kv_lens, 132, "lpt").makespan
-print(f"plan cost on this CPU: {plan_us:.0f} us; simulated per-layer makespan {u:.0f} -> {v:.0f} units")
-for unit_ns in (5, 14, 50):          # what one cost unit is worth in time (the planner's cost model: ~14 ns)
-    gain_us = (u - v) * unit_ns / 1000
-    print(f"  1 unit = {unit_ns:2d} ns: saves {gain_us:6.1f} us/layer -> pays after "
-          f"{rl.planning_breakeven_layers(u * unit_ns / 1000, v * unit_ns / 1000, plan_us):.0f} layers")
-
-# %% [markdown]
 # ## Summary
 #
 # * The plan is computed once per step on the CPU and reused by every layer.
-# * LPT over chunks of at most `L = ceil(W/C)` keys keeps the makespan near
+# * LPT over chunks of at most `L = ceil(W/C)` keys keeps the *modelled* makespan near
 #   `max(Σt/C, max t)`; unsplit tiles write directly, split ones merge in a fixed order.
 # * A fixed order (never atomics) makes results bitwise reproducible for given lengths.
-# * A fixed grid and a preallocated workspace make the run step graph-capturable.
+# * The partial-state buffer has a bound that depends only on `C`, `T_q`, the heads and
+#   `head_dim`, so it can be allocated once.
+# * The simulator is a model. Part 2 (`06_scheduler_on_the_gpu`) runs plans on the GPU and
+#   shows where the H200 agrees with it and where it does not.

@@ -33,7 +33,8 @@ NOTEBOOKS = [
     "03_decode_kernel.ipynb",
     "04_prefill_and_roofline.ipynb",
     "05_scheduler.ipynb",
-    "06_variants.ipynb",
+    "06_scheduler_on_the_gpu.ipynb",
+    "07_variants.ipynb",
 ]
 
 

@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # 06 · Variants as compiled Python functions, and the paper's figures
+# # 07 · Variants as compiled Python functions, and the paper's figures
 #
 # **What you will learn**
 #
