@@ -72,8 +72,12 @@ def _copy_if_changed(src: Path, dst: Path) -> None:
 def _prepare_notebooks() -> None:
     out = DOCS / "notebooks"
     out.mkdir(exist_ok=True)
-    for nb in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+    sources = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    for nb in sources:
         _copy_if_changed(nb, out / nb.name)
+    for stale in out.glob("[0-9][0-9]_*.ipynb"):         # a notebook renamed or removed since the last build
+        if stale.name not in {nb.name for nb in sources}:
+            stale.unlink()
     gen = DOCS / "_generated"
     gen.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
