@@ -103,6 +103,22 @@ def _prefill_spec(mode, code, head_dim, hq, hkv, variant_kw, tc):
     return P.make_spec(mode, "NHD", code, head_dim, hq, hkv, variant_from_kwargs(dict(variant_kw)), tc)
 
 
+def _paged_prefill_and_golden(b, code, tc, kw):
+    """``(o, lse, golden o, golden lse)`` of a paged batch ``b``: the kernel on the
+    dtype ``code`` (``tensor_cores=tc``) and the golden model in float64 on the
+    same rounded inputs; LSEs are None for sigmoid."""
+    q, cache = _cast(b["q"], code), _cast(b["cache"], code)
+    sig = bool(kw.get("use_sigmoid"))
+    res = batch_prefill_paged(q, cache, b["qo_indptr"], b["indptr"], b["indices"], b["last"],
+                              return_lse=not sig, tensor_cores=tc, **kw)
+    o, lse = (res, None) if sig else res
+    qg, cg = _golden_inputs(q, cache)
+    gold = R.batch_prefill_paged(qg, cg, b["qo_indptr"], b["indptr"], b["indices"], b["last"],
+                                 return_lse=not sig, dtype=np.float64, **kw)
+    ro, rlse = (gold, None) if sig else gold
+    return o, lse, ro, rlse
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("path", list(PREFILL_PATHS))
 def test_paged_prefill_variant_on_path(path, variant):
@@ -119,16 +135,7 @@ def test_paged_prefill_variant_on_path(path, variant):
     if not tc:
         from nbattn.cuda import prefill_cc as CC
         assert CC.covers(spec), "the register-tiled CUDA-core tile should take this case"
-    q, cache = _cast(b["q"], code), _cast(b["cache"], code)
-    sig = bool(kw.get("use_sigmoid"))
-    res = batch_prefill_paged(q, cache, b["qo_indptr"], b["indptr"], b["indices"], b["last"],
-                              return_lse=not sig, tensor_cores=tc, **kw)
-    o, lse = (res, None) if sig else res
-    qg, cg = _golden_inputs(q, cache)
-    gold = R.batch_prefill_paged(qg, cg, b["qo_indptr"], b["indptr"], b["indices"], b["last"],
-                                 return_lse=not sig, dtype=np.float64, **kw)
-    ro, rlse = (gold, None) if sig else gold
-    _check(o, lse, ro, rlse, code, sig)
+    _check(*_paged_prefill_and_golden(b, code, tc, kw), code, bool(kw.get("use_sigmoid")))
 
 
 @pytest.mark.parametrize("variant", ["score_mod_positions", "mask_mod", "window_sinks", "combined"])
@@ -239,17 +246,9 @@ def test_paged_prefill_nan_rule_on_path(path, variant):
     rng = np.random.default_rng([zlib.crc32(path.encode()), zlib.crc32(variant.encode()), 11])
     b = _nan_batch(rng, head_dim, 4, [37, 1, 70, 0], [300, 129, 70, 5])
     assert _prefill_spec("paged", code, head_dim, 8, 2, kw, tc).tensor_cores == tc
-    q, cache = _cast(b["q"], code), _cast(b["cache"], code)
-    sig = bool(kw.get("use_sigmoid"))
-    res = batch_prefill_paged(q, cache, b["qo_indptr"], b["indptr"], b["indices"], b["last"],
-                              return_lse=not sig, tensor_cores=tc, **kw)
-    o, lse = (res, None) if sig else res
-    qg, cg = _golden_inputs(q, cache)
-    gold = R.batch_prefill_paged(qg, cg, b["qo_indptr"], b["indptr"], b["indices"], b["last"],
-                                 return_lse=not sig, dtype=np.float64, **kw)
-    ro, rlse = (gold, None) if sig else gold
+    o, lse, ro, rlse = _paged_prefill_and_golden(b, code, tc, kw)
     assert np.isnan(ro).any() and not np.isnan(ro).all()          # the case has both kinds of rows
-    _check_nan_rule(o, lse, ro, rlse, code, sig)
+    _check_nan_rule(o, lse, ro, rlse, code, bool(kw.get("use_sigmoid")))
 
 
 @pytest.mark.parametrize("path", list(DECODE_PATHS))
