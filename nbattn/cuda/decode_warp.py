@@ -372,7 +372,7 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
 # (load_i32_cg), clamped into the page table and the pool, and used for nothing but
 # prefetches; the loads after the wait read the page table again.  L2 is where every
 # write lands, so a prefetched line is never stale.  H200, batch 1 x 32k, same process,
-# decode + merge per call (benchmarks/results/decode_b1_prefetch.json), steps 0/1/2/4/8:
+# decode + merge per call (benchmarks/results/experiments/decode_b1_prefetch.json), steps 0/1/2/4/8:
 # blocks of 4 heads 39.96 / 38.80 / 38.82 / 40.33 / 44.44 us; blocks of 8 heads (group 8,
 # chunks half as long) 25.77 / 26.56 / 26.92 / 27.90 / 30.26 us, so those do not prefetch.
 PREFETCH_STEPS = 1
@@ -419,15 +419,8 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     That shape holds 8 KB per warp in flight, 64 KB per SM.  A bare 16-byte read of
     the same 134 MB with that much in flight takes 40.4 us on the H200, with four
     times as much 35.4 us (``benchmarks/results/decode_read_floor.json``); this
-    kernel takes 38-39 us.  Measured slower or no faster, and removed: an L2
-    prefetch of the step after next (``decode_b1_l2_prefetch.json``) and reading
-    each CTA's work item before its queue bounds (``decode_b1_chain.json``).
-    More bytes in flight without registers means ``cp.async`` stages in shared
-    memory; measured slower here and removed (session 6, same run, decode kernel
-    alone at group 4, ``decode_b1_kv_stages.json``): K and V copied into 3 stages
-    of 8 KB per warp (192 KB of dynamic shared memory, two steps in flight)
-    41.73 us, 2 stages 39.90 us, this register form 38.54 us; V alone staged one
-    step ahead 39.50 against 39.37 us (``decode_b1_stage_v.json``)."""
+    kernel takes 38-39 us.  What was tried to go further, and dropped, is in
+    ``benchmarks/EXPERIMENTS.md``."""
     from . import mma as MMA
 
     D = cfg.head_dim

@@ -32,18 +32,9 @@ lanes, R = 4, at head_dim 128 C = 4, so T_q = 64 fused rows, T_k = 32 keys,
 dynamic shared memory (two CTAs an SM); an S step is 64 FMAs per 8 shared
 loads, a P V step 64 per 5.  Measured on the H200 (``benchmarks/gpu_prefill_cc.py``,
 ``benchmarks/results/prefill_cuda_core.json``, 1 x 8k x 8k full / causal, same
-run): 34.3 / 34.9 TFLOP/s, 0.53 / 0.54 of the measured fp32 FMA roof (65.0);
-the previous shape (T_k = 16, one K-then-V buffer, four barriers a step, 47.2
-KB of static shared memory: the 48 KB limit is what held T_k at 16) 31.5 /
-30.1; separate K and V at T_k = 16 30.5 / 30.8; one buffer at T_k = 32 34.2 /
-34.1.  The longer KV tile is the gain: half the barriers, softmax steps and
-O rescales per key.  Earlier runs (``prefill_cuda_core.json`` as committed
-in 15a4e5a): ``"keys"`` (4 x 8 lanes, T_q 32 x T_k 32, 64 threads: 255
-registers) and ``"wide"`` (2 x 16 lanes, T_q 32 x T_k 32, 128 threads) were
-slower than the then "rows" shape, and causal work that starts longest
-first (:func:`nbattn.cuda.prefill.longest_first`) faster (30.0 against 29.0
-TFLOP/s).  Splitting KV against wave quantization would gain at most 1.6%
-(``prefill_cuda_core_waves.json``).
+run): 34.3 / 34.9 TFLOP/s, 0.53 / 0.54 of the measured fp32 FMA roof (65.0).
+Other shapes, buffers and launch bounds were measured and dropped
+(``benchmarks/EXPERIMENTS.md``).
 
 Shared memory: one float array, Q | K | V | P, each tile fp32 (converted once
 when filled), rows padded by 4 floats: Q (T_q x D, loaded once per work
