@@ -628,6 +628,11 @@ def pipelined_tile(spec: P.KernelSpec):
     Copies past the key range (or of missing bsr keys) zero-fill instead of
     reading, so the P V product never meets uninitialized memory.
 
+    The NaN rule's V part cannot be applied as V is loaded (it lands after the
+    scores are taken), so the tile checks its O at the end and, when a row met
+    a non-finite V, walks the keys once more with each V checked as its address
+    is taken (:mod:`nbattn.cuda.nanrule`).
+
     Where the keys live is worked out once per tile, one tile ahead: at the
     top of iteration t, threads ``tid < T_k`` load the page ids of tile t+1
     (one ``kv_indices`` load each, shift/mask for power-of-two pages); the
