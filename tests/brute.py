@@ -221,3 +221,53 @@ def dense_batch(q, ks, vs, qo_lens, *, masks=None, sinks=None, sm_scale=None, ca
                 lse[start + i, h] = (m + math.log(w.sum())) / math.log(2.0)
         start += nq
     return o, lse
+
+
+def shared_prefix_batch(rng, page_size, min_batch=1):
+    """A paged batch whose requests all start with the same 1-2 pages (a shared prefix),
+    then 0-6 keys of their own pages; 0-3 query rows each, 4 query / 2 KV heads,
+    head_dim 4.  Returns ``(q, cache, qo_lens, qo_indptr, pkv, prefix_pages)``."""
+    from nbattn import layout as L
+    batch = int(rng.integers(min_batch, 5))
+    prefix_pages = int(rng.integers(1, 3))
+    suffix = rng.integers(0, 7, batch)
+    pool = prefix_pages + int(np.sum(-(-suffix // page_size))) + 2
+    perm = rng.permutation(pool)
+    shared = perm[:prefix_pages]
+    pos, indices, indptr, last = prefix_pages, [], [0], []
+    for s in suffix:
+        n = -(-int(s) // page_size)
+        indices.append(np.concatenate([shared, perm[pos:pos + n]]))
+        pos += n
+        indptr.append(indptr[-1] + prefix_pages + n)
+        last.append(page_size if n == 0 else int(s) - (n - 1) * page_size)
+    kv_lens = prefix_pages * page_size + suffix
+    qo_lens = np.array([int(rng.integers(0, min(3, kv) + 1)) for kv in kv_lens])
+    pkv = L.PagedKV.validate(np.array(indptr, np.int32), np.concatenate(indices).astype(np.int32),
+                             np.array(last, np.int32), page_size, pool)
+    cache = rng.standard_normal((pool, 2, page_size, 2, 4)).astype(np.float32)
+    q = rng.standard_normal((int(qo_lens.sum()), 4, 4)).astype(np.float32)
+    return q, cache, qo_lens, indptr_of(qo_lens), pkv, prefix_pages
+
+
+def bytes_of(x):
+    """An input's dtype and bytes (NumPy arrays and torch tensors of any dtype), to prove it unchanged."""
+    if hasattr(x, "detach"):
+        import torch
+        return str(x.dtype), x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return str(x.dtype), x.tobytes()
+
+
+def assert_refused(call, d, arg, rule, what, exc=ValueError):
+    """``call(d)`` raises ``exc`` (a ValueError) whose message starts with ``arg:`` and
+    states ``rule``, and leaves every input in ``d`` byte for byte as it was."""
+    import pytest
+    before = {key: bytes_of(x) for key, x in d.items()}
+    with pytest.raises(exc) as e:
+        call(d)
+    assert isinstance(e.value, ValueError)
+    msg = str(e.value)
+    assert msg.startswith(f"{arg}:"), msg
+    assert rule in msg, msg
+    for key, x in d.items():
+        assert bytes_of(x) == before[key], f"{key} changed ({what})"

@@ -12,7 +12,7 @@ from nbattn import layout as L
 from nbattn import reference as R
 from nbattn.variants import Variant, alibi_slopes
 
-from brute import brute_attention, gather_pages, random_paged_batch
+from brute import brute_attention, gather_pages, random_paged_batch, shared_prefix_batch
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TOL = dict(rtol=2e-4, atol=2e-4)
@@ -364,27 +364,8 @@ def test_natural_lse_passed_as_base2_is_caught():
 @given(st.integers(0, 2**31 - 1), st.sampled_from([1, 2, 4]), st.booleans())
 def test_cascade_equals_flat_paged(seed, page_size, causal):
     rng = np.random.default_rng(seed)
-    batch = int(rng.integers(1, 5))
-    prefix_pages = int(rng.integers(1, 3))
-    suffix = rng.integers(0, 7, batch)
-    pool = prefix_pages + int(np.sum(-(-suffix // page_size))) + 2
-    perm = rng.permutation(pool)
-    shared = perm[:prefix_pages]
-    pos, indices, indptr, last = prefix_pages, [], [0], []
-    for s in suffix:
-        n = -(-int(s) // page_size)
-        own = perm[pos:pos + n]
-        pos += n
-        indices.append(np.concatenate([shared, own]))
-        indptr.append(indptr[-1] + prefix_pages + n)
-        last.append(page_size if n == 0 else int(s) - (n - 1) * page_size)
-    kv_lens = prefix_pages * page_size + suffix
-    qo_lens = np.array([int(rng.integers(0, min(3, kv) + 1)) for kv in kv_lens])
-    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
-    pkv = L.PagedKV.validate(np.array(indptr, np.int32), np.concatenate(indices).astype(np.int32),
-                             np.array(last, np.int32), page_size, pool)
-    cache = rng.standard_normal((pool, 2, page_size, 2, 4)).astype(np.float32)
-    q = rng.standard_normal((int(qo_lens.sum()), 4, 4)).astype(np.float32)
+    q, cache, qo_lens, qo_indptr, pkv, prefix_pages = shared_prefix_batch(rng, page_size)
+    batch = len(qo_lens)
     levels = L.cascade_decompose(qo_indptr, pkv)
     if batch > 1:
         assert len(levels[0].paged_kv_indices) == prefix_pages  # one block row holds the shared pages
