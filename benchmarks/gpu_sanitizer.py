@@ -98,18 +98,20 @@ def run_family(family: str) -> None:
         C.merge_state(v[:, 0], s[:, 0], v[:, 1], s[:, 1])
         C.merge_state_in_place(v[:, 0].contiguous(), s[:, 0].contiguous(), v[:, 1].contiguous(),
                                s[:, 1].contiguous(), mask=torch.tensor([1, 0, 1, 1, 0], dtype=torch.bool))
-    elif family in ("prefill_cuda_core", "prefill_tensor_core"):
-        tc = family == "prefill_tensor_core"
-        for dd, dtype in ((64, f16), (128, torch.bfloat16), (256, f16)):
-            cache, ip, ix, la = _paged(rng, torch, dtype, lens, 16, hk, dd)
-            qo = np.array([0, 9, 9, 70, 75], np.int32)
-            C.batch_prefill_paged(q_of(75, dtype, dd), cache, qo, ip, ix, la, causal=True, return_lse=True,
-                                  tensor_cores=tc)
-            k = torch.randn((90, hk, dd), device="cuda", dtype=dtype)
-            C.single_prefill(q_of(33, dtype, dd), k, k.clone(), causal=True, window_left=20, tensor_cores=tc)
-            C.batch_prefill_ragged(q_of(12, dtype, dd), k, k.clone(), np.array([0, 5, 12], np.int32),
-                                   np.array([0, 40, 90], np.int32), tensor_cores=tc)
-        if not tc:
+    elif family.startswith(("prefill_cuda_core_d", "prefill_tensor_core_d")):
+        # one head dim per family, so the families compile side by side
+        tc = family.startswith("prefill_tensor_core")
+        dd = int(family.rsplit("_d", 1)[1])
+        dtype = {64: f16, 128: torch.bfloat16, 256: f16}[dd]
+        cache, ip, ix, la = _paged(rng, torch, dtype, lens, 16, hk, dd)
+        qo = np.array([0, 9, 9, 70, 75], np.int32)
+        C.batch_prefill_paged(q_of(75, dtype, dd), cache, qo, ip, ix, la, causal=True, return_lse=True,
+                              tensor_cores=tc)
+        k = torch.randn((90, hk, dd), device="cuda", dtype=dtype)
+        C.single_prefill(q_of(33, dtype, dd), k, k.clone(), causal=True, window_left=20, tensor_cores=tc)
+        C.batch_prefill_ragged(q_of(12, dtype, dd), k, k.clone(), np.array([0, 5, 12], np.int32),
+                               np.array([0, 40, 90], np.int32), tensor_cores=tc)
+        if not tc and dd == 64:
             k = torch.randn((50, hk, 64), device="cuda", dtype=torch.float32)
             C.single_prefill(q_of(20, torch.float32, 64), k, k.clone(), use_sigmoid=True)
     elif family == "append":
@@ -155,10 +157,11 @@ def run_family(family: str) -> None:
     print(f"family {family}: done")
 
 
-FAMILIES = ("decode_smem", "decode_warp", "decode_tc", "decode_split_merge", "prefill_cuda_core",
-            "prefill_tensor_core", "append", "block_sparse", "cascade", "wrappers")
+FAMILIES = ("decode_smem", "decode_warp", "decode_tc", "decode_split_merge",
+            *(f"prefill_{path}_d{d}" for path in ("cuda_core", "tensor_core") for d in (64, 128, 256)),
+            "append", "block_sparse", "cascade", "wrappers")
 # rough kernel counts per family (each a compilation of seconds to tens of seconds on a GPU)
-WARM_COST = {"prefill_cuda_core": 10, "prefill_tensor_core": 9, "cascade": 5, "wrappers": 4, "block_sparse": 2}
+WARM_COST = {"cascade": 5, "wrappers": 4, **{f: 3 for f in FAMILIES if f.startswith("prefill_")}, "block_sparse": 2}
 
 
 # ---------------------------------------------------------------------------
