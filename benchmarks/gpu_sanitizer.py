@@ -29,6 +29,7 @@ the run's output, never recorded as clean).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -192,6 +193,29 @@ def api_errors(text: str) -> dict:
     return out
 
 
+def record(family: str, tool: str, text: str, rc: int, seconds: float) -> dict:
+    """The result record of one sanitized child, from its log and exit status."""
+    errors, hazards = parse_summary(tool, text)
+    api = api_errors(text)
+    probes = sum(n for k, n in api.items() if k.split(":")[0] in PROBE_CALLS)
+    if errors is not None:
+        # every error must be printed to be classified; beyond the limit none is excused
+        errors = errors - probes if errors <= PRINT_LIMIT else errors
+    child_ok = f"family {family}: done" in text
+    rec = {"case": {"family": family, "tool": tool, "child_exit": rc, "child_completed": child_ok,
+                    "seconds": round(seconds, 1)},
+           "metric": "sanitizer_errors", "unit": "count",
+           "value": float(errors) if errors is not None and child_ok else -1.0,
+           "peers": {"hazards": float(hazards) if hazards is not None else None, "api_probes": float(probes)}}
+    if api:
+        rec["case"]["api_errors"] = [f"{k} x{n}" for k, n in sorted(api.items())]
+    if errors is None or not child_ok or errors:
+        rec["case"]["log_tail"] = text[-3000:]
+    print(f"{family:22s} {tool:10s} errors={errors} hazards={hazards} completed={child_ok} "
+          f"({rec['case']['seconds']} s)", flush=True)
+    return rec
+
+
 def parse_summary(tool: str, text: str) -> tuple[int | None, int | None]:
     """``(errors, hazards)`` from a compute-sanitizer log; None where the line is missing."""
     if tool == "racecheck":
@@ -234,25 +258,7 @@ def sanitize(family: str, tool: str, sanitizer: str, timeout: float, cache_dir: 
     finally:
         if own:
             shutil.rmtree(cache_dir, ignore_errors=True)
-    errors, hazards = parse_summary(tool, text)
-    api = api_errors(text)
-    probes = sum(n for k, n in api.items() if k.split(":")[0] in PROBE_CALLS)
-    if errors is not None:
-        # every error must be printed to be classified; beyond the limit none is excused
-        errors = errors - probes if errors <= PRINT_LIMIT else errors
-    child_ok = f"family {family}: done" in text
-    rec = {"case": {"family": family, "tool": tool, "child_exit": rc, "child_completed": child_ok,
-                    "seconds": round(time.time() - t, 1)},
-           "metric": "sanitizer_errors", "unit": "count",
-           "value": float(errors) if errors is not None and child_ok else -1.0,
-           "peers": {"hazards": float(hazards) if hazards is not None else None, "api_probes": float(probes)}}
-    if api:
-        rec["case"]["api_errors"] = api
-    if errors is None or not child_ok or errors:
-        rec["case"]["log_tail"] = text[-3000:]
-    print(f"{family:22s} {tool:10s} errors={errors} hazards={hazards} completed={child_ok} "
-          f"({rec['case']['seconds']} s)", flush=True)
-    return rec
+    return record(family, tool, text, rc, time.time() - t)
 
 
 def main(argv=None) -> int:
@@ -298,7 +304,11 @@ def main(argv=None) -> int:
             rec["case"]["warm_up_error"] = warm_err[f][-1000:]
         with lock:
             records.append(rec)
-            write()
+            try:
+                write()
+            except Exception as exc:             # keep checking; the raw records still land
+                print(f"could not write sanitizer.json: {exc}", flush=True)
+                Path(args.results, "sanitizer_raw.json").write_text(json.dumps(records, indent=1))
         return rec
 
     def write():
