@@ -9,7 +9,7 @@
 #              needs the GPU to itself)                                       -> $OUT/prefill.json
 # Verify runs niced, so the tests and notebooks get the cores first.  The sanitizer sweep
 # needs a visit of its own (its warm-up compiles every family; beside these jobs that took
-# 289 s): python3 benchmarks/gpu_sanitizer.py --commit SHA --jobs 12 --deadline 420 --results $OUT
+# 289 s): python3 benchmarks/gpu_sanitizer.py --commit SHA --jobs 12 --deadline 380 --results $OUT
 #   COMMIT=<sha of the tree you send> [LIMIT=s] [TESTS=expr] [PREFILL=1] bash benchmarks/gpu_correctness.sh
 # (name the commit yourself: the device copy's git HEAD need not be the tree that was sent)
 set -u
