@@ -102,3 +102,30 @@ def test_programmatic_launch_declines_in_the_simulator():
 
     assert D.launch_programmatic(Fake(), 1, 32, 0, (np.zeros(1),)) is False
     assert calls == []
+
+
+def test_staging_ring_never_hands_out_a_slot_in_flight(monkeypatch):
+    """A slot whose kernels may still run is not reused: the ring grows up to its
+    bound, then waits for the slots in turn (the simulator's events are always
+    done, so 'in flight' is faked here)."""
+    in_flight: set = set()
+    waited: list = []
+    monkeypatch.setattr(D.Staged, "busy", lambda self: id(self) in in_flight)
+    monkeypatch.setattr(D.HostToDevice, "begin", lambda self: waited.append(id(self)))
+    ring = D.StagingRing(most=3)
+    a = ring.take(10)
+    assert ring.take(10) is a                        # idle: reused
+    in_flight.add(id(a))
+    b = ring.take(10)
+    in_flight.add(id(b))
+    c = ring.take(10 ** 5)                           # bigger than the others: a slot of its own size
+    assert len({id(a), id(b), id(c)}) == 3 and c.host.host.size >= 10 ** 5
+    in_flight.add(id(c))
+    d = ring.take(10)                                # all three in flight: wait for the first
+    assert d is a and waited == [id(a.host)]
+    e = ring.take(10 ** 6)                           # the next in turn is too small: replaced after the wait
+    assert waited[-1] == id(b.host) and e is not b and e.host.host.size >= 10 ** 6
+    # the staged words reach the device array
+    e.host.host[:4] = [7, 8, 9, 10]
+    e.send(4, 0)
+    assert list(e.dev[:4].copy_to_host()) == [7, 8, 9, 10]

@@ -46,7 +46,7 @@ from .primitives import SIMULATOR
 log = logging.getLogger("nbattn")
 
 __all__ = ["jit_kernel", "stable_key", "sm_count", "BoundLaunch", "launch", "launch_programmatic",
-           "data_ptr", "stream_handle", "HostToDevice"]
+           "data_ptr", "stream_handle", "handle_of", "HostToDevice", "Span", "StagingRing"]
 
 _PACKAGE = pathlib.Path(__file__).resolve().parents[1]
 _source_digest: str | None = None
@@ -248,6 +248,9 @@ class _Libcuda:
         self.event_record.argtypes = [vp, vp]
         self.event_sync = lib.cuEventSynchronize
         self.event_sync.argtypes = [vp]
+        self.event_query = lib.cuEventQuery
+        self.event_query.argtypes = [vp]
+        self.event_query.restype = ctypes.c_int
 
 
 _LIBCUDA: _Libcuda | None = None
@@ -416,6 +419,89 @@ class HostToDevice:
             self._pending = True
 
 
+class Span:
+    """Words ``[off, off + n)`` of a device int32 array ``buf`` (at address ``ptr``),
+    as an argument of a :class:`BoundLaunch`: on a GPU its address, in the
+    simulator its view (read as ``dtype`` and ``shape`` when given)."""
+    __slots__ = ("buf", "ptr", "off", "n", "dtype", "shape")
+
+    def __init__(self, buf, ptr: int, off: int, n: int, dtype=None, shape=None):
+        self.buf, self.ptr, self.off, self.n = buf, ptr, off, n
+        self.dtype, self.shape = dtype, shape
+
+    def data_ptr(self) -> int:
+        return self.ptr + 4 * self.off
+
+    def view(self):
+        v = self.buf[self.off:self.off + max(self.n, 1)]
+        if self.dtype is not None and np.dtype(self.dtype) != np.int32:
+            v = v.view(self.dtype)
+        return v if self.shape is None else v.reshape(self.shape)
+
+
+class Staged:
+    """One slot of a :class:`StagingRing`: a pinned host int32 array ``host``, the
+    device int32 array ``dev`` it is copied into (at address ``dev_ptr``) and an
+    event recorded after the last kernel that reads ``dev``."""
+
+    def __init__(self, n_words: int):
+        self.host = HostToDevice(n_words)
+        self.dev = cuda.device_array(n_words, np.int32)
+        self.dev_ptr = 0 if SIMULATOR else data_ptr(self.dev)
+
+    def busy(self) -> bool:
+        """Whether a kernel that reads ``dev`` may still be running."""
+        st = self.host
+        if SIMULATOR or not st._pending:
+            return False
+        if st._lib.event_query(st._event) == 0:            # CUDA_SUCCESS: done
+            st._pending = False
+            return False
+        return True
+
+    def send(self, n_words: int, stream: int) -> None:
+        """``host[:n_words]`` into ``dev[:n_words]``, ordered on ``stream``."""
+        self.host.copy(self.dev, 0, n_words, stream, self.dev_ptr)
+
+    def done(self, stream: int) -> None:
+        """Mark the slot in use until ``stream`` reaches this point (call after the
+        launches that read ``dev``)."""
+        self.host.end(stream)
+
+
+class StagingRing:
+    """Staging for calls that upload their metadata and launch at once.
+
+    :meth:`take` returns a slot whose device array no queued kernel still reads:
+    the first idle one, else a new one (up to ``most``), else, when all are in
+    flight, the next in turn once its kernels are done.  So a loop of calls runs ahead of the GPU the way torch's
+    own asynchronous copies do, instead of each call waiting for the kernels of
+    the call before it (one staging array would make it wait).  Slots live on
+    the device that was current when they were made: one GPU per process, as
+    :func:`sm_count` assumes."""
+
+    def __init__(self, most: int = 32):
+        self.most = most
+        self._slots: list[Staged] = []
+        self._next = 0
+
+    def take(self, n_words: int) -> Staged:
+        for slot in self._slots:
+            if slot.host.host.size >= n_words and not slot.busy():
+                return slot
+        if len(self._slots) < self.most:
+            size = max(n_words, 1 << 14, max((x.host.host.size for x in self._slots), default=0))
+            self._slots.append(Staged(size))
+            return self._slots[-1]
+        i = self._next % len(self._slots)                  # every slot in flight: wait for one
+        self._next += 1
+        slot = self._slots[i]
+        slot.host.begin()
+        if slot.host.host.size < n_words:
+            slot = self._slots[i] = Staged(n_words)
+        return slot
+
+
 def launch_programmatic(dispatcher, griddim, blockdim, stream, args) -> bool:
     """Launch ``dispatcher[griddim, blockdim, stream](*args)`` with programmatic stream
     serialization (sm_90 programmatic dependent launch): the kernel may start while the
@@ -424,11 +510,11 @@ def launch_programmatic(dispatcher, griddim, blockdim, stream, args) -> bool:
     in the simulator (the caller then launches plainly)."""
     if SIMULATOR:
         return False
-    BoundLaunch(dispatcher, griddim, blockdim, args, programmatic=True)(_handle_of(stream))
+    BoundLaunch(dispatcher, griddim, blockdim, args, programmatic=True)(handle_of(stream))
     return True
 
 
-def _handle_of(stream) -> int:
+def handle_of(stream) -> int:
     """A numba stream (or 0) as a driver handle."""
     if isinstance(stream, int):
         return stream

@@ -8,7 +8,9 @@ loop over requests; every int32 array of the call packed into one staging
 array and sent with one asynchronous copy; outputs allocated; and the decode
 and merge kernels launched through launches bound once per kernel
 configuration (:class:`nbattn.cuda._driver.BoundLaunch`), with only pointers,
-sizes and the grid patched.  Host inputs take :func:`nbattn.cuda.decode.prepare_decode`.
+sizes and the grid patched.  The staging array and its device copy come from
+a ring (:class:`nbattn.cuda._driver.StagingRing`), so a call never waits for
+the kernels of the call before it.  Host inputs take :func:`nbattn.cuda.decode.prepare_decode`.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from .. import layout as L
 from ..variants import check_return_lse, variant_from_kwargs
 from . import _arrays as A
 from . import decode as DEC
-from ._driver import BoundLaunch, HostToDevice, data_ptr, sm_count, stream_handle
+from ._driver import BoundLaunch, Span, StagingRing, data_ptr, sm_count, stream_handle
 from .merge import FEW_FORM, FEW_PARTIALS, MergeMap, merge_partials_launch
 from .primitives import SIMULATOR
 
@@ -29,22 +31,7 @@ __all__ = ["fast_decode", "split_work_arrays"]
 
 _VARIANTS: dict = {}
 _BOUND: dict = {}
-_STAGE: list = [None]
-
-
-class _Span:
-    """Words ``[off, off + n)`` of a device int32 buffer, as an argument of a bound
-    launch: its address on a GPU, its numba view in the simulator."""
-    __slots__ = ("buf", "off", "n")
-
-    def __init__(self, buf, off: int, n: int):
-        self.buf, self.off, self.n = buf, off, n
-
-    def data_ptr(self) -> int:
-        return data_ptr(self.buf) + 4 * self.off
-
-    def view(self):
-        return self.buf[self.off:self.off + max(self.n, 1)]
+_RING = StagingRing()
 
 
 def _variant(kwargs: dict):
@@ -100,13 +87,6 @@ def _choose_chunk(cfg, batch: int, num_qo_heads: int, kv_lens: np.ndarray) -> in
     return None if chunk >= longest else chunk
 
 
-def _stage(n: int) -> HostToDevice:
-    st = _STAGE[0]
-    if st is None or st.host.size < n:
-        st = _STAGE[0] = HostToDevice(max(n, 1 << 16, 2 * (st.host.size if st is not None else 0)))
-    return st
-
-
 def _alloc(like, kind: str, shape: tuple, code: str):
     if kind == "torch":
         import torch
@@ -160,15 +140,12 @@ def fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_l
              m_indptr, m_row, m_slots)
     offs = np.cumsum([0] + [max(p.size, 1) + (-max(p.size, 1)) % 4 for p in parts])   # 16-byte aligned spans
     total = int(offs[-1])
-    st = _stage(total)
-    st.begin()
+    slot = _RING.take(total)
     for p, o in zip(parts, offs[:-1]):
-        st.host[o:o + p.size] = p
+        slot.host.host[o:o + p.size] = p
     stream = stream_handle(q) if kind == "torch" else 0
-    buf = _alloc(q, kind, (total,), "i32")
-    st.copy(buf, 0, total, stream)
-    st.end(stream)
-    spans = [_Span(buf, int(o), int(p.size)) for p, o in zip(parts, offs[:-1])]
+    slot.send(total, stream)
+    spans = [Span(slot.dev, slot.dev_ptr, int(o), int(p.size)) for p, o in zip(parts, offs[:-1])]
     o_dev = out if out is not None else _alloc(q, kind, shape, code)
     l_dev = lse if lse is not None else _alloc(q, kind, shape[:2], "f32")
     if n_slots:
@@ -207,6 +184,7 @@ def fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_l
         merge.set(5, o_dev)
         merge.set(6, l_dev)
         merge(stream)
+    slot.done(stream)                                # the slot is reused once these kernels are done
     if kind == "numba" and code == "f16" and out is None:
         o_dev = o_dev.view(np.float16)
     return (o_dev, l_dev) if return_lse else o_dev
@@ -227,7 +205,7 @@ def _unused(like, kind: str):
 
 def _conv(code: str, name: str, words: bool):
     def conv(x):
-        if isinstance(x, _Span):
+        if isinstance(x, Span):
             return x.view()
         d = A.to_device(x, name, 0, code)
         return A.words(d) if words else A.flat(d)
