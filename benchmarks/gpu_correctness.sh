@@ -10,7 +10,7 @@
 # Verify runs niced, so the tests and notebooks get the cores first.  The sanitizer sweep
 # needs a visit of its own (its warm-up compiles every family; beside these jobs that took
 # 289 s): python3 benchmarks/gpu_sanitizer.py --commit SHA --jobs 12 --deadline 380 --results $OUT
-#   COMMIT=<sha of the tree you send> [LIMIT=s] [TESTS=expr] [PREFILL=1] bash benchmarks/gpu_correctness.sh
+#   COMMIT=<sha of the tree you send> [LIMIT=s] [TESTS=expr] [TEST_JOBS=n] [PREFILL=1] bash benchmarks/gpu_correctness.sh
 # (name the commit yourself: the device copy's git HEAD need not be the tree that was sent)
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
@@ -26,7 +26,7 @@ mkdir -p "$OUT" /tmp/nbattn_logs
 L=/tmp/nbattn_logs
 nvidia-smi -L; python3 -c "import numba_cuda, torch; print('numba-cuda', numba_cuda.__version__, 'torch', torch.__version__)"
 t0=$(date +%s)
-timeout $((LIMIT - 10)) python3 -m pytest -v -p no:cacheprovider -n 2 -m gpu ${TESTS:+-k "$TESTS"} tests/ \
+timeout $((LIMIT - 10)) python3 -m pytest -v -p no:cacheprovider -n ${TEST_JOBS:-2} -m gpu ${TESTS:+-k "$TESTS"} tests/ \
     > $L/gpu_tests.log 2>&1 &
 P1=$!
 timeout $((LIMIT - 10)) python3 benchmarks/gpu_notebooks.py --commit "$COMMIT" --out "$OUT" --jobs 3 \

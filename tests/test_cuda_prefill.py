@@ -311,3 +311,26 @@ def test_causal_work_starts_longest_first():
     assert keys == sorted(keys, reverse=True)
     plain = P.make_spec("paged", "NHD", "f16", 16, 8, 2, Variant(), False)
     assert P.longest_first(plain, work, pos, kvoff) is work
+
+
+@pytest.mark.parametrize("tc", PATHS)
+def test_bound_launch_reused_across_metadata_sizes(tc, monkeypatch):
+    """One kernel and call shape (q, k, v, out, lse) bind one launch; calls whose metadata
+    differ in size (other request splits, so other work lists) reuse it and still
+    match the golden model -- and the kept shapes are bounded."""
+    rng = np.random.default_rng(11)
+    hq, hk, d = 4, 2, 16
+    q = rng.standard_normal((12, hq, d)).astype(np.float16)
+    k = rng.standard_normal((40, hk, d)).astype(np.float16)
+    v = rng.standard_normal((40, hk, d)).astype(np.float16)
+    P._BOUND.clear()
+    for qo_lens, kv_lens in (([12], [40]), ([3, 9], [10, 30]), ([1, 1, 10], [1, 19, 20]), ([0, 12], [5, 35])):
+        qo, kv = np.cumsum([0] + qo_lens).astype(np.int32), np.cumsum([0] + kv_lens).astype(np.int32)
+        for causal in (False, True):
+            check(*both(P.batch_prefill_ragged, R.batch_prefill_ragged, (q, k, v, qo, kv), tc,
+                        causal=causal, return_lse=True))
+    assert len(P._BOUND) == 2                            # one per kernel: causal and not
+    monkeypatch.setattr(P, "BOUND_MOST", 3)
+    for n in range(2, 8):                               # every KV length a new call shape
+        P.single_prefill(q[:1], k[:n], v[:n], tensor_cores=tc)
+    assert len(P._BOUND) == 3

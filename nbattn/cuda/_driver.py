@@ -335,9 +335,10 @@ class BoundLaunch:
             self._attr.value[0] = 1
             self._cfg = _Libcuda.Config(*g, *b, self.smem, None, ctypes.addressof(self._attr), 1)
 
-    def set(self, i: int, x, size: int | None = None) -> None:
+    def set(self, i: int, x, size: int | None = None, rows: int | None = None) -> None:
         """Array argument ``i`` now reads ``x``'s memory (same element type and
-        layout; a 1-D argument may take another ``size``, in elements)."""
+        layout; it may take another ``size`` in elements, and an argument of more
+        than one dimension another number of ``rows``, its first extent)."""
         if SIMULATOR:
             conv = self._convert.get(i)
             self._args[i] = conv(x) if conv is not None else x
@@ -345,7 +346,8 @@ class BoundLaunch:
         self._data[i].value = data_ptr(x)
         if size is not None:
             nitems, dim0 = self._sizes[i]
-            nitems.value = dim0.value = size
+            nitems.value = size
+            dim0.value = size if rows is None else rows
 
     def set_grid(self, grid) -> None:
         """Launch over another grid from now on."""

@@ -687,7 +687,8 @@ def launch(spec: KernelSpec, q, k_src, v_src, kv_indices: np.ndarray, work: np.n
     enqueue(kernel, grid, spec.threads, stream, args)
 
 
-_BOUND: dict = {}
+_BOUND: dict = {}              # bound launches by call shape, oldest first
+BOUND_MOST = 64                # call shapes kept
 _RING = StagingRing()
 
 
@@ -695,7 +696,8 @@ def _launch_staged(kernel, grid, threads, stream, dev, meta: list, block: int, n
     """:func:`launch` with host metadata: the five int32 arrays and the slopes are
     packed into one staging slot and sent with one asynchronous copy, and the
     kernel goes through a launch bound once per call shape (the shapes, strides
-    and dtypes of every argument), with only pointers, scalars and the grid
+    and dtypes of q, k, v, out and lse; the last :data:`BOUND_MOST` shapes are
+    kept), with only pointers, the metadata's sizes, scalars and the grid
     patched (:class:`nbattn.cuda._driver.BoundLaunch`)."""
     words = [m.reshape(-1).view(np.int32) for m in meta]
     offs = np.cumsum([0] + [w.size + (-w.size) % 4 for w in words])      # 16-byte aligned spans
@@ -706,8 +708,7 @@ def _launch_staged(kernel, grid, threads, stream, dev, meta: list, block: int, n
         slot.host.host[o:o + w.size] = w
     slot.send(total, h)
     spans = [Span(slot.dev, slot.dev_ptr, int(o), m.size, m.dtype, m.shape) for m, o in zip(meta, offs[:-1])]
-    key = (kernel, threads, tuple((tuple(a.shape), tuple(a.strides), a.dtype.str) for a in dev),
-           tuple(m.shape for m in meta))
+    key = (kernel, threads, tuple((tuple(a.shape), tuple(a.strides), a.dtype.str) for a in dev))
     bl = _BOUND.get(key)
     if bl is None:
         q, k_src, v_src, out, lse = dev
@@ -715,10 +716,12 @@ def _launch_staged(kernel, grid, threads, stream, dev, meta: list, block: int, n
                                        (q, k_src, v_src, *[sp.view() for sp in spans], np.int32(block),
                                         np.int32(n_keys), out, lse),
                                        convert={i: Span.view for i in range(3, 9)})
+        while len(_BOUND) > BOUND_MOST:
+            _BOUND.pop(next(iter(_BOUND)))               # the oldest call shape
     for i, a in zip((0, 1, 2, 11, 12), dev):
         bl.set(i, a)
-    for i, sp in zip(range(3, 9), spans):
-        bl.set(i, sp)
+    for i, sp, m in zip(range(3, 9), spans, meta):       # the metadata's sizes change per call
+        bl.set(i, sp, m.size, m.shape[0])
     bl.set_scalar(9, int(block))
     bl.set_scalar(10, int(n_keys))
     bl.set_grid(grid)
