@@ -147,13 +147,6 @@ def bench_decode(recs, batch, kv_len, hkv, copy_bw, gen, quick):
     for mode, fn in (("eager_plain", plain), ("eager_run", run)):
         recs.append({"case": dict(case, mode=mode), "metric": "bw_fraction", "value": bw(eager_ms(fn) * 1e-3),
                      "unit": "of copy bandwidth", "peers": peers})
-    if batch * hkv * 2 <= 132:      # small batch: the standalone split runner, graph-replayed, as a reference
-        from nbattn.cuda import decode as DEC
-        p = DEC.prepare_decode(q, cache, *meta)
-        ms_sr, _ = graph_ms(DEC.split_runner(p, DEC.choose_chunk(p)), iters=10, rep=REPS)
-        peers = dict(peers, nbattn_split_runner_graph=bw(ms_sr * 1e-3))
-        for r in recs[-2:]:
-            r["peers"] = peers
     ms, graphed = graph_ms(run, iters=10, rep=REPS)
     recs.append({"case": dict(case, mode="graph_replay", graphed=graphed), "metric": "bw_fraction",
                  "value": bw(ms * 1e-3), "unit": "of copy bandwidth", "peers": peers})
@@ -311,11 +304,23 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/nbattn_out"))
     ap.add_argument("--quick", action="store_true", help="fewer cases")
     ap.add_argument("--skip", nargs="*", default=[], help="parts to skip: decode prefill plan first")
+    ap.add_argument("--prefill", choices=("both", "full", "causal"), default="both",
+                    help="which 8k prefill cases to run (default both)")
     args = ap.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw:.0f} GB/s", flush=True)
     recs: list = []
+
+    def save(recs):
+        """Write eager.json with what has run so far (a visit cut short keeps it)."""
+        from nbattn.perf import results
+        results.write_suite(
+            "eager", recs, gpu=torch.cuda.get_device_name(),
+            command="PYTHONPATH=$PWD python3 benchmarks/gpu_eager.py " + " ".join(argv or sys.argv[1:]),
+            versions={"nbattn_commit": args.commit, "torch": torch.__version__, "numpy": np.__version__,
+                      "python": platform.python_version()},
+            date=datetime.date.today().isoformat(), root=Path(args.out), copy_bandwidth_GBps=copy_bw)
     cases = [(64, 4096, 8), (64, 4096, 4), (64, 16384, 8), (64, 16384, 4), (1, 32768, 8), (1, 32768, 4),
              (16, 2048, 8)]
     if args.quick:
@@ -324,22 +329,17 @@ def main(argv=None) -> int:
         for b, k, h in cases:
             bench_decode(recs, b, k, h, copy_bw, gen, args.quick)
             torch.cuda.empty_cache()
+            save(recs)
     if "prefill" not in args.skip:
-        for causal in (False, True):
+        for causal in {"both": (False, True), "full": (False,), "causal": (True,)}[args.prefill]:
             bench_prefill(recs, 8192, causal, gen)
+            save(recs)
     if "plan" not in args.skip:
         bench_plan(recs)
     if "first" not in args.skip:
         bench_first_call(recs, args.quick)
-    from nbattn.perf import results
-    out = Path(args.out)
-    results.write_suite(
-        "eager", recs, gpu=torch.cuda.get_device_name(),
-        command=f"PYTHONPATH=$PWD python3 benchmarks/gpu_eager.py --commit {args.commit}",
-        versions={"nbattn_commit": args.commit, "torch": torch.__version__, "numpy": np.__version__,
-                  "python": platform.python_version()},
-        date=datetime.date.today().isoformat(), root=out, copy_bandwidth_GBps=copy_bw)
-    figure(recs, out / "eager.png")
+    save(recs)
+    figure(recs, Path(args.out) / "eager.png")
     return 0
 
 
