@@ -351,6 +351,46 @@ for r in (floor.select("latency_us") if floor else []):
           f"{r.value:6.1f} us, {frac:.2f} of copy bandwidth")
 
 # %% [markdown]
+# Drawn, with Little's law beside it: bandwidth = bytes in flight / latency. The dashed line
+# is what the bandwidth would be if a load always came back as fast as it does at the
+# smallest measured load (the latency that point implies); the dotted line is the copy
+# bandwidth. Under more load the latency grows (requests queue in the memory system), so
+# the points bend away from the line before they reach the copy bandwidth.
+
+# %%
+pts = []
+for r in (floor.select("latency_us") if floor else []):
+    c = r.case
+    if c["part"] == "read":
+        kb = c["threads"] * c["unroll"] * 16 * -(-c["ctas"] // SMS) / 1024
+        pts.append((kb, c["bytes_read"] / (r.value * 1e-6) / 1e9, f"{c['ctas']} x {c['threads']}"))
+if pts:
+    pts.sort()
+    kb0, bw0, _ = pts[0]
+    lat0_us = SMS * kb0 * 1024 / (bw0 * 1e9) * 1e6           # Little's law at the smallest load
+    copy = floor.copy_bandwidth_GBps
+    xs = np.linspace(0, max(p[0] for p in pts) * 1.1, 50)
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    ax.plot(xs, np.minimum(SMS * xs * 1024 / (lat0_us * 1e-6) / 1e9, 2 * copy) / copy, "--", color="gray",
+            label=f"Little's law, latency {lat0_us:.1f} us")
+    ax.axhline(1.0, ls=":", color="black", label=f"copy bandwidth ({copy:.0f} GB/s)")
+    ax.scatter([p[0] for p in pts], [p[1] / copy for p in pts], color="C0", zorder=3,
+               label="bare reads (measured)")
+    for kb in sorted({p[0] for p in pts}):                  # one label per load: the grids that hold it
+        at = [p for p in pts if p[0] == kb]
+        ax.annotate("\n".join(p[2] for p in at), (kb, min(p[1] for p in at) / copy), textcoords="offset points",
+                    xytext=(5, -8 - 8 * len(at)), fontsize=7)
+    ax.axvline(64, color="C3", lw=1)
+    ax.text(66, 0.1, "batch-1 tensor-core\ndecode (64 KB)", color="C3", fontsize=7)
+    ax.set_xlabel("bytes in flight per SM (KB)"); ax.set_ylabel("fraction of copy bandwidth")
+    ax.set_ylim(0, 1.3); ax.set_xlim(0, xs[-1])
+    ax.set_title(f"Little's law on the {floor.gpu} (decode_read_floor.json, measured)", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right"); plt.tight_layout(); plt.show()
+    for kb, bw_, lab in pts:
+        print(f"{lab:>10s} CTAs x threads: {kb:5.0f} KB per SM -> implied latency "
+              f"{SMS * kb * 1024 / (bw_ * 1e9) * 1e6:.2f} us")
+
+# %% [markdown]
 # The tensor-core decode kernel of the batch-1 case keeps about 64 KB per SM in flight (8
 # warps, each with one step of K and V, 16 tokens x 256 bytes each); its registers are
 # nearly all used. Going further means staging loads in shared memory (`cp.async`), as

@@ -290,6 +290,82 @@ else:
         print(f"case {dict(r.case)}: golden model {r.value:.1f} {r.unit} ({peers})")
 
 # %% [markdown]
+# ### Exercise 4 — place your own point
+#
+# That point was measured on some other CPU. Put one of your own on *this* machine's
+# roofline. The next cell times the golden model's prefill here, and measures this machine's
+# two roofs the same way the benchmark does: NumPy's matmul (the compute roof a NumPy
+# prefill can hope for) and a large NumPy copy (the memory roof, read plus write).
+#
+# Fill in the FLOPs of the timed run, its minimal bytes in float32 (`bytes_per_elem=4`),
+# the operational intensity and the GFLOP/s it reached. `rl.attention_flops` and
+# `rl.attention_bytes` count one request; the batch has `B_` equal ones. Then read the
+# figure: is the golden model compute-bound or memory-bound here, and how far below its
+# roof does it sit?
+
+# %%
+import time
+
+def best_seconds(fn, n=3):
+    best = float("inf")
+    for _ in range(n):
+        t = time.perf_counter(); fn(); best = min(best, time.perf_counter() - t)
+    return best
+
+B_, N_, H_, D_ = 4, 512, 4, 64                # requests, tokens (queries = keys), heads, head_dim
+rng_cpu = np.random.default_rng(4)
+qc, kc, vc = (rng_cpu.standard_normal((B_ * N_, H_, D_)).astype(np.float32) for _ in range(3))
+ind = np.arange(0, B_ * N_ + 1, N_, dtype=np.int32)
+t_golden = best_seconds(lambda: ref.batch_prefill_ragged(qc, kc, vc, ind, ind))
+a_mm = rng_cpu.standard_normal((H_, N_, D_)).astype(np.float32)
+b_mm = rng_cpu.standard_normal((H_, D_, N_)).astype(np.float32)
+matmul_gflops = 2.0 * H_ * N_ * D_ * N_ / best_seconds(lambda: np.matmul(a_mm, b_mm), 5) / 1e9
+src = np.ones(1 << 24, np.float32); dst = np.empty_like(src)          # 64 MB each
+copy_GBps = 2 * src.nbytes / best_seconds(lambda: np.copyto(dst, src), 5) / 1e9
+print(f"golden prefill {B_} x {N_} x {N_}, {H_} heads, d {D_}: {t_golden * 1e3:.1f} ms; "
+      f"this machine: matmul {matmul_gflops:.0f} GFLOP/s, copy {copy_GBps:.1f} GB/s")
+
+# %% tags=["exercise"]
+my_flops = None        # your code here: FLOPs of the timed run (the whole batch)
+my_bytes = None        # minimal bytes of the timed run in float32
+my_intensity = None    # FLOP per byte
+my_gflops = None       # GFLOP/s the golden model reached
+
+# %% jupyter={"source_hidden": true} tags=["solution"]
+# Worked solution (collapsed). Skip or delete this cell to try the exercise yourself.
+my_flops = B_ * rl.attention_flops(N_, N_, D_, H_)
+my_bytes = B_ * rl.attention_bytes(N_, N_, D_, H_, H_, bytes_per_elem=4)
+my_intensity = my_flops / my_bytes
+my_gflops = my_flops / t_golden / 1e9
+
+# %% tags=["check"]
+assert np.isclose(my_flops, 4.0 * B_ * N_ * N_ * D_ * H_), "two matmuls of 2*N*N*D FLOPs per head and request"
+assert np.isclose(my_bytes, B_ * 4 * D_ * (2 * N_ * H_ + 2 * N_ * H_)), "read Q, K, V once and write O once"
+assert np.isclose(my_intensity, rl.operational_intensity(N_, N_, D_, H_, H_, bytes_per_elem=4))
+assert np.isclose(my_gflops, my_flops / t_golden / 1e9)
+ridge = matmul_gflops / copy_GBps                               # FLOP per byte where the roofs meet
+print(f"your point: {my_intensity:.0f} FLOP/B, {my_gflops:.1f} GFLOP/s; ridge of this machine "
+      f"{ridge:.1f} FLOP/B -> {'compute' if my_intensity > ridge else 'memory'}-bound, "
+      f"{my_gflops / min(matmul_gflops, my_intensity * copy_GBps):.0%} of its roof")
+
+# %%
+I_axis = np.geomspace(0.1, 1e3, 200)
+fig, ax = plt.subplots(figsize=(6, 3.6))
+ax.plot(I_axis, np.minimum(matmul_gflops, I_axis * copy_GBps), color="black", label="this machine's roofline")
+ax.scatter([my_intensity], [my_gflops], color="C3", zorder=3, label="your golden prefill (measured here)")
+if gold is not None:
+    for r in gold.select("gflops"):
+        c = r.case
+        I_c = rl.operational_intensity(c["q_len"], c["kv_len"], c["head_dim"], c["heads"], c["heads"],
+                                       bytes_per_elem=4)
+        ax.scatter([I_c], [r.value], marker="s", color="C0", zorder=3,
+                   label=f"golden_cpu.json (another CPU; its matmul {r.peers['numpy_matmul']:.0f} GFLOP/s)")
+ax.set_xscale("log"); ax.set_yscale("log")
+ax.set_xlabel("operational intensity (FLOP/byte, float32)"); ax.set_ylabel("GFLOP/s")
+ax.set_title("The golden model on a CPU roofline (measured)", fontsize=9)
+ax.legend(fontsize=7, loc="lower right"); plt.tight_layout(); plt.show()
+
+# %% [markdown]
 # ## 5. Why decode needs split-KV
 #
 # A memory-bound kernel is only as fast as the number of SMs pulling data. A decode step
