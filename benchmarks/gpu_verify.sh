@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Re-verify and re-measure everything on the GPU, in priority order (a time-out keeps the
 # earlier steps' files).  Session 5 ran every step below on its final library
-# code (see benchmarks/results/gpu_tests.txt).  Steps:
+# code (see benchmarks/logs/gpu_tests.txt).  Steps:
 #   decode_b1   benchmarks/gpu_decode_b1.py with B1_STREAM=both: the evict-first K/V stream
 #               against plain loads, batch 1 x 32k, group 4        -> $OUT/decode_b1.json
 #   t_gpu       GPU tests of sparse/cascade, the CUDA-core prefill tile, merge and decode
