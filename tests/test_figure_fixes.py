@@ -62,3 +62,18 @@ def test_gantt_says_simulated_and_causal_mask_ticks_are_whole(tmp_path):
     for ax in fig.axes:
         for ticks in (ax.get_xticks(), ax.get_yticks()):
             assert np.all(ticks == np.round(ticks))
+
+
+def test_gantt_draws_a_baseline_above_on_the_same_time_axis(tmp_path):
+    qo, kv = [1] * 6, [4000, 300, 300, 200, 100, 50]
+    lpt = plan(qo, kv, 4)
+    whole = plan(qo, kv, 4, chunk_limit=max(kv))
+    assert whole.makespan > lpt.makespan                 # splitting the long request pays here
+    fig = sched_plots.gantt(lpt, tmp_path / "g.png", baseline=whole, baseline_title="baseline: no split (simulated)")
+    top, bottom = fig.axes
+    assert "baseline" in top.get_title() and "simulated" in top.get_title()
+    assert "simulated" in bottom.get_title()
+    assert top.get_xlim() == bottom.get_xlim() and top.get_xlim()[1] >= whole.makespan
+    # the baseline's longest bar is the long request, whole (cost alpha*1 + beta*4000)
+    widths = [p.get_width() for p in top.patches]
+    assert max(widths) == whole.makespan == lpt.alpha * 1 + lpt.beta * max(kv)

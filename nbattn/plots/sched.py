@@ -42,38 +42,25 @@ def _request_colors(request: np.ndarray):
     return cmap((np.asarray(request) % cmap.N) / max(cmap.N - 1, 1))
 
 
-def gantt(plan_or_sim, path, *, title: str | None = None) -> Figure:
-    """Gantt chart: one row per CTA, time on x, work colored by request.
-
-    A :class:`~nbattn.sched.plan.Plan` is drawn with its own chunk costs
-    (``alpha*l_q + beta*l_kv``, no overhead, no merge phase), so the right edge
-    is ``plan.makespan``.  A :class:`~nbattn.sched.simulate.SimResult` is drawn
-    with its simulated times; merge jobs are hatched.  The dashed line is the
-    lower bound.
-    """
+def _schedule_of(plan_or_sim):
+    """(schedule, rows to draw, lower bound, makespan, title) of a Plan or a SimResult."""
     if isinstance(plan_or_sim, Plan):
         p = plan_or_sim
         sim = simulate_plan(p, CostModel(alpha=p.alpha, beta=p.beta, chunk_overhead=0.0,
                                          merge_cost=0.0))
-        keep = sim.schedule.kind == 0
-        bound = p.lower_bound
-        makespan = p.makespan
         label = (f"simulated LPT plan (cost model, not measured), C={p.num_ctas}, "
                  f"tile_q={p.tile_q}, L={p.chunk_limit}")
-    elif isinstance(plan_or_sim, SimResult):
+        return sim.schedule, sim.schedule.kind == 0, p.lower_bound, p.makespan, label
+    if isinstance(plan_or_sim, SimResult):
         sim = plan_or_sim
-        keep = np.ones(sim.schedule.kind.shape, dtype=bool)
-        bound = sim.lower_bound
-        makespan = sim.makespan
         label = (f"simulated: {sim.policy} {sim.workload}, C={sim.num_ctas}, "
                  f"utilization {sim.utilization:.2f}")
-    else:
-        raise TypeError("gantt takes a Plan or a SimResult")
-    s = sim.schedule
-    num_ctas = s.num_ctas
+        return sim.schedule, np.ones(sim.schedule.kind.shape, dtype=bool), sim.lower_bound, sim.makespan, label
+    raise TypeError("gantt takes a Plan or a SimResult")
 
-    fig = _new_figure(9, max(2.5, min(0.12 * num_ctas + 1.5, 14)))
-    ax = fig.add_subplot()
+
+def _draw_gantt(ax, s, keep, bound: float, makespan: float, title: str, x_max: float) -> None:
+    num_ctas = s.num_ctas
     cta, start, end = s.cta[keep], s.start[keep], s.end[keep]
     request, kind = s.request[keep], s.kind[keep]
     colors = _request_colors(request)
@@ -87,14 +74,37 @@ def gantt(plan_or_sim, path, *, title: str | None = None) -> Figure:
                label=f"lower bound {bound:.0f}")
     ax.axvline(makespan, color="red", linewidth=1, label=f"makespan {makespan:.0f}")
     ax.set_ylim(num_ctas - 0.5, -0.5)
-    ax.set_xlim(0, max(makespan, bound) * 1.02 if max(makespan, bound) > 0 else 1)
+    ax.set_xlim(0, x_max)
     ax.set_xlabel("time (cost units)")
     ax.set_ylabel("CTA")
-    ax.set_title(title or label, fontsize=10)
+    ax.set_title(title, fontsize=10)
     handles, _ = ax.get_legend_handles_labels()
     if np.any(~compute):
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="///", label="merge"))
     ax.legend(handles=handles, loc="lower right", fontsize=8)
+
+
+def gantt(plan_or_sim, path, *, title: str | None = None, baseline=None,
+          baseline_title: str | None = None) -> Figure:
+    """Gantt chart: one row per CTA, time on x, work colored by request.
+
+    A :class:`~nbattn.sched.plan.Plan` is drawn with its own chunk costs
+    (``alpha*l_q + beta*l_kv``, no overhead, no merge phase), so the right edge
+    is ``plan.makespan``.  A :class:`~nbattn.sched.simulate.SimResult` is drawn
+    with its simulated times; merge jobs are hatched.  The dashed line is the
+    lower bound.  ``baseline`` (a Plan or SimResult of the same work) is drawn
+    above it on the same time axis, to contrast with.
+    """
+    panels = [_schedule_of(plan_or_sim) + (title,)]
+    if baseline is not None:
+        panels.insert(0, _schedule_of(baseline) + (baseline_title,))
+    x_max = max(max(p[2], p[3]) for p in panels)
+    x_max = x_max * 1.02 if x_max > 0 else 1
+    height = sum(max(2.5, min(0.12 * p[0].num_ctas + 1.5, 14)) for p in panels)
+    fig = _new_figure(9, height)
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (s, keep, bound, makespan, label, given) in zip(axes, panels):
+        _draw_gantt(ax, s, keep, bound, makespan, given or label, x_max)
     return _save(fig, path)
 
 
