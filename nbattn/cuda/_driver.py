@@ -16,7 +16,7 @@ numba's cache indexes a kernel by its bytecode and the *pickled* cells of its
 closure.  nbattn's kernels come from factories whose closures hold other
 device functions (numba dispatchers), and a dispatcher pickles with an id drawn
 per process, so the index never matched in a new process: every process
-recompiled (measured on the H200: 2.64 s vs 3.18 s first call, i.e. no hit).
+recompiled, and a second process's first call cost as much as the first's.
 :func:`stable_key` describes a closure by value instead -- numbers, strings,
 tuples, dataclasses field by field, functions (and the Python functions behind
 dispatchers and intrinsics) by module, name, bytecode, constants, their own

@@ -90,21 +90,15 @@ TC_MIN_GROUP = 4
 # blocks of 8 heads (256 CTAs: one wave either way) measured faster as 4 warps x 3 (0.97 vs
 # 0.83 at 4k).  (make_config)
 # Small batches (the unsplit grid fills at most half the SMs, e.g. batch 1 x 32k) split
-# into one wave of TC_SPLIT_SHAPE = (warps a CTA, CTAs an SM) instead.  H200, fp16, d128,
-# batch 1 x 32k, decode kernel alone: 39.0 us (group 4) / 24.6 us (group 8) as 8 warps x 1
-# CTA per SM, vs 41.7 / 27.3 us as one wave of 6 x 2 / 4 x 3: fewer, longer CTAs pay the
-# per-CTA start (work-list, page-table and first K/V loads in a chain) and end fewer times.
-# With K one step ahead (shapes of at most 8 warps an SM, decode_warp.build_tc_kernel):
-# 38.5 us at group 4 (benchmarks/results/decode_b1.json).
+# into one wave of TC_SPLIT_SHAPE = (warps a CTA, CTAs an SM) instead: fewer, longer CTAs
+# pay the per-CTA start (work list, page table, first K/V loads in a chain) fewer times.
+# Batch 1 x 32k, fp16, d128: 38.5 us at group 4 (benchmarks/results/decode_b1.json).
 TC_SPLIT_SHAPE = (8, 1)
-# split_runner launches the small-batch tensor-core shape (one CTA per SM) with programmatic
-# stream serialization (run_decode_work's ``programmatic``; FlashInfer calls it enable_pdl):
-# its CTAs start, one per SM, while the previous call's merge ends.  H200, batch 1 x 32k,
-# group 4, CUDA-graph replays of consecutive calls: 39.0-39.3 us against 41.0 us launched
-# plainly (benchmarks/results/decode_b1.json).  Shapes of several CTAs per SM lost with it
-# (batch 64 x 32k, group 8, 4 warps x 3 CTAs: 0.82 of copy bandwidth against 1.05 at
-# fd5f05a): the next call's CTAs take SM slots as this call's free them, and the new
-# grid starts out unevenly spread over the SMs.
+# split_runner launches that one-CTA-per-SM shape with programmatic stream serialization
+# (run_decode_work's ``programmatic``; FlashInfer calls it enable_pdl): its CTAs start
+# while the previous call's merge ends.  Other shapes launch plainly: with several CTAs per
+# SM, the next call's CTAs take SM slots as this call's free them and start unevenly
+# spread.  Both measurements are in benchmarks/EXPERIMENTS.md.
 DECODE_PROGRAMMATIC = not SIMULATOR
 
 
