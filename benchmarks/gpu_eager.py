@@ -292,6 +292,11 @@ def figure(recs, path):
     ax2.barh(np.arange(len(host)), [r["value"] for r in host], color="#4477aa")
     ax2.set_yticks(np.arange(len(host)), labs, fontsize=6)
     ax2.set_xscale("log")
+    from matplotlib.ticker import NullFormatter
+    ticks = [t for t in (10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+             if min(r["value"] for r in host) / 2 <= t <= max(r["value"] for r in host) * 2]
+    ax2.set_xticks(ticks, [str(t) for t in ticks])
+    ax2.xaxis.set_minor_formatter(NullFormatter())      # the minor labels overlap
     ax2.set_xlabel("host microseconds per call (no sync)")
     ax2.set_title("host cost of a call")
     fig.tight_layout()
