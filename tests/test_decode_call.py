@@ -89,3 +89,42 @@ def test_python_work_does_not_grow_with_the_batch(monkeypatch):
             sys.setprofile(None)
         counts.append(len(calls))
     assert counts[0] == counts[1], counts
+
+
+@pytest.mark.parametrize("form", ["decode", "prefill"])
+def test_threads_calling_at_once_each_get_their_own_answer(form, monkeypatch):
+    """Plain calls share their bound launches and staging ring across threads.  A
+    pause between patching a launch and launching it (widened here on purpose)
+    must not let another thread's pointers in: each call, made from its own
+    thread with its own inputs of one call shape, must match the golden model."""
+    import threading
+    import time
+    from nbattn.cuda import _driver
+    from nbattn.cuda import prefill as P
+    launch = _driver.BoundLaunch.__call__
+
+    def slow_launch(self, stream=0):
+        time.sleep(0.02)                                 # another thread may run here
+        return launch(self, stream)
+
+    monkeypatch.setattr(_driver.BoundLaunch, "__call__", slow_launch)
+    rng = np.random.default_rng(74)
+    if form == "decode":
+        batches = [_batch(rng, [9, 14], np.float32) for _ in range(4)]
+        run = lambda b: _run(b)[0]                                          # noqa: E731
+        gold = lambda b: R.batch_decode_paged(b["q"], b["cache"], b["indptr"], b["indices"],  # noqa: E731
+                                              b["last"], dtype=np.float64)
+    else:
+        batches = [{x: rng.standard_normal(s).astype(np.float32) for x, s in
+                    (("q", (5, 4, 16)), ("k", (9, 2, 16)), ("v", (9, 2, 16)))} for _ in range(4)]
+        run = lambda b: np.asarray(P.single_prefill(b["q"], b["k"], b["v"], causal=True))  # noqa: E731
+        gold = lambda b: R.single_prefill(b["q"], b["k"], b["v"], causal=True, dtype=np.float64)  # noqa: E731
+    run(batches[0])                                      # bind once, outside the threads
+    got: dict = {}
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, run(batches[i]))) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, b in enumerate(batches):
+        np.testing.assert_allclose(got[i].astype(np.float64), gold(b), atol=1e-4, rtol=1e-4)

@@ -36,6 +36,7 @@ import hashlib
 import logging
 import pathlib
 import struct
+import threading
 import types
 
 import numpy as np
@@ -486,6 +487,9 @@ class StagingRing:
         self.most = most
         self._slots: list[Staged] = []
         self._next = 0
+        # A call holds this from take() to done(): the slot, and the shared bound
+        # launches it patches, are then its own even when threads call at once.
+        self.lock = threading.Lock()
 
     def take(self, n_words: int) -> Staged:
         for slot in self._slots:

@@ -140,51 +140,52 @@ def fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_l
              m_indptr, m_row, m_slots)
     offs = np.cumsum([0] + [max(p.size, 1) + (-max(p.size, 1)) % 4 for p in parts])   # 16-byte aligned spans
     total = int(offs[-1])
-    slot = _RING.take(total)
-    for p, o in zip(parts, offs[:-1]):
-        slot.host.host[o:o + p.size] = p
-    stream = stream_handle(q) if kind == "torch" else 0
-    slot.send(total, stream)
-    spans = [Span(slot.dev, slot.dev_ptr, int(o), int(p.size)) for p, o in zip(parts, offs[:-1])]
-    o_dev = out if out is not None else _alloc(q, kind, shape, code)
-    l_dev = lse if lse is not None else _alloc(q, kind, shape[:2], "f32")
-    if n_slots:
-        po = _alloc(q, kind, (n_slots, hq, D), "f32")
-        pl = _alloc(q, kind, (n_slots, hq), "f32")
-    else:                                           # nothing is split: the kernel writes no partial
-        po = pl = _unused(q, kind)
+    with _RING.lock:                                  # see StagingRing.lock
+        stage = _RING.take(total)
+        for p, o in zip(parts, offs[:-1]):
+            stage.host.host[o:o + p.size] = p
+        stream = stream_handle(q) if kind == "torch" else 0
+        stage.send(total, stream)
+        spans = [Span(stage.dev, stage.dev_ptr, int(o), int(p.size)) for p, o in zip(parts, offs[:-1])]
+        o_dev = out if out is not None else _alloc(q, kind, shape, code)
+        l_dev = lse if lse is not None else _alloc(q, kind, shape[:2], "f32")
+        if n_slots:
+            po = _alloc(q, kind, (n_slots, hq, D), "f32")
+            pl = _alloc(q, kind, (n_slots, hq), "f32")
+        else:                                           # nothing is split: the kernel writes no partial
+            po = pl = _unused(q, kind)
 
-    pdl = DEC.DECODE_PROGRAMMATIC and cfg.path == "tc" and cfg.min_blocks == 1
-    dec, ix = _bound_decode(cfg, kv_layout, var, q, paged_kv_cache, spans, o_dev, l_dev, po, pl, dims, pdl)
-    n_items = int(req.size)
-    n_hb = hq // cfg.heads_per_cta
-    dec.set_grid(n_items * n_hb if cfg.path in ("warp", "tc") else (n_items, n_hb))
-    words = ELEM_WORDS[code]
-    dec.set(ix["q"], q)
-    dec.set(ix["kv"], paged_kv_cache, int(np.prod(paged_kv_cache.shape)) // words)
-    for name, sp in zip(("kv_indptr", "kv_indices", "kv_last", "cta_indptr", "request", "kv_start", "kv_end",
-                         "out_slot"), spans):
-        dec.set(ix[name], sp, max(sp.n, 1))
-    dec.set(ix["out"], o_dev)
-    dec.set(ix["lse"], l_dev)
-    dec.set(ix["partial_o"], po)
-    dec.set(ix["partial_lse"], pl)
-    dec.set(ix["slopes"], _slopes(hq, var.has_alibi))
-    dec.set_scalar(ix["sm_scale"], var.scale(D))
-    dec.set_scalar(ix["sigmoid_bias"], var.sigmoid_bias)
-    dec(stream)
-    if n_slots:
-        most = int(np.diff(m_indptr).max())
-        merge = _bound_merge(code, D, hq, var.use_sigmoid, most, po, pl, spans[8:], o_dev, l_dev)
-        merge.set_grid((int(m_row.size), hq))
-        for i, sp in zip((2, 3, 4), spans[8:]):
-            merge.set(i, sp, max(sp.n, 1))
-        merge.set(0, po, po_size := int(np.prod(po.shape)))
-        merge.set(1, pl, po_size // D)
-        merge.set(5, o_dev)
-        merge.set(6, l_dev)
-        merge(stream)
-    slot.done(stream)                                # the slot is reused once these kernels are done
+        pdl = DEC.DECODE_PROGRAMMATIC and cfg.path == "tc" and cfg.min_blocks == 1
+        dec, ix = _bound_decode(cfg, kv_layout, var, q, paged_kv_cache, spans, o_dev, l_dev, po, pl, dims, pdl)
+        n_items = int(req.size)
+        n_hb = hq // cfg.heads_per_cta
+        dec.set_grid(n_items * n_hb if cfg.path in ("warp", "tc") else (n_items, n_hb))
+        words = ELEM_WORDS[code]
+        dec.set(ix["q"], q)
+        dec.set(ix["kv"], paged_kv_cache, int(np.prod(paged_kv_cache.shape)) // words)
+        for name, sp in zip(("kv_indptr", "kv_indices", "kv_last", "cta_indptr", "request", "kv_start", "kv_end",
+                             "out_slot"), spans):
+            dec.set(ix[name], sp, max(sp.n, 1))
+        dec.set(ix["out"], o_dev)
+        dec.set(ix["lse"], l_dev)
+        dec.set(ix["partial_o"], po)
+        dec.set(ix["partial_lse"], pl)
+        dec.set(ix["slopes"], _slopes(hq, var.has_alibi))
+        dec.set_scalar(ix["sm_scale"], var.scale(D))
+        dec.set_scalar(ix["sigmoid_bias"], var.sigmoid_bias)
+        dec(stream)
+        if n_slots:
+            most = int(np.diff(m_indptr).max())
+            merge = _bound_merge(code, D, hq, var.use_sigmoid, most, po, pl, spans[8:], o_dev, l_dev)
+            merge.set_grid((int(m_row.size), hq))
+            for i, sp in zip((2, 3, 4), spans[8:]):
+                merge.set(i, sp, max(sp.n, 1))
+            merge.set(0, po, po_size := int(np.prod(po.shape)))
+            merge.set(1, pl, po_size // D)
+            merge.set(5, o_dev)
+            merge.set(6, l_dev)
+            merge(stream)
+        stage.done(stream)                               # the slot is reused once these kernels are done
     if kind == "numba" and code == "f16" and out is None:
         o_dev = o_dev.view(np.float16)
     return (o_dev, l_dev) if return_lse else o_dev

@@ -703,30 +703,31 @@ def _launch_staged(kernel, grid, threads, stream, dev, meta: list, block: int, n
     offs = np.cumsum([0] + [w.size + (-w.size) % 4 for w in words])      # 16-byte aligned spans
     total = int(offs[-1])
     h = handle_of(stream)
-    slot = _RING.take(total)
-    for w, o in zip(words, offs[:-1]):
-        slot.host.host[o:o + w.size] = w
-    slot.send(total, h)
-    spans = [Span(slot.dev, slot.dev_ptr, int(o), m.size, m.dtype, m.shape) for m, o in zip(meta, offs[:-1])]
-    key = (kernel, threads, tuple((tuple(a.shape), tuple(a.strides), a.dtype.str) for a in dev))
-    bl = _BOUND.get(key)
-    if bl is None:
-        q, k_src, v_src, out, lse = dev
-        bl = _BOUND[key] = BoundLaunch(kernel, grid, threads,
-                                       (q, k_src, v_src, *[sp.view() for sp in spans], np.int32(block),
-                                        np.int32(n_keys), out, lse),
-                                       convert={i: Span.view for i in range(3, 9)})
-        while len(_BOUND) > BOUND_MOST:
-            _BOUND.pop(next(iter(_BOUND)))               # the oldest call shape
-    for i, a in zip((0, 1, 2, 11, 12), dev):
-        bl.set(i, a)
-    for i, sp, m in zip(range(3, 9), spans, meta):       # the metadata's sizes change per call
-        bl.set(i, sp, m.size, m.shape[0])
-    bl.set_scalar(9, int(block))
-    bl.set_scalar(10, int(n_keys))
-    bl.set_grid(grid)
-    bl(h)
-    slot.done(h)
+    with _RING.lock:                                  # see StagingRing.lock
+        slot = _RING.take(total)
+        for w, o in zip(words, offs[:-1]):
+            slot.host.host[o:o + w.size] = w
+        slot.send(total, h)
+        spans = [Span(slot.dev, slot.dev_ptr, int(o), m.size, m.dtype, m.shape) for m, o in zip(meta, offs[:-1])]
+        key = (kernel, threads, tuple((tuple(a.shape), tuple(a.strides), a.dtype.str) for a in dev))
+        bl = _BOUND.get(key)
+        if bl is None:
+            q, k_src, v_src, out, lse = dev
+            bl = _BOUND[key] = BoundLaunch(kernel, grid, threads,
+                                           (q, k_src, v_src, *[sp.view() for sp in spans], np.int32(block),
+                                            np.int32(n_keys), out, lse),
+                                           convert={i: Span.view for i in range(3, 9)})
+            while len(_BOUND) > BOUND_MOST:
+                _BOUND.pop(next(iter(_BOUND)))               # the oldest call shape
+        for i, a in zip((0, 1, 2, 11, 12), dev):
+            bl.set(i, a)
+        for i, sp, m in zip(range(3, 9), spans, meta):       # the metadata's sizes change per call
+            bl.set(i, sp, m.size, m.shape[0])
+        bl.set_scalar(9, int(block))
+        bl.set_scalar(10, int(n_keys))
+        bl.set_grid(grid)
+        bl(h)
+        slot.done(h)
 
 
 # Benchmarks switch the order off to time build_work's own order.
