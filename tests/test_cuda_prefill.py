@@ -334,3 +334,40 @@ def test_bound_launch_reused_across_metadata_sizes(tc, monkeypatch):
     for n in range(2, 8):                               # every KV length a new call shape
         P.single_prefill(q[:1], k[:n], v[:n], tensor_cores=tc)
     assert len(P._BOUND) == 3
+
+
+def _work_by_loop(qo_starts, qo_lens, kv_ptrs, kv_bases, kv_lens, group, tile_q, kv_chunk=None,
+                  out_starts=None, chunk_stride=0):
+    """The work list written as the docstring reads: request, then KV chunk, then query tile."""
+    out_starts = qo_starts if out_starts is None else out_starts
+    rows = []
+    for i in range(len(qo_lens)):
+        n_chunks = 1 if not kv_chunk else max(1, -(-int(kv_lens[i]) // kv_chunk))
+        for c in range(n_chunks):
+            begin = 0 if not kv_chunk else c * kv_chunk
+            end = int(kv_lens[i]) if not kv_chunk else min(int(kv_lens[i]), begin + kv_chunk)
+            for row0 in range(0, int(qo_lens[i]) * group, tile_q):
+                rows.append((qo_starts[i], qo_lens[i], row0, kv_ptrs[i], kv_bases[i], begin, end,
+                             out_starts[i] + c * chunk_stride))
+    return np.asarray(rows, dtype=np.int32).reshape(-1, 8)
+
+
+def test_build_work_equals_the_loop():
+    """build_work (vectorized) gives exactly the rows, in the order, of the loop over
+    requests, chunks and tiles -- empty requests, empty KV, chunking and output strides included."""
+    rng = np.random.default_rng()
+    for _ in range(200):
+        n = int(rng.integers(0, 12))
+        qo_lens = rng.integers(0, 70, size=n) * (rng.random(n) > 0.2)
+        kv_lens = rng.integers(0, 300, size=n) * (rng.random(n) > 0.1)
+        qo_starts = np.concatenate([[0], np.cumsum(qo_lens)[:-1]]).astype(np.int64) if n else np.zeros(0, np.int64)
+        kv_ptrs, kv_bases = rng.integers(0, 1000, size=n), rng.integers(0, 1000, size=n)
+        group, tile_q = int(rng.choice([1, 2, 4, 8])), int(rng.choice([16, 32, 64, 128]))
+        kw = {}
+        if rng.random() < 0.5:
+            kw = dict(kv_chunk=int(rng.choice([16, 48, 1000])), out_starts=qo_starts + 5,
+                      chunk_stride=int(rng.integers(0, 400)))
+        got = P.build_work(qo_starts, qo_lens, kv_ptrs, kv_bases, kv_lens, group, tile_q, **kw)
+        want = _work_by_loop(qo_starts, qo_lens, kv_ptrs, kv_bases, kv_lens, group, tile_q, **kw)
+        assert got.dtype == np.int32 and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)

@@ -631,17 +631,19 @@ def build_work(qo_starts, qo_lens, kv_ptrs, kv_bases, kv_lens, group: int, tile_
     qo_starts, qo_lens = np.asarray(qo_starts, np.int64), np.asarray(qo_lens, np.int64)
     kv_lens = np.asarray(kv_lens, np.int64)
     out_starts = qo_starts if out_starts is None else np.asarray(out_starts, np.int64)
-    rows = []
-    for i in range(len(qo_lens)):
-        fused = int(qo_lens[i]) * group
-        n_chunks = 1 if not kv_chunk else max(1, -(-int(kv_lens[i]) // kv_chunk))
-        for c in range(n_chunks):
-            begin = 0 if not kv_chunk else c * kv_chunk
-            end = int(kv_lens[i]) if not kv_chunk else min(int(kv_lens[i]), begin + kv_chunk)
-            for row0 in range(0, fused, tile_q):
-                rows.append((qo_starts[i], qo_lens[i], row0, kv_ptrs[i], kv_bases[i], begin, end,
-                             out_starts[i] + c * chunk_stride))
-    return np.asarray(rows, dtype=np.int32).reshape(-1, 8)
+    kv_ptrs, kv_bases = np.asarray(kv_ptrs, np.int64), np.asarray(kv_bases, np.int64)
+    # request i gets n_chunks[i] x n_tiles[i] rows, chunk-major; no loop over requests
+    n_tiles = -(-qo_lens * group // tile_q)
+    n_chunks = np.maximum(1, -(-kv_lens // kv_chunk)) if kv_chunk else np.ones_like(kv_lens)
+    per_req = n_chunks * n_tiles
+    req = np.repeat(np.arange(len(qo_lens)), per_req)
+    local = np.arange(req.size) - np.repeat(np.cumsum(per_req) - per_req, per_req)
+    chunk, tile = local // n_tiles[req], local % n_tiles[req]
+    begin = chunk * kv_chunk if kv_chunk else np.zeros_like(chunk)
+    end = np.minimum(kv_lens[req], begin + kv_chunk) if kv_chunk else kv_lens[req]
+    rows = np.stack([qo_starts[req], qo_lens[req], tile * tile_q, kv_ptrs[req], kv_bases[req], begin, end,
+                     out_starts[req] + chunk * chunk_stride], axis=1)
+    return rows.astype(np.int32).reshape(-1, 8)
 
 
 NAN_ROW = 128          # floats: 256 NaN half-words, a K row of head_dim <= 256
