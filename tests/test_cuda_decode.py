@@ -452,3 +452,21 @@ def test_tensor_core_path_real_sizes_gpu(monkeypatch, code, layout, page_size, h
     assert not np.isnan(as_f32(o)).any() and not np.isnan(lse).any()
     check(o, lse, *golden(b, layout, return_lse=True, **variant), code, lse_tol=2e-3)
     assert np.all(as_f32(o)[0] == 0) and np.all(np.isneginf(lse[0]))
+
+
+def test_decode_path_environment_is_read_per_call_not_at_import(monkeypatch):
+    """NBATTN_DECODE_PATH set after import still chooses the path (while DECODE_PATH
+    is "auto"); DECODE_PATH itself wins over it."""
+    from nbattn.variants import Variant
+    args = ("f32", 32, 2, "NHD", Variant(), True)
+    monkeypatch.delenv("NBATTN_DECODE_PATH", raising=False)
+    auto = DEC.make_config(*args).path
+    monkeypatch.setenv("NBATTN_DECODE_PATH", "warp")
+    assert DEC.decode_path() == "warp" and DEC.make_config(*args).path == "warp"
+    monkeypatch.setenv("NBATTN_DECODE_PATH", "smem")
+    assert DEC.make_config(*args).path == "smem"
+    monkeypatch.setattr(DEC, "DECODE_PATH", "warp")
+    assert DEC.make_config(*args).path == "warp"
+    monkeypatch.delenv("NBATTN_DECODE_PATH")
+    monkeypatch.setattr(DEC, "DECODE_PATH", "auto")
+    assert DEC.make_config(*args).path == auto
