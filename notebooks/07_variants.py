@@ -283,6 +283,123 @@ assert rl.amdahl_speedup(f_min - 0.01, 1e12) < 29.6 / 9.1
 print(f"✓ if only attention changed, it was at least {f_min:.0%} of the step before the switch")
 
 # %% [markdown]
+# ## 7. Three serving features in the golden model: RoPE, fp8 caches, learnable sinks
+#
+# These three change what goes *into* the scores or the softmax, not the mask. The golden
+# model has all three (docs: "Rotary position embeddings", "fp8 KV caches" in "Layouts",
+# "Learnable attention sinks"); the kernels do not fuse RoPE or read fp8 yet, so this
+# section runs on NumPy and torch only.
+#
+# ### RoPE: a score that only knows the distance
+#
+# RoPE turns every query and key by an angle proportional to its position, pair of
+# dimensions by pair of dimensions. Turning both by the same extra angle leaves their dot
+# product unchanged, so a score depends on `m - n`, how far apart the query (at `m`) and
+# the key (at `n`) are, and not on where they are. Below, one query vector and one key
+# vector are placed at every position from 0 to 23 and every pair is scored: the matrix is
+# constant along its diagonals.
+#
+# That is also why a serving system may store keys *unrotated* and turn them when it
+# attends (the Streaming-LLM case of the paper, Figure 9). After old tokens are evicted, a
+# key's position in the cache is not its position in the original text; rotating at
+# attention time with the cache position gives the scores of a fresh sequence.
+
+# %%
+from nbattn import reference as R
+rng_r = np.random.default_rng(7)
+N_r, D_r = 24, 16
+q_vec, k_vec = (rng_r.standard_normal(D_r).astype(np.float32) for _ in range(2))
+pos_r = np.arange(N_r, dtype=np.int32)
+q_rows = np.tile(q_vec, (N_r, 1))[:, None, :]             # [24 rows, 1 head, 16]: one q at every position
+k_rows = np.tile(k_vec, (N_r, 1))[:, None, :]
+q_rot, k_rot = R.apply_rope_pos_ids(q_rows, k_rows, pos_r, rope_theta=100.0)
+S_rope = np.einsum("md,nd->mn", q_rot[:, 0].astype(np.float64), k_rot[:, 0].astype(np.float64))
+assert np.allclose(S_rope[1:, 1:], S_rope[:-1, :-1], atol=1e-4)   # shift both positions: same score
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4))
+im = ax1.imshow(S_rope, cmap="RdBu_r"); fig.colorbar(im, ax=ax1, shrink=0.8)
+ax1.set_xlabel("key position n"); ax1.set_ylabel("query position m")
+ax1.set_title("q·k after RoPE (golden model)", fontsize=9)
+ax2.plot(np.arange(N_r), S_rope[N_r - 1, ::-1], marker=".")
+ax2.set_xlabel("distance m - n"); ax2.set_ylabel("score"); ax2.set_title("the last row, by distance", fontsize=9)
+plt.tight_layout(); plt.show()
+
+# %% [markdown]
+# ### fp8 KV caches: the scale decides what survives
+#
+# An fp8 cache stores `x / scale` in 8 bits and is read back as `stored * scale`
+# (`k_scale`, `v_scale`; FlashInfer's names). `float8_e4m3fn` keeps 3 mantissa bits and
+# reaches 448; `float8_e5m2` keeps 2 and reaches 57344. Too small a scale and the
+# largest values saturate at the format's maximum (the left of each curve); too large a
+# scale and the small ones fall into the few subnormals near zero (e4m3fn's rise at the
+# right; e5m2's far wider range only gets there past this plot). The usual choice is `scale = max|x| / fmax`, the
+# smallest scale that saturates nothing. The curves are the relative error of a V tensor
+# with a few outliers, round-tripped through `nbattn.reference.fp8.quantize`, against the scale.
+
+# %%
+import torch
+from nbattn.reference.fp8 import quantize
+x_v = rng_r.standard_normal(4096)
+x_v[:8] *= 20.0                                           # a few outliers, as real V caches have
+amax = float(np.abs(x_v).max())
+scales = np.geomspace(amax / 1e5, amax * 10, 80)
+fig, ax = plt.subplots(figsize=(6.4, 3.4))
+for fmt, fmax, color in (("float8_e4m3fn", 448.0, "C0"), ("float8_e5m2", 57344.0, "C1")):
+    err = [np.linalg.norm(quantize(x_v, sc, fmt).to(torch.float64).numpy() * sc - x_v) / np.linalg.norm(x_v)
+           for sc in scales]
+    ax.plot(scales / amax, err, color=color, label=fmt)
+    ax.axvline(1 / fmax, color=color, ls=":", lw=1)
+ax.set_xscale("log"); ax.set_yscale("log")
+ax.set_xlabel("scale / max|x|  (dotted: 1 / fmax)"); ax.set_ylabel("relative error after the round trip")
+ax.set_title("fp8 round trip of a V tensor with outliers (golden model)", fontsize=9)
+ax.legend(fontsize=8); plt.tight_layout(); plt.show()
+
+# %% [markdown]
+# The same choice inside attention: a decode over an fp8 cache, read by the golden model with
+# the scales, against the same decode over the float32 values.
+
+# %%
+Kd, Hd, Dd = 64, 2, 16
+q_d = rng_r.standard_normal((Hd, Dd)).astype(np.float32)
+k_d, v_d = (rng_r.standard_normal((Kd, Hd, Dd)) for _ in range(2))
+o_ref = R.single_decode(q_d, k_d.astype(np.float32), v_d.astype(np.float32))
+for fmt, fmax in (("float8_e4m3fn", 448.0), ("float8_e5m2", 57344.0)):
+    ks, vs = float(np.abs(k_d).max()) / fmax, float(np.abs(v_d).max()) / fmax
+    o_fp8 = R.single_decode(torch.from_numpy(q_d), quantize(k_d, ks, fmt), quantize(v_d, vs, fmt),
+                            k_scale=ks, v_scale=vs)
+    print(f"{fmt}: max |o_fp8 - o_fp32| = {float(np.abs(np.asarray(o_fp8, np.float64) - o_ref).max()):.4f} "
+          f"(outputs of size ~{float(np.abs(o_ref).max()):.2f})")
+
+# %% [markdown]
+# ### Learnable sinks: somewhere for the weight to go
+#
+# A learnable sink (GPT-OSS; FlashInfer's `sinks`) is one extra logit per query head in the
+# softmax's denominator, with no value vector. The weight it takes is weight no key gets, so
+# the output shrinks towards zero: `o_sink = o * (1 - w_sink)` with
+# `w_sink = e^sink / (e^sink + sum_j e^s_j)`. The picture shows one row's weights without
+# and with a sink logit of 2; the check reads `w_sink` off the golden model's LSE.
+
+# %%
+LOG2E_ = 1.4426950408889634
+Ks = 12
+q_s = rng_r.standard_normal((1, 1, Dd)).astype(np.float32)
+k_s, v_s = (rng_r.standard_normal((Ks, 1, Dd)).astype(np.float32) for _ in range(2))
+sink = np.array([2.0], np.float32)
+o0, lse0 = R.single_prefill(q_s, k_s, v_s, return_lse=True)
+o1 = R.single_prefill(q_s, k_s, v_s, sinks=sink)
+w_sink = 1.0 / (1.0 + 2.0 ** (lse0[0, 0] - sink[0] * LOG2E_))   # e^sink / (e^sink + sum e^s)
+np.testing.assert_allclose(o1, o0 * (1.0 - w_sink), rtol=1e-5, atol=1e-6)
+s_row = (k_s[:, 0] @ q_s[0, 0]) / np.sqrt(Dd)
+p_no = np.exp(s_row - s_row.max()); p_no /= p_no.sum()
+p_yes = p_no * (1.0 - w_sink)
+fig, ax = plt.subplots(figsize=(6.4, 3.0))
+ax.bar(np.arange(Ks) - 0.2, p_no, 0.4, label="no sink (sums to 1)")
+ax.bar(np.arange(Ks) + 0.2, p_yes, 0.4, label=f"sink logit 2 (sums to {1 - w_sink:.2f})")
+ax.bar([Ks + 0.5], [w_sink], 0.6, color="gray", label="the sink's share")
+ax.set_xlabel("key"); ax.set_ylabel("softmax weight"); ax.legend(fontsize=8)
+ax.set_title("one row's weights, golden model", fontsize=9); plt.tight_layout(); plt.show()
+print(f"the sink takes {w_sink:.2f} of the weight; o shrinks by that factor")
+
+# %% [markdown]
 # ## Summary
 #
 # * A `Variant` names every customization; golden model and kernels read the same one.
@@ -290,3 +407,6 @@ print(f"✓ if only attention changed, it was at least {f_min:.0%} of the step b
 #   them into the kernel, and a hashable variant keys the kernel cache.
 # * The figures are functions of models and result files; rerun them after a benchmark to see
 #   measured points beside the paper's numbers.
+# * RoPE makes a score a function of distance, so keys may be stored unrotated and turned at
+#   attention time; an fp8 cache is only as good as its scale; a learnable sink gives the
+#   softmax somewhere to put weight that no key deserves.
