@@ -190,6 +190,7 @@ def test_row_with_no_kept_key_is_empty():
     masks[0][1] = False                   # request 0, row 1 keeps nothing
     masks[1][:] = False                   # request 1 keeps nothing at all
     masks[0][0] = True
+    masks[0][[2, 3], 0] = True            # rows 2 and 3 keep at least key 0 (a random row may keep none)
     for arg in (dict(custom_mask=flat(masks)), dict(packed_custom_mask=packed(masks))):
         o, lse = R.batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, return_lse=True, **arg)
         for row in [1, 4, 5, 6]:
