@@ -91,6 +91,7 @@ QUICK = os.environ.get("NBATTN_QUICK") == "1"
 # the default path as the library picks it, unless the environment pins one (e.g. smem
 # when the warp path failed its correctness checks in this session)
 DEFAULT_PATH = os.environ.get("NBATTN_DECODE_PATH", "auto")
+DEC.DECODE_PATH = DEFAULT_PATH          # the package reads no environment: the script pins the path
 TORCH_DT = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 
 

@@ -129,3 +129,19 @@ def test_staging_ring_never_hands_out_a_slot_in_flight(monkeypatch):
     e.host.host[:4] = [7, 8, 9, 10]
     e.send(4, 0)
     assert list(e.dev[:4].copy_to_host()) == [7, 8, 9, 10]
+
+
+def test_staging_ring_stage_packs_each_array_where_its_span_says():
+    """stage() sends int arrays as int32 and a float32 array as its bits, each at a
+    16-byte aligned offset, and each span reads back its own array."""
+    rng = np.random.default_rng()
+    ring = D.StagingRing(most=2)
+    arrays = [rng.integers(-50, 50, size=5).astype(np.int64), np.zeros(0, np.int32),
+              rng.integers(0, 9, size=(3, 8)).astype(np.int32), rng.standard_normal(7).astype(np.float32)]
+    slot, spans = ring.stage(arrays, 0)
+    assert [sp.off % 4 for sp in spans] == [0] * 4 and len({sp.off for sp in spans}) == 4
+    for a, sp in zip(arrays, spans):
+        got = sp.view().copy_to_host()
+        if a.size:
+            np.testing.assert_array_equal(got.reshape(a.shape), a.astype(got.dtype))
+            assert got.dtype == (np.float32 if a.dtype == np.float32 else np.int32)

@@ -404,6 +404,14 @@ class HostToDevice:
             self._lib.event_sync(self._event)
             self._pending = False
 
+    def in_flight(self) -> bool:
+        """Whether the last copies (and what the stream ran before the event) may still run."""
+        if SIMULATOR or not self._pending:
+            return False
+        if self._lib.event_query(self._event) == 0:          # CUDA_SUCCESS: reached
+            self._pending = False
+        return self._pending
+
     def copy(self, dst, first: int, last: int, stream: int = 0, dst_ptr: int | None = None) -> None:
         """``host[first:last]`` into ``dst[first:last]`` (``dst``: an int32 device array,
         whose address ``dst_ptr`` the caller may know already)."""
@@ -454,13 +462,7 @@ class Staged:
 
     def busy(self) -> bool:
         """Whether a kernel that reads ``dev`` may still be running."""
-        st = self.host
-        if SIMULATOR or not st._pending:
-            return False
-        if st._lib.event_query(st._event) == 0:            # CUDA_SUCCESS: done
-            st._pending = False
-            return False
-        return True
+        return self.host.in_flight()
 
     def send(self, n_words: int, stream: int) -> None:
         """``host[:n_words]`` into ``dev[:n_words]``, ordered on ``stream``."""
@@ -477,9 +479,10 @@ class StagingRing:
 
     :meth:`take` returns a slot whose device array no queued kernel still reads:
     the first idle one, else a new one (up to ``most``), else, when all are in
-    flight, the next in turn once its kernels are done.  So a loop of calls runs ahead of the GPU the way torch's
-    own asynchronous copies do, instead of each call waiting for the kernels of
-    the call before it (one staging array would make it wait).  Slots live on
+    flight, the next in turn once its kernels are done.  So a loop of calls runs
+    ahead of the GPU the way torch's own asynchronous copies do, instead of each
+    call waiting for the kernels of the call before it (one staging array would
+    make it wait).  Slots live on
     the device that was current when they were made: one GPU per process, as
     :func:`sm_count` assumes."""
 
@@ -490,6 +493,23 @@ class StagingRing:
         # A call holds this from take() to done(): the slot, and the shared bound
         # launches it patches, are then its own even when threads call at once.
         self.lock = threading.Lock()
+
+    def stage(self, arrays, stream: int) -> tuple[Staged, list[Span]]:
+        """Pack ``arrays`` into one slot, each at a 16-byte aligned offset, and send
+        them with one copy on ``stream``: integer arrays as int32, a float32 array
+        as its bits.  Returns the slot (call :meth:`Staged.done` after the launches
+        that read it) and a :class:`Span` per array (its dtype and shape kept
+        where they are not 1-D int32)."""
+        words = [(a.view(np.int32) if a.dtype == np.float32 else np.asarray(a, np.int32)).reshape(-1)
+                 for a in arrays]
+        offs = np.cumsum([0] + [max(w.size, 1) + (-max(w.size, 1)) % 4 for w in words])
+        slot = self.take(int(offs[-1]))
+        for w, o in zip(words, offs[:-1]):
+            slot.host.host[o:o + w.size] = w
+        slot.send(int(offs[-1]), stream)
+        return slot, [Span(slot.dev, slot.dev_ptr, int(o), int(a.size),
+                           None if a.dtype != np.float32 else a.dtype, a.shape if a.ndim != 1 else None)
+                      for a, o in zip(arrays, offs[:-1])]
 
     def take(self, n_words: int) -> Staged:
         for slot in self._slots:

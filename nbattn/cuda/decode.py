@@ -42,15 +42,13 @@ the arrays are 16-byte aligned.  For GQA groups of at least ``TC_MIN_GROUP``
 heads, fp16/bf16 and head_dim 32..128 (softmax variants), the same module's
 tensor-core kernel (``path="tc"``, ``mma.sync`` with the group's heads as one
 operand) replaces the per-head CUDA-core math, which nears the FMA/issue
-limits there.  ``DECODE_PATH`` (or, while it is ``auto``, the environment
-variable ``NBATTN_DECODE_PATH``, read when a call is configured:
-``auto`` | ``warp`` | ``smem`` | ``tc``) overrides the choice; forcing ``warp`` under the simulator runs it with emulated shuffles
+limits there.  ``DECODE_PATH`` (``auto`` | ``warp`` | ``smem`` | ``tc``)
+overrides the choice; forcing ``warp`` under the simulator runs it with emulated shuffles
 (tests); ``tc`` exists on a GPU only.
 """
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -73,7 +71,7 @@ __all__ = ["batch_decode_paged", "single_decode", "DecodeProblem", "WorkList", "
 MAX_HEAD_DIM = 256
 NEG_INF = float32(-math.inf)
 SMEM_BUDGET = 46 * 1024   # static shared memory stays under the 48 KB default
-DECODE_PATH = "auto"      # auto | warp | smem | tc; "auto" defers to NBATTN_DECODE_PATH (decode_path)
+DECODE_PATH = "auto"      # auto | warp | smem | tc
 # heads per CTA on the warp path (q + acc registers).  4 is measured (H200: group 4 at
 # 0.88 of copy bandwidth; group 8 as two CTAs per KV head at 0.50).  8 (one CTA per
 # KV head for group 8: 168 registers, 3 CTAs/SM, unroll 2) is not measured yet.
@@ -142,25 +140,18 @@ def heads_per_cta(group: int) -> int:
     return 1
 
 
-def decode_path() -> str:
-    """The decode path asked for: ``DECODE_PATH`` when set, else the environment
-    variable ``NBATTN_DECODE_PATH`` (read when a call is configured, not at
-    import), else ``"auto"``."""
-    return DECODE_PATH if DECODE_PATH != "auto" else os.environ.get("NBATTN_DECODE_PATH", "auto")
-
-
-def _use_warp(code: str, head_dim: int, aligned: bool, path: str) -> bool:
-    if path == "smem":
+def _use_warp(code: str, head_dim: int, aligned: bool) -> bool:
+    if DECODE_PATH == "smem":
         return False
     if not WARP.warp_eligible(code, head_dim, aligned):
         return False
-    return path == "warp" or not SIMULATOR
+    return DECODE_PATH == "warp" or not SIMULATOR
 
 
-def _use_tc(code: str, head_dim: int, group: int, aligned: bool, variant: Variant, path: str) -> bool:
-    if path not in ("auto", "tc") or not WARP.tc_eligible(code, head_dim, aligned, variant):
+def _use_tc(code: str, head_dim: int, group: int, aligned: bool, variant: Variant) -> bool:
+    if DECODE_PATH not in ("auto", "tc") or not WARP.tc_eligible(code, head_dim, aligned, variant):
         return False
-    return path == "tc" or (TC_MIN_GROUP > 0 and group >= TC_MIN_GROUP)
+    return DECODE_PATH == "tc" or (TC_MIN_GROUP > 0 and group >= TC_MIN_GROUP)
 
 
 _configs: dict = {}
@@ -171,7 +162,7 @@ def make_config(code: str, head_dim: int, group: int, kv_layout: str, variant: V
     """The kernel build for a problem; ``batch_kv_heads`` (batch x KV heads, when
     known) picks the tensor-core CTA shape for small batches.  Memoized (a call's
     hot path asks for it)."""
-    key = (code, head_dim, group, kv_layout, variant, aligned, batch_kv_heads, decode_path(), WARP_MAX_HEADS,
+    key = (code, head_dim, group, kv_layout, variant, aligned, batch_kv_heads, DECODE_PATH, WARP_MAX_HEADS,
            WARP_WARPS, WARP_UNROLL, TC_SPLIT_SHAPE, TC_MIN_GROUP, SMEM_BUDGET)
     try:
         return _configs[key]
@@ -184,15 +175,14 @@ def make_config(code: str, head_dim: int, group: int, kv_layout: str, variant: V
 
 def _make_config(code: str, head_dim: int, group: int, kv_layout: str, variant: Variant,
                  aligned: bool, batch_kv_heads: int | None) -> DecodeConfig:
-    path = decode_path()
-    if _use_tc(code, head_dim, group, aligned, variant, path):
+    if _use_tc(code, head_dim, group, aligned, variant):
         hg = heads_per_cta(group)
         nw, mb = (4, 3) if hg > 4 else (6, 2)
         if batch_kv_heads is not None and 2 * batch_kv_heads * (group // hg) <= sm_count():
             nw, mb = TC_SPLIT_SHAPE
         return DecodeConfig(code, head_dim, hg, kv_layout, kernel_variant_key(variant), 32 * nw, 16 * nw,
                             aligned, "tc", 1, mb)
-    if _use_warp(code, head_dim, aligned, path):
+    if _use_warp(code, head_dim, aligned):
         hg = WARP.warp_heads_per_cta(group, WARP_MAX_HEADS, WARP.warp_geometry(code, head_dim, 1, 1, 1)[0])
         nw = WARP_WARPS
         # tokens in flight per row: as many as the register cap holds without spills

@@ -90,9 +90,9 @@ def _choose_chunk(cfg, batch: int, num_qo_heads: int, kv_lens: np.ndarray) -> in
 def _alloc(like, kind: str, shape: tuple, code: str):
     if kind == "torch":
         import torch
-        dt = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32}[code]
+        dt = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[code]
         return torch.empty(shape, dtype=dt, device=like.device)
-    return cuda.device_array(shape, np.int32 if code == "i32" else A.RAW[code])
+    return cuda.device_array(shape, A.RAW[code])
 
 
 def fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, *,
@@ -138,15 +138,9 @@ def fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_l
     (cta, req, ks, ke, slot, m_indptr, m_row, m_slots, n_slots) = split_work_arrays(kv_lens, chunk)
     parts = (pkv.paged_kv_indptr, pkv.paged_kv_indices, pkv.paged_kv_last_page_len, cta, req, ks, ke, slot,
              m_indptr, m_row, m_slots)
-    offs = np.cumsum([0] + [max(p.size, 1) + (-max(p.size, 1)) % 4 for p in parts])   # 16-byte aligned spans
-    total = int(offs[-1])
+    stream = stream_handle(q) if kind == "torch" else 0
     with _RING.lock:                                  # see StagingRing.lock
-        stage = _RING.take(total)
-        for p, o in zip(parts, offs[:-1]):
-            stage.host.host[o:o + p.size] = p
-        stream = stream_handle(q) if kind == "torch" else 0
-        stage.send(total, stream)
-        spans = [Span(stage.dev, stage.dev_ptr, int(o), int(p.size)) for p, o in zip(parts, offs[:-1])]
+        stage, spans = _RING.stage(parts, stream)
         o_dev = out if out is not None else _alloc(q, kind, shape, code)
         l_dev = lse if lse is not None else _alloc(q, kind, shape[:2], "f32")
         if n_slots:

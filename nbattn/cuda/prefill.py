@@ -681,7 +681,7 @@ def launch(spec: KernelSpec, q, k_src, v_src, kv_indices: np.ndarray, work: np.n
     if (_RECORDING is None and out is not None and lse is not None
             and all(isinstance(x, np.ndarray) for x in host_meta)):
         _launch_staged(kernel, grid, spec.threads, stream, (q, k_src, v_src, out, lse),
-                       [np.ascontiguousarray(x, dtype=np.int32) for x in host_meta] + [slopes], block, n_keys)
+                       [*host_meta, slopes], block, n_keys)
         return
     meta = [A.device_meta(x, x, stream) for x in host_meta]
     args = (q, k_src, v_src, *meta, cuda.to_device(slopes, stream=stream), np.int32(block), np.int32(n_keys),
@@ -701,16 +701,9 @@ def _launch_staged(kernel, grid, threads, stream, dev, meta: list, block: int, n
     and dtypes of q, k, v, out and lse; the last :data:`BOUND_MOST` shapes are
     kept), with only pointers, the metadata's sizes, scalars and the grid
     patched (:class:`nbattn.cuda._driver.BoundLaunch`)."""
-    words = [m.reshape(-1).view(np.int32) for m in meta]
-    offs = np.cumsum([0] + [w.size + (-w.size) % 4 for w in words])      # 16-byte aligned spans
-    total = int(offs[-1])
     h = handle_of(stream)
     with _RING.lock:                                  # see StagingRing.lock
-        slot = _RING.take(total)
-        for w, o in zip(words, offs[:-1]):
-            slot.host.host[o:o + w.size] = w
-        slot.send(total, h)
-        spans = [Span(slot.dev, slot.dev_ptr, int(o), m.size, m.dtype, m.shape) for m, o in zip(meta, offs[:-1])]
+        slot, spans = _RING.stage(meta, h)
         key = (kernel, threads, tuple((tuple(a.shape), tuple(a.strides), a.dtype.str) for a in dev))
         bl = _BOUND.get(key)
         if bl is None:
