@@ -30,6 +30,8 @@ from nbattn import layout as L  # noqa: E402
 def profile(name, fn, n, out):
     fn()
     torch.cuda.synchronize()
+    us = E.host_us(fn, n, 20)
+    out.write(f"\n##### {name}: {us:.1f} us per call without the profiler (median)\n")
     pr = cProfile.Profile()
     pr.enable()
     for i in range(n):
@@ -51,7 +53,7 @@ def main() -> int:
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     out = open(Path(args.out) / "host_profile.txt", "w")
-    for batch, kv_len, hkv in ((64, 4096, 8), (1, 32768, 4)):
+    for batch, kv_len, hkv in ((64, 4096, 8), (64, 16384, 8), (1, 32768, 8), (1, 32768, 4)):
         q, cache, meta, pkv, _ = E.decode_case(batch, kv_len, hkv, gen)
         ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
         w = NC.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
@@ -60,6 +62,11 @@ def main() -> int:
         profile(f"{tag} plain", lambda: NC.batch_decode_paged(q, cache, *meta), 200, out)
         profile(f"{tag} run", lambda: w.run(q, cache), 400, out)
         profile(f"{tag} plan", lambda: w.plan(*meta, E.HQ, hkv, E.D, E.PS), 200, out)
+    rng = np.random.default_rng(5)
+    pkv = L.PagedKV.allocate(rng.integers(1, 8192, size=1024), E.PS, rng=rng)
+    w = NC.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+    profile("decode plan b1024", lambda: w.plan(pkv.paged_kv_indptr, pkv.paged_kv_indices,
+                                                pkv.paged_kv_last_page_len, E.HQ, 8, E.D, E.PS), 100, out)
     n = 2048
     q, k, v = (torch.randn((n, E.HQ, E.D), dtype=torch.float16, device="cuda", generator=gen) for _ in range(3))
     pkv = L.PagedKV.allocate([n], E.PS)
