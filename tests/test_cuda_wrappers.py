@@ -386,6 +386,43 @@ def test_decode_run_bad_input_raises_before_launch(monkeypatch):
     assert not launched
 
 
+def test_decode_run_skips_checks_only_for_what_it_accepted(monkeypatch):
+    """A run() whose inputs look as the last accepted run()'s did skips the checks; any
+    other dtype, shape, layout or too small a cache is still refused before a launch,
+    and plan() forgets what was accepted (a re-plan to a larger page id is checked)."""
+    from nbattn.cuda import _driver
+    from nbattn.cuda import wrappers as WR
+    rng = np.random.default_rng(67)
+    b = decode_batch(rng, [4, 9])
+    w = BatchDecodeWithPagedKVCacheWrapper(workspace(WS), "NHD", num_ctas=C)
+    w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE)
+    close(w.run(b["q"], b["cache"], return_lse=True), ref_decode(b))
+    checked = []
+    check = WR._PlanRunWrapper._check_run
+    monkeypatch.setattr(WR._PlanRunWrapper, "_check_run", lambda self, *a: checked.append(1) or check(self, *a))
+    q2 = rng.standard_normal(b["q"].shape).astype(b["q"].dtype)      # new values, same look
+    w.run(q2, b["cache"])
+    assert not checked
+    launched = []
+    monkeypatch.setattr(_driver.BoundLaunch, "__call__", lambda self, stream=0: launched.append(1))
+    qf = np.asfortranarray(b["q"])
+    for q, cache, match in ((b["q"][:1], b["cache"], "q: must have shape"),
+                            (b["q"].astype(np.float32), b["cache"], "q: dtype"),
+                            (b["q"], b["cache"][:, :, :2], "paged_kv_cache: .page_size"),
+                            (b["q"], b["cache"][:1], "paged_kv_cache: plan.. uses page")):
+        with pytest.raises(Exception, match=match):
+            w.run(q, cache)
+    assert not launched and len(checked) == 4
+    w.run(qf, b["cache"])                                   # another layout: checked, then accepted
+    assert len(checked) == 5
+    big = decode_batch(rng, [30, 40])                       # same q shape, more pages than b's cache
+    assert big["q"].shape == b["q"].shape and big["indices"].max() >= b["cache"].shape[0]
+    w.plan(big["indptr"], big["indices"], big["last"], HQ, HK, D, PAGE)
+    with pytest.raises(Exception, match="uses page"):
+        w.run(big["q"], b["cache"])
+    assert len(checked) == 6
+
+
 def _count_run_calls(w, b, monkeypatch):
     """Python function calls made by one run() (kernels not executed), and their names."""
     import sys
@@ -419,6 +456,7 @@ def test_decode_run_python_work_is_constant(monkeypatch):
         metadata_work = {"validate", "as_int32", "from_cache", "plan", "host_meta", "split_work", "build_work",
                          "check_causal_lengths", "kv_lens", "_page_table"}
         assert not [n for n in names if n.rsplit(".", 1)[-1] in metadata_work], names
+        assert "_check_run" not in [n.rsplit(".", 1)[-1] for n in names], names   # accepted last time
         counts.append(len(names))
     assert counts[0] == counts[1], counts
 

@@ -53,15 +53,78 @@ def test_device_inputs_match_golden_across_calls(dtype):
         np.testing.assert_allclose(o.astype(np.float64), ro, atol=tol * (1 + np.abs(ro).max()), rtol=tol)
 
 
-def test_split_work_arrays_equal_the_loop():
+def test_decode_work_equals_the_rule_and_the_loop():
+    """hostwork.decode_work against decode.choose_chunk + decode.split_work (the loop):
+    the same chunk, the same work list and reduction map, the page table copied, every
+    array at its 16-byte aligned offset; a buffer too short is left untouched."""
+    from nbattn import layout as L
+    from nbattn.cuda import hostwork as HW
     from nbattn.cuda.decode import split_work
     rng = np.random.default_rng(72)
-    for chunk in (None, 1, 7, 64):
-        lens = rng.integers(0, 200, size=int(rng.integers(1, 30)))
-        a, b = split_work(lens, chunk), DC.split_work_arrays(lens, chunk)
-        for x, y in zip(a[:-1], b[:-1]):
+    for trial in range(300):
+        ps = int(rng.choice([1, 4, 16]))
+        lens = rng.integers(0, 400, size=int(rng.integers(1, 30)))
+        lens[rng.random(lens.size) < 0.2] = 0                               # empty requests
+        pkv = L.PagedKV.allocate(lens, ps, rng=rng)
+        ctas, slots = int(rng.integers(1, 80)), int(rng.integers(1, 120))
+        grain, floor = int(rng.choice([1, 16, 32])), int(rng.choice([1, 16, 64]))
+        longest = int(lens.max())
+        chunk = None                                           # decode.choose_chunk's arithmetic
+        if ctas < slots and longest > 0:
+            c = max(floor, -(-longest // max(1, slots // ctas)))
+            c = -(-c // grain) * grain
+            chunk = None if c >= longest else c
+        want = split_work(lens, chunk)
+        tables = (pkv.paged_kv_indptr, pkv.paged_kv_indices, pkv.paged_kv_last_page_len)
+        short = np.full(8, 7, np.int32)
+        info = HW.decode_work(*tables, ps, ctas, slots, grain, floor, short)
+        if info[0] > short.size:
+            assert (short == 7).all()
+        buf = np.full(int(info[0]) + int(rng.integers(0, 9)), -99, np.int32)
+        info = HW.decode_work(*tables, ps, ctas, slots, grain, floor, buf)
+        assert info[5] == (chunk or 0)
+        offs, lens_out = info[6:17], info[17:28]
+        got = [buf[o:o + n] for o, n in zip(offs, lens_out)]
+        assert all(o % 4 == 0 for o in offs)
+        for x, y in zip(tables + want[:-1], got):
             np.testing.assert_array_equal(x, y)
-        assert a[-1] == b[-1]
+        assert info[1] == want[1].size and info[2] == want[-1] and info[3] == want[6].size
+        assert info[4] == (int(np.diff(want[5]).max()) if want[6].size else 0)
+
+
+def test_page_table_ok_agrees_with_validate():
+    """hostwork.page_table_ok is True exactly where PagedKV.validate accepts, over
+    random tables with one rule broken at a time (or none)."""
+    from nbattn import layout as L
+    from nbattn.cuda import hostwork as HW
+    rng = np.random.default_rng(75)
+    for trial in range(400):
+        ps = int(rng.choice([1, 4, 16]))
+        lens = rng.integers(0, 60, size=int(rng.integers(0, 8)))
+        pkv = L.PagedKV.allocate(lens, ps, num_pages=int(-(-lens // ps).sum()) + 3, rng=rng)
+        indptr, indices = pkv.paged_kv_indptr.copy(), pkv.paged_kv_indices.copy()
+        last, num_pages = pkv.paged_kv_last_page_len.copy(), pkv.num_pages
+        fault = int(rng.integers(0, 9))
+        if fault == 1 and indptr.size:
+            indptr[0] = 1
+        elif fault == 2 and indptr.size > 2:
+            indptr[1], indptr[2] = indptr[2], max(indptr[1] - 1, 0)
+        elif fault == 3:
+            indptr = np.append(indptr, indptr[-1] + 1).astype(np.int32)
+        elif fault == 4 and indices.size:
+            indices[rng.integers(indices.size)] = rng.choice([-1, num_pages, num_pages + 5])
+        elif fault == 5 and last.size:
+            last[rng.integers(last.size)] = rng.choice([0, ps + 1, -2, 3])
+        elif fault == 6:
+            last = np.append(last, 1).astype(np.int32)
+        elif fault == 7:
+            indptr = np.zeros(0, np.int32)
+        try:
+            L.PagedKV.validate(indptr, indices, last, ps, num_pages)
+            ok = True
+        except L.LayoutError:
+            ok = False
+        assert HW.page_table_ok(indptr, indices, last, ps, num_pages) == ok, (fault, indptr, indices, last)
 
 
 @pytest.mark.skipif(not __import__("nbattn").simulator_enabled(), reason="counts the simulator's Python calls; on a GPU numba's allocator adds calls of its own")

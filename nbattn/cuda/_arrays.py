@@ -79,9 +79,25 @@ def is_device_kind(kind: str) -> bool:
     return kind in ("torch", "numba", "cai")
 
 
+_CODES: dict = {}
+
+
 def dtype_code(x: Any, name: str) -> str:
     """Which supported float type ``x`` holds; LayoutError naming ``name`` if none."""
     dt = getattr(x, "dtype", None)
+    try:
+        return _CODES[dt]                            # a dtype seen before (every call's hot path)
+    except (KeyError, TypeError):
+        pass
+    code = _dtype_code(dt, name)
+    try:
+        _CODES[dt] = code
+    except TypeError:
+        pass
+    return code
+
+
+def _dtype_code(dt: Any, name: str) -> str:
     text = str(dt).replace("torch.", "")
     if text in ("float16", "half"):
         return "f16"

@@ -47,7 +47,7 @@ from .primitives import SIMULATOR
 log = logging.getLogger("nbattn")
 
 __all__ = ["jit_kernel", "stable_key", "sm_count", "BoundLaunch", "launch", "launch_programmatic",
-           "data_ptr", "stream_handle", "handle_of", "HostToDevice", "Span", "StagingRing"]
+           "data_ptr", "stream_handle", "torch_stream", "handle_of", "HostToDevice", "Span", "StagingRing"]
 
 _PACKAGE = pathlib.Path(__file__).resolve().parents[1]
 _source_digest: str | None = None
@@ -204,21 +204,29 @@ def stream_handle(*arrays) -> int:
     first torch CUDA tensor among ``arrays``, else 0 (the default stream)."""
     for a in arrays:
         if a is not None and getattr(a, "is_cuda", False):
-            return _torch_stream(a.device.index)
+            return torch_stream(a.device.index)
     return 0
 
 
-def _torch_stream(index: int) -> int:
+def torch_stream(index: int) -> int:
+    """torch's current stream on device ``index``, as a driver handle."""
+    if _RAW_STREAM:
+        return _RAW_STREAM[0](index)
     import torch
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return raw(index)
-    return torch.cuda.current_stream(index).cuda_stream
+    if raw is None:
+        return torch.cuda.current_stream(index).cuda_stream
+    _RAW_STREAM.append(raw)
+    return raw(index)
+
+
+_RAW_STREAM: list = []
 
 
 class _Libcuda:
-    """``cuLaunchKernel`` / ``cuLaunchKernelEx`` of the driver library through ctypes: a
-    launch is one foreign call with a prebuilt argument buffer."""
+    """``cuLaunchKernelEx`` (and the copies and events the staging uses) of the driver
+    library through ctypes: a launch is one foreign call with a prebuilt config and
+    argument buffer."""
 
     class Attr(ctypes.Structure):              # CUlaunchAttribute: id, padding, a 64-byte union
         _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
@@ -234,9 +242,6 @@ class _Libcuda:
     def __init__(self):
         lib = ctypes.CDLL("libcuda.so.1")
         vp, u = ctypes.c_void_p, ctypes.c_uint
-        self.launch = lib.cuLaunchKernel
-        self.launch.argtypes = [vp, u, u, u, u, u, u, u, vp, vp, vp]
-        self.launch.restype = ctypes.c_int
         self.launch_ex = lib.cuLaunchKernelEx
         self.launch_ex.argtypes = [vp, vp, vp, vp]
         self.launch_ex.restype = ctypes.c_int
@@ -329,12 +334,14 @@ class BoundLaunch:
         self._params = (ctypes.c_void_p * len(cells))(*[ctypes.addressof(c) for c in cells])
         self._params_addr = ctypes.addressof(self._params)
         g, b = _dim3(grid), _dim3(threads)
-        self._dims = [*g, *b, self.smem]
         self._lib = _libcuda()
-        if self.programmatic:
-            self._attr = _Libcuda.Attr(id=_Libcuda.PROGRAMMATIC_STREAM_SERIALIZATION)
-            self._attr.value[0] = 1
-            self._cfg = _Libcuda.Config(*g, *b, self.smem, None, ctypes.addressof(self._attr), 1)
+        # Every launch is cuLaunchKernelEx over this one config (grid, block, shared memory,
+        # stream, attributes): a call patches the stream and passes four pointers.
+        self._attr = _Libcuda.Attr(id=_Libcuda.PROGRAMMATIC_STREAM_SERIALIZATION)
+        self._attr.value[0] = 1
+        self._cfg = _Libcuda.Config(*g, *b, self.smem, None, ctypes.addressof(self._attr) if self.programmatic
+                                    else None, 1 if self.programmatic else 0)
+        self._cfg_addr = ctypes.addressof(self._cfg)
 
     def set(self, i: int, x, size: int | None = None, rows: int | None = None) -> None:
         """Array argument ``i`` now reads ``x``'s memory (same element type and
@@ -354,10 +361,7 @@ class BoundLaunch:
         """Launch over another grid from now on."""
         self.grid = grid
         if not SIMULATOR:
-            g = _dim3(grid)
-            self._dims[:3] = g
-            if self.programmatic:
-                self._cfg.gridDimX, self._cfg.gridDimY, self._cfg.gridDimZ = g
+            self._cfg.gridDimX, self._cfg.gridDimY, self._cfg.gridDimZ = _dim3(grid)
 
     def set_scalar(self, i: int, value) -> None:
         if SIMULATOR:
@@ -369,14 +373,11 @@ class BoundLaunch:
         if SIMULATOR:
             self.kernel[self.grid, self.threads, 0, self.smem](*self._args)
             return
-        if self.programmatic:
-            self._cfg.hStream = stream
-            err = self._lib.launch_ex(ctypes.addressof(self._cfg), self._fn, self._params_addr, None)
-        else:
-            err = self._lib.launch(self._fn, *self._dims, stream, self._params_addr, None)
+        self._cfg.hStream = stream
+        err = self._lib.launch_ex(self._cfg_addr, self._fn, self._params_addr, None)
         if err:
-            raise RuntimeError(f"nbattn: cuLaunchKernel{'Ex' if self.programmatic else ''} of "
-                               f"{getattr(self.kernel, '__name__', self.kernel)} failed with CUDA error {err}")
+            raise RuntimeError(f"nbattn: cuLaunchKernelEx of {getattr(self.kernel, '__name__', self.kernel)} "
+                               f"failed with CUDA error {err}")
 
 
 class HostToDevice:

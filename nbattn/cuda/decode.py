@@ -66,7 +66,7 @@ from . import nanrule as NR
 from .variants import LOG2E, kernel_variant_key, variant_device_fns
 
 __all__ = ["batch_decode_paged", "single_decode", "DecodeProblem", "WorkList", "prepare_decode", "run_decode_work",
-           "decode_launch", "decode_arg_index", "split_work", "split_runner", "decode_kernel", "DecodeConfig", "MAX_HEAD_DIM"]
+           "decode_launch", "decode_arg_index", "split_work", "split_rule", "split_runner", "decode_kernel", "DecodeConfig", "MAX_HEAD_DIM"]
 
 MAX_HEAD_DIM = 256
 NEG_INF = float32(-math.inf)
@@ -583,19 +583,25 @@ def choose_chunk(p: DecodeProblem) -> int | None:
     allow), into at most one wave of CTAs -- a second, partial wave costs as
     much as a full one -- and into chunks of at least a few tiles; None means
     no split."""
-    cfg = p.config()
-    ctas = p.batch * (p.num_qo_heads // cfg.heads_per_cta)
-    slots = (cfg.min_blocks if cfg.path in ("warp", "tc") else 4) * sm_count()
+    ctas, slots, grain, floor = split_rule(p.config(), p.batch, p.num_qo_heads)
     longest = int(p.kv_lens.max()) if p.batch else 0
     if ctas >= slots or longest == 0:
         return None
     splits = max(1, slots // max(ctas, 1))
-    # tensor-core CTAs take their warps' 16-token tiles in turn: any multiple of 16 works
-    grain = 16 if cfg.path == "tc" else cfg.tile_tokens
-    floor = (4 if cfg.path == "tc" else 8) * cfg.tile_tokens
     chunk = max(floor, -(-longest // splits))
     chunk = -(-chunk // grain) * grain
     return None if chunk >= longest else chunk
+
+
+def split_rule(cfg: DecodeConfig, batch: int, num_qo_heads: int) -> tuple[int, int, int, int]:
+    """The numbers :func:`choose_chunk` decides with: (CTAs of the unsplit grid, CTA
+    slots of the GPU, the chunk's grain, the smallest chunk)."""
+    ctas = batch * (num_qo_heads // cfg.heads_per_cta)
+    slots = (cfg.min_blocks if cfg.path in ("warp", "tc") else 4) * sm_count()
+    # tensor-core CTAs take their warps' 16-token tiles in turn: any multiple of 16 works
+    grain = 16 if cfg.path == "tc" else cfg.tile_tokens
+    floor = (4 if cfg.path == "tc" else 8) * cfg.tile_tokens
+    return ctas, slots, grain, floor
 
 
 def decode_launch(p: DecodeProblem, work: WorkList, partial_o=None, partial_lse=None, prefetch: bool = False):

@@ -1,19 +1,24 @@
 """The plain ``batch_decode_paged`` call on the launch layer.
 
 For device inputs (torch CUDA tensors, numba device arrays) a call does, in
-order: the variant from a cache of keyword sets; the page table validated with
-vectorized NumPy (:meth:`nbattn.layout.PagedKV.validate`); the work list and
-reduction map of :func:`nbattn.cuda.decode.split_work`, computed without a
-loop over requests; every int32 array of the call packed into one staging
-array and sent with one asynchronous copy; outputs allocated; and the decode
-and merge kernels launched through launches bound once per kernel
-configuration (:class:`nbattn.cuda._driver.BoundLaunch`), with only pointers,
-sizes and the grid patched.  The staging array and its device copy come from
-a ring (:class:`nbattn.cuda._driver.StagingRing`), so a call never waits for
-the kernels of the call before it.  Host inputs take :func:`nbattn.cuda.decode.prepare_decode`.
+order: the variant from a cache of keyword sets; the page table checked by one
+compiled function (:func:`nbattn.cuda.hostwork.page_table_ok`; on a fault
+:meth:`nbattn.layout.PagedKV.validate` raises the rule's message); the shape
+checks; then, in one staging slot of a ring
+(:class:`nbattn.cuda._driver.StagingRing`), the page table, the work list and
+the reduction map written by one more compiled function
+(:func:`nbattn.cuda.hostwork.decode_work`, the rules of
+:func:`nbattn.cuda.decode.choose_chunk` and :func:`nbattn.cuda.decode.split_work`)
+and sent with one asynchronous copy; outputs allocated; and the decode and
+merge kernels launched through launches bound once per kernel configuration
+(:class:`nbattn.cuda._driver.BoundLaunch`), with only pointers, sizes and the
+grid patched.  A slot is reused only once the kernels that read it are done,
+so a call never waits for the call before it.  Host inputs take
+:func:`nbattn.cuda.decode.prepare_decode`.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -23,15 +28,17 @@ from .. import layout as L
 from ..variants import check_return_lse, variant_from_kwargs
 from . import _arrays as A
 from . import decode as DEC
+from . import hostwork as HW
 from ._driver import BoundLaunch, Span, StagingRing, data_ptr, sm_count, stream_handle
 from .merge import FEW_FORM, FEW_PARTIALS, MergeMap, merge_partials_launch
 from .primitives import SIMULATOR
 
-__all__ = ["fast_decode", "split_work_arrays"]
+__all__ = ["fast_decode"]
 
 _VARIANTS: dict = {}
 _BOUND: dict = {}
 _RING = StagingRing()
+_TABLE_NAMES = ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
 
 
 def _variant(kwargs: dict):
@@ -43,48 +50,6 @@ def _variant(kwargs: dict):
     if hit is None:
         hit = _VARIANTS[key] = variant_from_kwargs(dict(kwargs))
     return hit
-
-
-def split_work_arrays(kv_lens: np.ndarray, chunk: int | None):
-    """:func:`nbattn.cuda.decode.split_work` without a loop over requests (same arrays)."""
-    lens = np.asarray(kv_lens, np.int64)
-    B = lens.size
-    if chunk is None or not (lens > chunk).any():           # no request splits: one item each
-        i32 = np.int32
-        return (np.arange(B + 1, dtype=i32), np.arange(B, dtype=i32), np.zeros(B, i32), lens.astype(i32),
-                np.full(B, -1, i32), np.zeros(1, i32), np.zeros(0, i32), np.zeros(0, i32), 0)
-    n_items = np.where(lens > chunk, -(-lens // chunk), 1)
-    split = n_items > 1
-    req = np.repeat(np.arange(B), n_items)
-    first = np.cumsum(n_items) - n_items
-    j = np.arange(req.size) - first[req]
-    c = np.int64(chunk)
-    ks = np.where(split[req], j * c, 0)
-    ke = np.where(split[req], np.minimum(lens[req], ks + c), lens[req])
-    n_split_items = np.where(split, n_items, 0)
-    slot_base = np.cumsum(n_split_items) - n_split_items
-    slot = np.where(split[req], slot_base[req] + j, -1)
-    m_row = np.flatnonzero(split)
-    m_indptr = np.concatenate([[0], np.cumsum(n_items[split])])
-    m_slots = np.arange(int(n_split_items.sum()))
-    i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
-    return (np.arange(req.size + 1, dtype=np.int32), i32(req), i32(ks), i32(ke), i32(slot),
-            i32(m_indptr), i32(m_row), i32(m_slots), int(m_slots.size))
-
-
-def _choose_chunk(cfg, batch: int, num_qo_heads: int, kv_lens: np.ndarray) -> int | None:
-    """:func:`nbattn.cuda.decode.choose_chunk` for a configuration and lengths."""
-    ctas = batch * (num_qo_heads // cfg.heads_per_cta)
-    slots = (cfg.min_blocks if cfg.path in ("warp", "tc") else 4) * sm_count()
-    longest = int(kv_lens.max()) if batch else 0
-    if ctas >= slots or longest == 0:
-        return None
-    splits = max(1, slots // max(ctas, 1))
-    grain = 16 if cfg.path == "tc" else cfg.tile_tokens
-    floor = (4 if cfg.path == "tc" else 8) * cfg.tile_tokens
-    chunk = max(floor, -(-longest // splits))
-    chunk = -(-chunk // grain) * grain
-    return None if chunk >= longest else chunk
 
 
 def _alloc(like, kind: str, shape: tuple, code: str):
@@ -118,9 +83,14 @@ def fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_l
     else:
         meta = [m.copy_to_host() if hasattr(m, "copy_to_host") else m
                 for m in (paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)]
-    pkv, dims = L.PagedKV.from_cache(paged_kv_cache, *meta, kv_layout)
+    dims = L.cache_dims(paged_kv_cache, kv_layout)
+    tables = [HW.as_table(L.as_int32(name, m)) for name, m in zip(_TABLE_NAMES, meta)]
+    if not HW.page_table_ok(*tables, dims.page_size, dims.num_pages):
+        L.PagedKV.validate(*meta, dims.page_size, dims.num_pages)       # raises the rule's message
+        raise AssertionError("nbattn: hostwork.page_table_ok and PagedKV.validate disagree")
+    B = tables[0].size - 1
     DEC._check_head_dim(dims.head_dim)
-    shape = L.check_q(q, dims.head_dim, rows=pkv.batch_size)
+    shape = L.check_q(q, dims.head_dim, rows=B)
     group = L.check_heads(shape[1], dims.num_kv_heads)
     for name, x, want, c in (("out", out, shape, code), ("lse", lse, shape[:2], None)):
         if x is not None:
@@ -130,17 +100,20 @@ def fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_l
     if not SIMULATOR and (data_ptr(q) | data_ptr(paged_kv_cache)) % 16:
         return NotImplemented                       # unaligned: the general path picks an unaligned build
 
-    # -- all checks passed: work list, one upload, outputs, launches --
-    B, hq, D = shape
-    kv_lens = pkv.kv_lens
+    # -- all checks passed: work list and metadata in one staging slot, one upload, outputs, launches --
+    hq, D = shape[1], shape[2]
     cfg = DEC.make_config(code, D, group, kv_layout, var, True, B * dims.num_kv_heads)
-    chunk = _choose_chunk(cfg, B, hq, kv_lens)
-    (cta, req, ks, ke, slot, m_indptr, m_row, m_slots, n_slots) = split_work_arrays(kv_lens, chunk)
-    parts = (pkv.paged_kv_indptr, pkv.paged_kv_indices, pkv.paged_kv_last_page_len, cta, req, ks, ke, slot,
-             m_indptr, m_row, m_slots)
+    rule = DEC.split_rule(cfg, B, hq)
     stream = stream_handle(q) if kind == "torch" else 0
     with _RING.lock:                                  # see StagingRing.lock
-        stage, spans = _RING.stage(parts, stream)
+        stage = _RING.take(tables[1].size + 8 * (B + 1) + 64)
+        info = HW.decode_work(*tables, dims.page_size, *rule, stage.host.host)
+        if info[0] > stage.host.host.size:            # a split list longer than the slot: a larger one
+            stage = _RING.take(int(info[0]))
+            info = HW.decode_work(*tables, dims.page_size, *rule, stage.host.host)
+        stage.send(int(info[0]), stream)
+        n_items, n_slots, n_merge, most = (int(x) for x in info[1:5])
+        spans = [Span(stage.dev, stage.dev_ptr, o, n) for o, n in zip(info[6:17].tolist(), info[17:28].tolist())]
         o_dev = out if out is not None else _alloc(q, kind, shape, code)
         l_dev = lse if lse is not None else _alloc(q, kind, shape[:2], "f32")
         if n_slots:
@@ -151,14 +124,12 @@ def fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_l
 
         pdl = DEC.DECODE_PROGRAMMATIC and cfg.path == "tc" and cfg.min_blocks == 1
         dec, ix = _bound_decode(cfg, kv_layout, var, q, paged_kv_cache, spans, o_dev, l_dev, po, pl, dims, pdl)
-        n_items = int(req.size)
         n_hb = hq // cfg.heads_per_cta
         dec.set_grid(n_items * n_hb if cfg.path in ("warp", "tc") else (n_items, n_hb))
         words = ELEM_WORDS[code]
         dec.set(ix["q"], q)
-        dec.set(ix["kv"], paged_kv_cache, int(np.prod(paged_kv_cache.shape)) // words)
-        for name, sp in zip(("kv_indptr", "kv_indices", "kv_last", "cta_indptr", "request", "kv_start", "kv_end",
-                             "out_slot"), spans):
+        dec.set(ix["kv"], paged_kv_cache, math.prod(paged_kv_cache.shape) // words)
+        for name, sp in zip(HW.DECODE_PARTS[:8], spans):
             dec.set(ix[name], sp, max(sp.n, 1))
         dec.set(ix["out"], o_dev)
         dec.set(ix["lse"], l_dev)
@@ -169,12 +140,11 @@ def fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_l
         dec.set_scalar(ix["sigmoid_bias"], var.sigmoid_bias)
         dec(stream)
         if n_slots:
-            most = int(np.diff(m_indptr).max())
             merge = _bound_merge(code, D, hq, var.use_sigmoid, most, po, pl, spans[8:], o_dev, l_dev)
-            merge.set_grid((int(m_row.size), hq))
+            merge.set_grid((n_merge, hq))
             for i, sp in zip((2, 3, 4), spans[8:]):
                 merge.set(i, sp, max(sp.n, 1))
-            merge.set(0, po, po_size := int(np.prod(po.shape)))
+            merge.set(0, po, po_size := n_slots * hq * D)
             merge.set(1, pl, po_size // D)
             merge.set(5, o_dev)
             merge.set(6, l_dev)

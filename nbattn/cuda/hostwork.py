@@ -1,0 +1,154 @@
+"""The host work of a plain call, compiled: page-table checks and the decode work list.
+
+A plain ``batch_decode_paged`` call validates its page table and builds a work
+list on every call.  Written with NumPy that is some thirty array operations,
+each costing a few microseconds of Python however small its array; here each is
+one loop in a function compiled once by ``numba.njit`` (on the CPU, cached on
+disk), so a call pays one dispatch per step instead.
+
+The readable statements of the same rules stay where they were and remain the
+specification these functions are tested against:
+
+* :func:`page_table_ok` is :meth:`nbattn.layout.PagedKV.validate` without the
+  messages: when it answers False the caller runs ``validate``, which raises the
+  error that names the argument and the rule;
+* :func:`decode_work` is :func:`nbattn.cuda.decode.choose_chunk` (the split rule)
+  followed by :func:`nbattn.cuda.decode.split_work` (the work list and reduction
+  map), written straight into the staging array the call sends to the GPU.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+__all__ = ["page_table_ok", "decode_work", "DECODE_PARTS", "as_table"]
+
+#: The arrays :func:`decode_work` writes, in order, each at a 16-byte aligned offset.
+DECODE_PARTS = ("kv_indptr", "kv_indices", "kv_last", "cta_indptr", "request", "kv_start", "kv_end",
+                "out_slot", "merge_indptr", "merge_row", "merge_slots")
+
+
+def as_table(x) -> np.ndarray:
+    """``x`` as the contiguous 1-D int32 array the compiled functions take (NumPy
+    int32 input is passed through; anything else was converted by
+    :func:`nbattn.layout.as_int32` first, so this only fixes the memory order)."""
+    return x if x.flags.c_contiguous else np.ascontiguousarray(x)
+
+
+@njit(cache=True)
+def page_table_ok(indptr, indices, last, page_size, num_pages):
+    """Whether a page table obeys every rule of ``PagedKV.validate``: ``indptr``
+    starts at 0, never decreases and ends at ``len(indices)``; one ``last`` per
+    request; page ids in ``[0, num_pages)``; a request without pages has
+    ``last == 0``, one with pages ``1 <= last <= page_size``."""
+    batch = indptr.shape[0] - 1
+    if batch < 0 or indptr[0] != 0 or indptr[batch] != indices.shape[0] or last.shape[0] != batch:
+        return False
+    for r in range(batch):
+        n = indptr[r + 1] - indptr[r]
+        if n < 0:
+            return False
+        if n == 0:
+            if last[r] != 0:
+                return False
+        elif last[r] < 1 or last[r] > page_size:
+            return False
+    for i in range(indices.shape[0]):
+        if indices[i] < 0 or indices[i] >= num_pages:
+            return False
+    return True
+
+
+@njit(cache=True)
+def _aligned(n):
+    n = max(n, 1)
+    return n + (-n) % 4
+
+
+@njit(cache=True)
+def decode_work(indptr, indices, last, page_size, ctas, slots, grain, floor, buf):
+    """The work list of a validated page table, packed into ``buf`` (int32).
+
+    Split rule (``choose_chunk``): with ``ctas`` CTAs unsplit and ``slots`` CTA
+    slots on the GPU, a batch that fills them is not split; else every request
+    longer than ``chunk = roundup(max(floor, ceil(longest / (slots // ctas))), grain)``
+    becomes ``ceil(len / chunk)`` items writing consecutive partial slots
+    (``split_work``).  No split when that chunk covers the longest request.
+
+    ``buf`` receives the arrays of :data:`DECODE_PARTS` in order, each at an offset
+    that is a multiple of 4 words.  Returns ``info`` (int64): ``info[0]`` the words
+    needed (nothing is written when ``buf`` is shorter: take a larger one and call
+    again), ``info[1]`` the number of items, ``info[2]`` of partial slots,
+    ``info[3]`` of merged requests, ``info[4]`` the most partials of one request,
+    ``info[5]`` the chunk (0: no split), then the 11 offsets and the 11 lengths.
+    """
+    batch = indptr.shape[0] - 1
+    nnz = indices.shape[0]
+    kv_len = np.empty(batch, np.int64)
+    longest = 0
+    for r in range(batch):
+        n = indptr[r + 1] - indptr[r]
+        kv_len[r] = (n - 1) * page_size + last[r] if n > 0 else 0
+        longest = max(longest, kv_len[r])
+    # -- the split rule --
+    chunk = 0
+    if ctas < slots and longest > 0:
+        splits = max(1, slots // max(ctas, 1))
+        c = max(floor, (longest + splits - 1) // splits)
+        c = (c + grain - 1) // grain * grain
+        if c < longest:
+            chunk = c
+    # -- sizes --
+    n_items = 0
+    n_slots = 0
+    n_merge = 0
+    most = 0
+    for r in range(batch):
+        k = (kv_len[r] + chunk - 1) // chunk if chunk > 0 and kv_len[r] > chunk else 1
+        n_items += k
+        if k > 1:
+            n_slots += k
+            n_merge += 1
+            most = max(most, k)
+    info = np.zeros(6 + 2 * 11, np.int64)
+    sizes = (batch + 1, nnz, batch, n_items + 1, n_items, n_items, n_items, n_items,
+             n_merge + 1, n_merge, n_slots)
+    off = 0
+    for j in range(11):
+        info[6 + j] = off
+        info[17 + j] = sizes[j]
+        off += _aligned(sizes[j])
+    info[0], info[1], info[2], info[3], info[4], info[5] = off, n_items, n_slots, n_merge, most, chunk
+    if off > buf.shape[0]:
+        return info
+    o = info[6:17]
+    buf[o[0]:o[0] + batch + 1] = indptr
+    buf[o[1]:o[1] + nnz] = indices
+    buf[o[2]:o[2] + batch] = last
+    # -- the work list (split_work): items in request order --
+    i = 0
+    slot = 0
+    m = 0
+    buf[o[8]] = 0
+    for r in range(batch):
+        k = (kv_len[r] + chunk - 1) // chunk if chunk > 0 and kv_len[r] > chunk else 1
+        for j in range(k):
+            buf[o[3] + i] = i
+            buf[o[4] + i] = r
+            if k > 1:
+                buf[o[5] + i] = j * chunk
+                buf[o[6] + i] = min(kv_len[r], (j + 1) * chunk)
+                buf[o[7] + i] = slot
+                buf[o[10] + slot] = slot
+                slot += 1
+            else:
+                buf[o[5] + i] = 0
+                buf[o[6] + i] = kv_len[r]
+                buf[o[7] + i] = -1
+            i += 1
+        if k > 1:
+            buf[o[9] + m] = r
+            buf[o[8] + m + 1] = slot
+            m += 1
+    buf[o[3] + n_items] = n_items
+    return info
