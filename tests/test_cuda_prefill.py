@@ -371,3 +371,31 @@ def test_build_work_equals_the_loop():
         want = _work_by_loop(qo_starts, qo_lens, kv_ptrs, kv_bases, kv_lens, group, tile_q, **kw)
         assert got.dtype == np.int32 and got.shape == want.shape
         np.testing.assert_array_equal(got, want)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_torch_calls_bound_per_shape_and_stride():
+    """Torch CUDA tensors in the plain prefill forms launch through bound launches
+    keyed by shape and strides: alternating strided and contiguous q, other lengths,
+    an ``out=`` buffer and a side stream must each give the golden model's answer."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(231)
+    side = torch.cuda.Stream()
+    for trial, (nq, nkv) in enumerate([(40, 90), (40, 90), (7, 300), (40, 90), (129, 129)]):
+        hq, hk, d = 8, 2, 128
+        q = torch.from_numpy(rng.standard_normal((hq, nq, d)).astype(np.float32)).to("cuda", torch.float16)
+        q = q.transpose(0, 1) if trial % 2 else q.transpose(0, 1).contiguous()     # strided, then not
+        k, v = (torch.from_numpy(rng.standard_normal((nkv, hk, d)).astype(np.float32)).to("cuda", torch.float16)
+                for _ in range(2))
+        ref = R.single_prefill(q.float().cpu().numpy(), k.float().cpu().numpy(), v.float().cpu().numpy(),
+                               causal=True, return_lse=True)
+        check(tuple(x.float().cpu().numpy() for x in P.single_prefill(q, k, v, causal=True, return_lse=True)),
+              ref, tol=2e-2)
+        out = torch.full((nq, hq, d), float("nan"), dtype=torch.float16, device="cuda")
+        with torch.cuda.stream(side):
+            o = P.batch_prefill_ragged(q, k, v, np.array([0, nq], np.int32), np.array([0, nkv], np.int32),
+                                       causal=True, out=out)
+        side.synchronize()
+        assert o.data_ptr() == out.data_ptr()
+        check(out.float().cpu().numpy(), ref[0], tol=2e-2)

@@ -75,7 +75,7 @@ from . import mma as _mma  # noqa: E402
 from . import prefill_tc as TC  # noqa: E402
 from . import prefill_cc as CC  # noqa: E402
 from . import nanrule as NR  # noqa: E402
-from ._driver import BoundLaunch, Span, StagingRing, handle_of, jit_kernel, launch as launch_kernel  # noqa: E402
+from ._driver import BoundLaunch, Span, StagingRing, handle_of, jit_kernel, torch_stream, launch as launch_kernel  # noqa: E402
 from .primitives import SIMULATOR, device_fn, element_io  # noqa: E402
 from .variants import LOG2E, sigmoid_weight, variant_device_fns  # noqa: E402
 
@@ -88,6 +88,11 @@ NO_KEY = -(2 ** 30)        # kv position of a tile slot that holds no key
 # ---------------------------------------------------------------------------
 
 
+def _default_stream(stream) -> bool:
+    """Whether the caller left ``stream`` at its default (torch's current stream is then used)."""
+    return stream is None or (isinstance(stream, int) and stream == 0)
+
+
 def resolve_stream(stream, *arrays: Any):
     """The stream to launch on: the caller's ``stream`` when one is passed, else
     (``stream=0``, the default) torch's current stream when any argument is a
@@ -97,10 +102,21 @@ def resolve_stream(stream, *arrays: Any):
     return stream
 
 
-def device_in(x: Any, name: str, code: str, stream):
+def device_in(x: Any, name: str, code: str, stream, direct: bool = False):
     """A raw-typed device array over an input (copied from the host, zero-copy on
-    the device; strided device arrays are fine: the kernels index with strides)."""
+    the device; strided device arrays are fine: the kernels index with strides).
+    With ``direct`` (see :func:`torch_direct`) a torch CUDA tensor is passed on as
+    it is: :func:`launch` reads its pointer, shape and strides itself."""
+    if direct:
+        return x
     return A.to_device(x, name, stream, code, strided=True)
+
+
+def torch_direct(*arrays: Any) -> bool:
+    """Whether a call's arrays (None for an absent ``out=``/``lse=``) are all torch CUDA
+    tensors: such a call launches on torch's current stream through a bound launch,
+    making no numba array on the way (:func:`launch`)."""
+    return all(x is None or (A._is_torch(x) and x.is_cuda) for x in arrays) and arrays[0] is not None
 
 
 class _Outputs:
@@ -113,7 +129,8 @@ class _Outputs:
     ``__cuda_array_interface__`` fp16 ``q`` gives a float16 numba array.
     """
 
-    def __init__(self, like: Any, shape: tuple, code: str, out: Any, lse: Any, want_lse: bool, stream):
+    def __init__(self, like: Any, shape: tuple, code: str, out: Any, lse: Any, want_lse: bool, stream,
+                 direct: bool = False):
         if out is not None:
             if tuple(out.shape) != shape or A.dtype_code(out, "out") != code:
                 raise L.LayoutError(f"out: must have shape {shape} and q's dtype, got "
@@ -123,6 +140,14 @@ class _Outputs:
                                 f"{tuple(lse.shape)} {L.dtype_of(lse)}")
         self.kind, self.code, self.stream, self.want_lse = A.kind_of(like), code, stream, want_lse
         self.out, self.lse = out, lse
+        if direct:                                   # torch CUDA tensors, written in place by launch()
+            import torch
+            A.check_writeable("out", out)
+            self.d_out = self.out_user = out if out is not None else torch.empty(shape, dtype=like.dtype,
+                                                                                 device=like.device)
+            self.d_lse = self.lse_user = lse if lse is not None else torch.empty(shape[:2], dtype=torch.float32,
+                                                                                 device=like.device)
+            return
         self.out_user, self.d_out = A.output_for("out", out, self.kind, shape, code, stream, like=like,
                                                  strided=True)
         self.lse_user, self.d_lse = A.output_for("lse", lse, self.kind, shape[:2], "f32", stream, like=like,
@@ -678,11 +703,15 @@ def launch(spec: KernelSpec, q, k_src, v_src, kv_indices: np.ndarray, work: np.n
     idx = kv_indices if len(kv_indices) else np.zeros(1, np.int32)
     host_meta = (idx, work, row_pos, row_kvoff, row_req)
     grid = (len(work), num_kv_heads)
+    dev = (q, k_src, v_src, out, lse)
     if (_RECORDING is None and out is not None and lse is not None
             and all(isinstance(x, np.ndarray) for x in host_meta)):
-        _launch_staged(kernel, grid, spec.threads, stream, (q, k_src, v_src, out, lse),
-                       [*host_meta, slopes], block, n_keys)
+        _launch_staged(kernel, grid, spec.threads, stream, dev, [*host_meta, slopes], block, n_keys,
+                       (spec.kind,) * 3 + (spec.out_kind, "f32"))
         return
+    if isinstance(stream, int) and stream:                # a torch stream handle (torch_direct)
+        stream = cuda.external_stream(stream)
+    q, k_src, v_src, out, lse = _raw_views(dev, (spec.kind,) * 3 + (spec.out_kind, "f32"), stream)
     meta = [A.device_meta(x, x, stream) for x in host_meta]
     args = (q, k_src, v_src, *meta, cuda.to_device(slopes, stream=stream), np.int32(block), np.int32(n_keys),
             out, lse)
@@ -694,7 +723,23 @@ BOUND_MOST = 64                # call shapes kept
 _RING = StagingRing()
 
 
-def _launch_staged(kernel, grid, threads, stream, dev, meta: list, block: int, n_keys: int) -> None:
+_ARG_NAMES = ("q", "k", "v", "out", "lse")
+
+
+def _raw_views(dev, codes, stream) -> tuple:
+    """The kernel's raw-typed numba views of torch CUDA tensors among ``dev`` (others as they are)."""
+    return tuple(A.to_device(x, n, stream, c, strided=True) if x is not None and A._is_torch(x) else x
+                 for x, n, c in zip(dev, _ARG_NAMES, codes))
+
+
+def _shape_key(a) -> tuple:
+    if A._is_torch(a):
+        return (tuple(a.shape), a.stride(), a.dtype)
+    return (tuple(a.shape), tuple(a.strides), a.dtype.str)
+
+
+def _launch_staged(kernel, grid, threads, stream, dev, meta: list, block: int, n_keys: int,
+                   codes: tuple) -> None:
     """:func:`launch` with host metadata: the five int32 arrays and the slopes are
     packed into one staging slot and sent with one asynchronous copy, and the
     kernel goes through a launch bound once per call shape (the shapes, strides
@@ -704,10 +749,11 @@ def _launch_staged(kernel, grid, threads, stream, dev, meta: list, block: int, n
     h = handle_of(stream)
     with _RING.lock:                                  # see StagingRing.lock
         slot, spans = _RING.stage(meta, h)
-        key = (kernel, threads, tuple((tuple(a.shape), tuple(a.strides), a.dtype.str) for a in dev))
+        key = (kernel, threads, tuple(_shape_key(a) for a in dev))
         bl = _BOUND.get(key)
         if bl is None:
-            q, k_src, v_src, out, lse = dev
+            q, k_src, v_src, out, lse = _raw_views(dev, codes, stream if not isinstance(stream, int) or not stream
+                                                   else cuda.external_stream(stream))
             bl = _BOUND[key] = BoundLaunch(kernel, grid, threads,
                                            (q, k_src, v_src, *[sp.view() for sp in spans], np.int32(block),
                                             np.int32(n_keys), out, lse),
@@ -832,12 +878,13 @@ def batch_prefill_paged(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_
     if var.causal:
         L.check_causal_lengths(qo.lengths, kv_lens)
     spec = make_spec("paged", kv_layout, kind, dims.head_dim, shape[1], dims.num_kv_heads, var, tensor_cores)
-    stream = resolve_stream(stream, q, paged_kv_cache, out, lse)
-    outs = _Outputs(q, shape, kind, out, lse, return_lse, stream)
+    direct = torch_direct(q, paged_kv_cache, out, lse) and _default_stream(stream)
+    stream = torch_stream(q.device.index) if direct else resolve_stream(stream, q, paged_kv_cache, out, lse)
+    outs = _Outputs(q, shape, kind, out, lse, return_lse, stream, direct)
     work = build_work(qo.qo_indptr[:-1], qo.lengths, pkv.paged_kv_indptr[:-1],
                       np.zeros(qo.batch_size, np.int32), kv_lens, spec.group, spec.tile_q)
-    cache = device_in(paged_kv_cache, "paged_kv_cache", kind, stream)
-    launch(spec, device_in(q, "q", kind, stream), cache, cache, pkv.paged_kv_indices, work,
+    cache = device_in(paged_kv_cache, "paged_kv_cache", kind, stream, direct)
+    launch(spec, device_in(q, "q", kind, stream, direct), cache, cache, pkv.paged_kv_indices, work,
            *request_rows(qo, kv_lens), dims.page_size, 0, dims.num_kv_heads, outs.d_out, outs.d_lse, stream)
     return outs.finish()
 
@@ -870,12 +917,13 @@ def batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, *, kv_layout: str = "NHD
     if var.causal:
         L.check_causal_lengths(qo.lengths, kvp.lengths)
     spec = make_spec("contig", kv_layout, kind, d, shape[1], hkv, var, tensor_cores)
-    stream = resolve_stream(stream, q, k, v, out, lse)
-    outs = _Outputs(q, shape, kind, out, lse, return_lse, stream)
+    direct = torch_direct(q, k, v, out, lse) and _default_stream(stream)
+    stream = torch_stream(q.device.index) if direct else resolve_stream(stream, q, k, v, out, lse)
+    outs = _Outputs(q, shape, kind, out, lse, return_lse, stream, direct)
     work = build_work(qo.qo_indptr[:-1], qo.lengths, np.zeros(qo.batch_size, np.int32),
                       kvp.qo_indptr[:-1], kvp.lengths, spec.group, spec.tile_q)
-    launch(spec, device_in(q, "q", kind, stream), device_in(k, "k", kind, stream),
-           device_in(v, "v", kind, stream), np.zeros(1, np.int32), work,
+    launch(spec, device_in(q, "q", kind, stream, direct), device_in(k, "k", kind, stream, direct),
+           device_in(v, "v", kind, stream, direct), np.zeros(1, np.int32), work,
            *request_rows(qo, kvp.lengths), 1, n_kv, hkv, outs.d_out, outs.d_lse, stream)
     return outs.finish()
 
