@@ -28,17 +28,17 @@ KERNEL_ONLY = ("stream", "tensor_cores", "kv_chunk")
 GOLDEN_ONLY = ("dtype",)
 
 
-def _is_torch(x: Any) -> bool:
+def is_torch(x: Any) -> bool:
     return type(x).__module__.startswith("torch")
 
 
 def _first_torch(args, kwargs):
     for x in list(args) + list(kwargs.values()):
-        if _is_torch(x):
+        if is_torch(x):
             return x
         if isinstance(x, (list, tuple)):
             for y in x:
-                if _is_torch(y):
+                if is_torch(y):
                     return y
     return None
 
@@ -54,7 +54,7 @@ def _to_torch(x: Any, like: Any):
 
 
 def _copy_into(name: str, given: Any, value: np.ndarray) -> Any:
-    if _is_torch(given):
+    if is_torch(given):
         import torch
         given.copy_(torch.from_numpy(np.ascontiguousarray(value)).to(given.dtype))
         return given

@@ -50,7 +50,7 @@ from numba import cuda
 from ..layout import LayoutError, as_int32
 from .primitives import SIMULATOR
 
-__all__ = ["dtype_code", "kind_of", "is_device_kind", "launch_stream", "to_device", "flat", "words",
+__all__ = ["dtype_code", "kind_of", "is_torch", "is_device_kind", "launch_stream", "to_device", "flat", "words",
            "new_output", "finish", "host_meta", "device_meta", "RAW", "NP_DTYPE",
            "check_contiguous", "copy_into_host", "output_for", "finish_into", "finish_results"]
 
@@ -59,14 +59,14 @@ RAW = {"f16": np.uint16, "bf16": np.uint16, "f32": np.float32}
 NP_DTYPE = {"f16": np.dtype(np.float16), "bf16": np.dtype("V2"), "f32": np.dtype(np.float32)}
 
 
-def _is_torch(x: Any) -> bool:
+def is_torch(x: Any) -> bool:
     return type(x).__module__.startswith("torch")
 
 
 def kind_of(x: Any) -> str:
     if isinstance(x, np.ndarray):
         return "numpy"
-    if _is_torch(x):
+    if is_torch(x):
         return "torch" if x.is_cuda else "torch_cpu"
     if cuda.is_cuda_array(x) if hasattr(cuda, "is_cuda_array") else False:
         return "numba" if type(x).__module__.startswith("numba") else "cai"
@@ -111,7 +111,7 @@ def _dtype_code(dt: Any, name: str) -> str:
 
 def launch_stream(*arrays: Any):
     for a in arrays:
-        if a is not None and _is_torch(a) and a.is_cuda:
+        if a is not None and is_torch(a) and a.is_cuda:
             import torch
             return cuda.external_stream(torch.cuda.current_stream(a.device).cuda_stream)
     return 0 if SIMULATOR else cuda.default_stream()
@@ -119,7 +119,7 @@ def launch_stream(*arrays: Any):
 
 def check_contiguous(x: Any, name: str) -> None:
     """Device arrays are used in place, so they must be C-contiguous."""
-    if _is_torch(x):
+    if is_torch(x):
         ok = x.is_contiguous()
     elif hasattr(x, "is_c_contiguous"):
         ok = x.is_c_contiguous()
@@ -134,7 +134,7 @@ def check_contiguous(x: Any, name: str) -> None:
 
 def _host_raw(x: Any, code: str) -> np.ndarray:
     """Host NumPy array of x's data in the raw element type the kernels read."""
-    if _is_torch(x):
+    if is_torch(x):
         import torch
         t = x.detach()
         arr = t.view(torch.int16).numpy().view(np.uint16) if code == "bf16" else t.numpy()
@@ -251,7 +251,7 @@ def device_meta(x: Any, host: np.ndarray, stream=0):
 
 def copy_into_host(dst: Any, src: np.ndarray) -> None:
     """Write a host result into a caller's host ``out=``/``lse=`` buffer."""
-    if _is_torch(dst):
+    if is_torch(dst):
         import torch
         if str(dst.dtype) == "torch.bfloat16":
             dst.view(torch.int16).copy_(torch.from_numpy(np.ascontiguousarray(src).view(np.int16)))

@@ -38,7 +38,6 @@ __all__ = ["fast_decode"]
 _VARIANTS: dict = {}
 _BOUND: dict = {}
 _RING = StagingRing()
-_TABLE_NAMES = ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
 
 
 def _variant(kwargs: dict):
@@ -84,11 +83,9 @@ def fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_l
         meta = [m.copy_to_host() if hasattr(m, "copy_to_host") else m
                 for m in (paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)]
     dims = L.cache_dims(paged_kv_cache, kv_layout)
-    tables = [HW.as_table(L.as_int32(name, m)) for name, m in zip(_TABLE_NAMES, meta)]
-    if not HW.page_table_ok(*tables, dims.page_size, dims.num_pages):
-        L.PagedKV.validate(*meta, dims.page_size, dims.num_pages)       # raises the rule's message
-        raise AssertionError("nbattn: hostwork.page_table_ok and PagedKV.validate disagree")
-    B = tables[0].size - 1
+    pkv = HW.page_table(*meta, dims.page_size, dims.num_pages)
+    tables = (pkv.paged_kv_indptr, pkv.paged_kv_indices, pkv.paged_kv_last_page_len)
+    B = pkv.batch_size
     DEC._check_head_dim(dims.head_dim)
     shape = L.check_q(q, dims.head_dim, rows=B)
     group = L.check_heads(shape[1], dims.num_kv_heads)

@@ -10,8 +10,8 @@ The readable statements of the same rules stay where they were and remain the
 specification these functions are tested against:
 
 * :func:`page_table_ok` is :meth:`nbattn.layout.PagedKV.validate` without the
-  messages: when it answers False the caller runs ``validate``, which raises the
-  error that names the argument and the rule;
+  messages; :func:`page_table` runs it and, when it answers False, ``validate``,
+  which raises the error that names the argument and the rule;
 * :func:`decode_work` is :func:`nbattn.cuda.decode.choose_chunk` (the split rule)
   followed by :func:`nbattn.cuda.decode.split_work` (the work list and reduction
   map), written straight into the staging array the call sends to the GPU.
@@ -21,18 +21,30 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["page_table_ok", "decode_work", "DECODE_PARTS", "as_table"]
+from .. import layout as L
+
+__all__ = ["page_table", "page_table_ok", "decode_work", "DECODE_PARTS"]
 
 #: The arrays :func:`decode_work` writes, in order, each at a 16-byte aligned offset.
 DECODE_PARTS = ("kv_indptr", "kv_indices", "kv_last", "cta_indptr", "request", "kv_start", "kv_end",
                 "out_slot", "merge_indptr", "merge_row", "merge_slots")
 
 
-def as_table(x) -> np.ndarray:
-    """``x`` as the contiguous 1-D int32 array the compiled functions take (NumPy
-    int32 input is passed through; anything else was converted by
-    :func:`nbattn.layout.as_int32` first, so this only fixes the memory order)."""
-    return x if x.flags.c_contiguous else np.ascontiguousarray(x)
+_NAMES = ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
+
+
+def page_table(indptr, indices, last, page_size: int, num_pages: int) -> L.PagedKV:
+    """:meth:`nbattn.layout.PagedKV.validate` with the rules checked by the compiled
+    :func:`page_table_ok`; only a table that breaks one goes through ``validate``,
+    which raises the message naming the argument and the rule."""
+    tables = []
+    for name, x in zip(_NAMES, (indptr, indices, last)):
+        t = L.as_int32(name, x)
+        tables.append(t if t.flags.c_contiguous else np.ascontiguousarray(t))
+    if not page_table_ok(*tables, page_size, num_pages):
+        L.PagedKV.validate(indptr, indices, last, page_size, num_pages)
+        raise AssertionError("nbattn: hostwork.page_table_ok and PagedKV.validate disagree")
+    return L.PagedKV(*tables, int(page_size), int(num_pages))
 
 
 @njit(cache=True)

@@ -116,7 +116,7 @@ def torch_direct(*arrays: Any) -> bool:
     """Whether a call's arrays (None for an absent ``out=``/``lse=``) are all torch CUDA
     tensors: such a call launches on torch's current stream through a bound launch,
     making no numba array on the way (:func:`launch`)."""
-    return all(x is None or (A._is_torch(x) and x.is_cuda) for x in arrays) and arrays[0] is not None
+    return all(x is None or (A.is_torch(x) and x.is_cuda) for x in arrays) and arrays[0] is not None
 
 
 class _Outputs:
@@ -703,15 +703,13 @@ def launch(spec: KernelSpec, q, k_src, v_src, kv_indices: np.ndarray, work: np.n
     idx = kv_indices if len(kv_indices) else np.zeros(1, np.int32)
     host_meta = (idx, work, row_pos, row_kvoff, row_req)
     grid = (len(work), num_kv_heads)
-    dev = (q, k_src, v_src, out, lse)
+    dev, codes = (q, k_src, v_src, out, lse), (spec.kind,) * 3 + (spec.out_kind, "f32")
     if (_RECORDING is None and out is not None and lse is not None
             and all(isinstance(x, np.ndarray) for x in host_meta)):
-        _launch_staged(kernel, grid, spec.threads, stream, dev, [*host_meta, slopes], block, n_keys,
-                       (spec.kind,) * 3 + (spec.out_kind, "f32"))
+        _launch_staged(kernel, grid, spec.threads, stream, dev, [*host_meta, slopes], block, n_keys, codes)
         return
-    if isinstance(stream, int) and stream:                # a torch stream handle (torch_direct)
-        stream = cuda.external_stream(stream)
-    q, k_src, v_src, out, lse = _raw_views(dev, (spec.kind,) * 3 + (spec.out_kind, "f32"), stream)
+    stream = _numba_stream(stream)
+    q, k_src, v_src, out, lse = _raw_views(dev, codes, stream)
     meta = [A.device_meta(x, x, stream) for x in host_meta]
     args = (q, k_src, v_src, *meta, cuda.to_device(slopes, stream=stream), np.int32(block), np.int32(n_keys),
             out, lse)
@@ -728,12 +726,18 @@ _ARG_NAMES = ("q", "k", "v", "out", "lse")
 
 def _raw_views(dev, codes, stream) -> tuple:
     """The kernel's raw-typed numba views of torch CUDA tensors among ``dev`` (others as they are)."""
-    return tuple(A.to_device(x, n, stream, c, strided=True) if x is not None and A._is_torch(x) else x
+    return tuple(A.to_device(x, n, stream, c, strided=True) if x is not None and A.is_torch(x) else x
                  for x, n, c in zip(dev, _ARG_NAMES, codes))
 
 
+def _numba_stream(stream):
+    """A numba stream for numba's launch: a torch stream handle (see :func:`torch_direct`)
+    wrapped, anything else as it is."""
+    return cuda.external_stream(stream) if isinstance(stream, int) and stream else stream
+
+
 def _shape_key(a) -> tuple:
-    if A._is_torch(a):
+    if A.is_torch(a):
         return (tuple(a.shape), a.stride(), a.dtype)
     return (tuple(a.shape), tuple(a.strides), a.dtype.str)
 
@@ -752,8 +756,7 @@ def _launch_staged(kernel, grid, threads, stream, dev, meta: list, block: int, n
         key = (kernel, threads, tuple(_shape_key(a) for a in dev))
         bl = _BOUND.get(key)
         if bl is None:
-            q, k_src, v_src, out, lse = _raw_views(dev, codes, stream if not isinstance(stream, int) or not stream
-                                                   else cuda.external_stream(stream))
+            q, k_src, v_src, out, lse = _raw_views(dev, codes, _numba_stream(stream))
             bl = _BOUND[key] = BoundLaunch(kernel, grid, threads,
                                            (q, k_src, v_src, *[sp.view() for sp in spans], np.int32(block),
                                             np.int32(n_keys), out, lse),
