@@ -8,7 +8,7 @@ compute-sanitizer, bandwidth benchmark with peers, compile time and disk cache.
     ... gpu_decode.py extras     # only (b) and the on-disk cache check, $OUT/decode_extras.json
     NBATTN_QUICK=1               # skip the sanitizer and the second process
 
-Paths: the default decode path on a GPU is the warp kernel (nbattn.cuda.decode_warp);
+Paths: the default decode path on a GPU is the warp kernel (nbattn.cuda.kernels.decode_warp);
 every bandwidth record also times the shared-memory kernel (peer "nbattn_smem") in
 the same run, and a few cases sweep the warp path's unroll.
 

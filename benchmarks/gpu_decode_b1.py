@@ -34,7 +34,7 @@ from numba import cuda
 sys.path.insert(0, os.path.dirname(__file__))
 import gpu_decode as G  # noqa: E402  (copy bandwidth, inputs, timing, dense check)
 from nbattn.cuda import decode as DEC  # noqa: E402
-from nbattn.cuda import decode_warp as WARP  # noqa: E402
+from nbattn.cuda.kernels import decode_warp as WARP  # noqa: E402
 from nbattn.cuda import merge as MRG  # noqa: E402
 
 OUT = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")

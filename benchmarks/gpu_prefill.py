@@ -39,7 +39,7 @@ import nbattn  # noqa: F401  (compat shim before numba.cuda kernels)
 from nbattn import layout as L
 from nbattn.cuda.cascade import cascade as cuda_cascade
 from nbattn.cuda import prefill as P
-from nbattn.cuda._driver import launch as launch_kernel
+from nbattn.cuda.host.driver import launch as launch_kernel
 
 from _timing import events_ms, graph_ms  # noqa: E402  (benchmarks/ is the script's folder)
 

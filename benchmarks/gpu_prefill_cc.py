@@ -1,4 +1,4 @@
-"""The register-tiled CUDA-core prefill path (nbattn.cuda.prefill_cc) on the GPU,
+"""The register-tiled CUDA-core prefill path (nbattn.cuda.kernels.prefill_cc) on the GPU,
 beside the fp32 FMA roof measured in the same run.
 
     PYTHONPATH=$PWD python3 benchmarks/gpu_prefill_cc.py     (writes $OUT or benchmarks/results)
@@ -41,8 +41,8 @@ from nbattn import layout as L
 from _timing import events_ms  # noqa: E402  (benchmarks/ is the script's folder)
 from nbattn import reference as R
 from nbattn.cuda import prefill as P
-from nbattn.cuda._driver import launch as launch_kernel
-from nbattn.cuda import prefill_cc as CC
+from nbattn.cuda.host.driver import launch as launch_kernel
+from nbattn.cuda.kernels import prefill_cc as CC
 from nbattn.perf import results
 
 OUT = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")

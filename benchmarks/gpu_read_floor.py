@@ -29,7 +29,7 @@ from numba import cuda, uint32
 
 sys.path.insert(0, os.path.dirname(__file__))
 import gpu_decode as G  # noqa: E402  (copy bandwidth, graph timing, log)
-from nbattn.cuda.primitives import load_v4  # noqa: E402
+from nbattn.cuda.blocks.primitives import load_v4  # noqa: E402
 
 OUT = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
 UNROLL = 8          # loads in flight per thread (read_kernel's body)

@@ -48,7 +48,7 @@ from numba import cuda
 from nbattn import reference as R
 from nbattn.cuda import decode as DEC
 from nbattn.cuda import merge as MRG
-from nbattn.cuda.primitives import SIMULATOR
+from nbattn.cuda.blocks.primitives import SIMULATOR
 from nbattn.cuda.wrappers import (BatchDecodeWithPagedKVCacheWrapper,
                                   BatchPrefillWithPagedKVCacheWrapper, default_num_ctas)
 from nbattn.sched import plan as lpt_plan

@@ -37,7 +37,7 @@ def test_backend_matches_numba_cuda_configuration():
     assert nbattn.BACKEND in ("gpu", "simulator")
     if _compat.driver_gpu_count() == 0 and os.environ.get("NUMBA_ENABLE_CUDASIM", "1") != "0":
         assert nbattn.simulator_enabled() and sim
-    from nbattn.cuda import primitives
+    from nbattn.cuda.blocks import primitives
     assert primitives.SIMULATOR == nbattn.simulator_enabled()
 
 

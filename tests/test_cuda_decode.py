@@ -14,7 +14,7 @@ from nbattn import layout as L
 from nbattn import reference as R
 from nbattn.cuda import decode as DEC
 from nbattn.cuda import batch_decode_paged
-from nbattn.cuda.primitives import SIMULATOR
+from nbattn.cuda.blocks.primitives import SIMULATOR
 from numba import cuda
 
 from brute import brute_attention, gather_pages, random_paged_batch
@@ -293,7 +293,7 @@ def test_bad_inputs_raise_before_launch(case, monkeypatch):
 
 
 # ---------------------------------------------------------------------------
-# The warp path (nbattn.cuda.decode_warp): the GPU's default.  Under the
+# The warp path (nbattn.cuda.kernels.decode_warp): the GPU's default.  Under the
 # simulator it is forced on with emulated (block-wide) shuffles and one or two
 # warps; on a GPU the same tests run it for real, plus real-size cases with
 # poisoned outputs.

@@ -151,7 +151,7 @@ def test_merge_states_of_fancy_indexed_host_states():
 
 
 def test_host_copies_get_c_strides():
-    from nbattn.cuda import _arrays as A
+    from nbattn.cuda.host import arrays as A
     a = np.zeros((3, 4), np.float32)[[0, 2]][None]
     assert a.strides[0] == 0 and a.flags.c_contiguous
     assert A.c_strided(a).strides == (32, 16, 4)

@@ -173,8 +173,8 @@ def test_torch_cpu_inputs_handled_as_before(tdtype):
 
 def test_stream_is_the_callers_or_torchs_current(monkeypatch):
     """stream=0 (the default) launches where decode does (torch's current stream for
-    torch CUDA inputs, :func:`nbattn.cuda._arrays.launch_stream`); a passed stream wins."""
-    from nbattn.cuda import _arrays as A
+    torch CUDA inputs, :func:`nbattn.cuda.host.arrays.launch_stream`); a passed stream wins."""
+    from nbattn.cuda.host import arrays as A
     seen = []
     monkeypatch.setattr(A, "launch_stream", lambda *arrays: seen.append(arrays) or "torch-current")
     assert P.resolve_stream(0, "q", None) == "torch-current" and seen == [("q", None)]

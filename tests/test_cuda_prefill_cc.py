@@ -1,4 +1,4 @@
-"""The register-tiled CUDA-core prefill tile (nbattn.cuda.prefill_cc) against a
+"""The register-tiled CUDA-core prefill tile (nbattn.cuda.kernels.prefill_cc) against a
 float64 brute force and the golden model (docs/concepts/layouts.md, masks.md, state.md).
 
 Under the simulator the tile runs at its tiny shape (T_q = 16 fused rows in two
@@ -14,7 +14,7 @@ import nbattn  # noqa: F401  (compat first)
 from nbattn import _compat
 from nbattn import reference as R
 from nbattn.cuda import prefill as P
-from nbattn.cuda import prefill_cc as CC
+from nbattn.cuda.kernels import prefill_cc as CC
 from nbattn.variants import Variant
 
 from brute import brute_attention, gather_pages

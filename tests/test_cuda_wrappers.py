@@ -12,7 +12,7 @@ import pytest
 
 import nbattn  # noqa: F401  (compat first)
 from nbattn import reference as R
-from nbattn.cuda.primitives import SIMULATOR
+from nbattn.cuda.blocks.primitives import SIMULATOR
 from nbattn.cuda.wrappers import (BatchDecodeWithPagedKVCacheWrapper,
                                   BatchPrefillWithPagedKVCacheWrapper)
 
@@ -154,7 +154,7 @@ def test_decode_default_plan_prices_items_and_caps_ctas():
 
 def test_decode_plan_ctas_is_one_resident_wave():
     from types import SimpleNamespace
-    from nbattn.cuda._driver import sm_count
+    from nbattn.cuda.host.driver import sm_count
     from nbattn.cuda.wrappers import decode_plan_ctas
     warp = SimpleNamespace(path="warp", heads_per_cta=4, min_blocks=4)
     # 32 query heads in blocks of 4: 8 kernel CTAs per planner CTA.
@@ -371,7 +371,7 @@ def test_decode_lpt_and_split_agree():
 
 
 def test_decode_run_bad_input_raises_before_launch(monkeypatch):
-    from nbattn.cuda import _driver
+    from nbattn.cuda.host import driver as _driver
     rng = np.random.default_rng(63)
     b = decode_batch(rng, [4, 9])
     w = BatchDecodeWithPagedKVCacheWrapper(workspace(WS), "NHD", num_ctas=C)
@@ -390,7 +390,7 @@ def test_decode_run_skips_checks_only_for_what_it_accepted(monkeypatch):
     """A run() whose inputs look as the last accepted run()'s did skips the checks; any
     other dtype, shape, layout or too small a cache is still refused before a launch,
     and plan() forgets what was accepted (a re-plan to a larger page id is checked)."""
-    from nbattn.cuda import _driver
+    from nbattn.cuda.host import driver as _driver
     from nbattn.cuda import wrappers as WR
     rng = np.random.default_rng(67)
     b = decode_batch(rng, [4, 9])
@@ -426,7 +426,7 @@ def test_decode_run_skips_checks_only_for_what_it_accepted(monkeypatch):
 def _count_run_calls(w, b, monkeypatch):
     """Python function calls made by one run() (kernels not executed), and their names."""
     import sys
-    from nbattn.cuda import _driver
+    from nbattn.cuda.host import driver as _driver
     monkeypatch.setattr(_driver.BoundLaunch, "__call__", lambda self, stream=0: None)
     w.run(b["q"], b["cache"])                         # binds the launches (once per configuration)
     names = []

@@ -58,7 +58,7 @@ def test_decode_work_equals_the_rule_and_the_loop():
     the same chunk, the same work list and reduction map, the page table copied, every
     array at its 16-byte aligned offset; a buffer too short is left untouched."""
     from nbattn import layout as L
-    from nbattn.cuda import hostwork as HW
+    from nbattn.cuda.host import hostwork as HW
     from nbattn.cuda.decode import split_work
     rng = np.random.default_rng(72)
     for trial in range(300):
@@ -96,7 +96,7 @@ def test_page_table_ok_agrees_with_validate():
     """hostwork.page_table_ok is True exactly where PagedKV.validate accepts, over
     random tables with one rule broken at a time (or none)."""
     from nbattn import layout as L
-    from nbattn.cuda import hostwork as HW
+    from nbattn.cuda.host import hostwork as HW
     rng = np.random.default_rng(75)
     for trial in range(400):
         ps = int(rng.choice([1, 4, 16]))
@@ -130,7 +130,7 @@ def test_page_table_ok_agrees_with_validate():
 @pytest.mark.skipif(not __import__("nbattn").simulator_enabled(), reason="counts the simulator's Python calls; on a GPU numba's allocator adds calls of its own")
 def test_python_work_does_not_grow_with_the_batch(monkeypatch):
     import sys
-    from nbattn.cuda import _driver
+    from nbattn.cuda.host import driver as _driver
     monkeypatch.setattr(_driver.BoundLaunch, "__call__", lambda self, stream=0: None)
     rng = np.random.default_rng(73)
     counts = []
@@ -162,7 +162,7 @@ def test_threads_calling_at_once_each_get_their_own_answer(form, monkeypatch):
     thread with its own inputs of one call shape, must match the golden model."""
     import threading
     import time
-    from nbattn.cuda import _driver
+    from nbattn.cuda.host import driver as _driver
     from nbattn.cuda import prefill as P
     launch = _driver.BoundLaunch.__call__
 

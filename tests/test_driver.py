@@ -1,4 +1,4 @@
-"""nbattn.cuda._driver: the on-disk kernel cache key (stable_key).
+"""nbattn.cuda.host.driver: the on-disk kernel cache key (stable_key).
 
 numba's own cache key pickles a kernel's closure, and nbattn's factory-made
 kernels close over device functions whose pickles differ per process, so the
@@ -16,14 +16,15 @@ import numpy as np
 import pytest
 
 import nbattn  # noqa: F401  (compat first)
-from nbattn.cuda import _driver as D
+from nbattn.cuda.host import driver as D
 from nbattn.cuda import decode as DEC
 from nbattn.cuda import merge as M
 from nbattn.variants import Variant
 
 KEYS = textwrap.dedent("""
     import nbattn
-    from nbattn.cuda import _driver as D, decode as DEC
+    from nbattn.cuda import decode as DEC
+    from nbattn.cuda.host import driver as D
     from nbattn.variants import Variant
     for code, d, g, var in (("f16", 128, 4, Variant()), ("bf16", 64, 8, Variant(logits_soft_cap=30.0)),
                             ("f32", 32, 1, Variant(score_mod=lambda s, b, h, q, k: s + 0.5 * (q - k)))):

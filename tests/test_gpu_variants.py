@@ -22,7 +22,7 @@ from nbattn import reference as R
 from nbattn.cuda import decode as DEC
 from nbattn.cuda import prefill as P
 from nbattn.cuda import batch_decode_paged, batch_prefill_paged, single_prefill
-from nbattn.cuda.primitives import SIMULATOR
+from nbattn.cuda.blocks.primitives import SIMULATOR
 
 from brute import random_paged_batch
 
@@ -133,7 +133,7 @@ def test_paged_prefill_variant_on_path(path, variant):
     spec = _prefill_spec("paged", code, head_dim, 8, 2, kw, tc)
     assert spec.tensor_cores == tc
     if not tc:
-        from nbattn.cuda import prefill_cc as CC
+        from nbattn.cuda.kernels import prefill_cc as CC
         assert CC.covers(spec), "the register-tiled CUDA-core tile should take this case"
     _check(*_paged_prefill_and_golden(b, code, tc, kw), code, bool(kw.get("use_sigmoid")))
 

@@ -1,4 +1,4 @@
-"""The on-disk kernel cache key (:func:`nbattn.cuda._driver.stable_key`) must tell
+"""The on-disk kernel cache key (:func:`nbattn.cuda.host.driver.stable_key`) must tell
 apart every kernel that computes something different, and must be the same for
 the same kernel in a new process.
 
@@ -15,7 +15,7 @@ import textwrap
 import pytest
 
 import nbattn  # noqa: F401  (simulator choice)
-from nbattn.cuda import _driver
+from nbattn.cuda.host import driver as _driver
 from nbattn.cuda import decode as DEC
 from nbattn.cuda import prefill as P
 from nbattn.variants import Variant
@@ -97,7 +97,8 @@ def test_redefined_identical_function_shares_the_key():
 def test_key_is_the_same_in_a_new_process():
     code = textwrap.dedent("""
         import nbattn
-        from nbattn.cuda import prefill as P, _driver
+        from nbattn.cuda import prefill as P
+        from nbattn.cuda.host import driver as _driver
         from nbattn.variants import Variant
         spec = P.make_spec("contig", "NHD", "f32", 64, 4, 2, Variant(causal=True, logits_soft_cap=5.0))
         print(_driver.stable_key(P.get_kernel(spec).py_func))

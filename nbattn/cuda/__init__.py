@@ -11,9 +11,9 @@ Public (the golden model's arguments, plus ``out=``/``lse=`` buffers):
                             (FlashInfer's plan()/run() over a preallocated workspace)
 
 Building blocks for other kernels and the scheduler's plan()/run():
-    nbattn.cuda._arrays     input kinds, streams, raw word views
-    nbattn.cuda.primitives  16-byte loads, fp16/bf16 unpack, exp2 (GPU + simulator faces)
-    nbattn.cuda.variants    variant_device_fns(variant) -> (transform, keep)
+    nbattn.cuda.host.arrays     input kinds, streams, raw word views
+    nbattn.cuda.blocks.primitives  16-byte loads, fp16/bf16 unpack, exp2 (GPU + simulator faces)
+    nbattn.cuda.blocks.variants    variant_device_fns(variant) -> (transform, keep)
     nbattn.cuda.decode      prepare_decode, WorkList, decode_launch, run_decode_work, split_work
     nbattn.cuda.merge       MergeMap, run_merge_partials
 """
@@ -23,7 +23,7 @@ from .decode import batch_decode_paged, single_decode
 from .merge import merge_state, merge_state_in_place, merge_states
 from .prefill import batch_prefill_paged, batch_prefill_ragged, single_prefill
 from .sparse import block_sparse
-from . import cascade   # the module, callable as the cascade function
+from . import cascade # the module, callable as the cascade function
 from .split import split_kv
 from .wrappers import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
 from .page import append_paged_kv_cache

@@ -41,12 +41,12 @@ from numba import cuda
 
 from .. import layout as L
 from ..variants import check_return_lse, variant_from_kwargs
-from . import _arrays as A
+from .host import arrays as A
 from . import merge as M
 from . import prefill as P
-from . import prefill_cc as CC
-from ._driver import jit_kernel, sm_count
-from .primitives import SIMULATOR
+from .kernels import prefill_cc as CC
+from .host.driver import jit_kernel, sm_count
+from .blocks.primitives import SIMULATOR
 
 __all__ = ["cascade"]
 

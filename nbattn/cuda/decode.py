@@ -35,7 +35,7 @@ accumulators are added through shared memory and the state is written.
 Three paths
 -----------
 The kernel above (``path="smem"``) is the simulator's path and the fallback.
-On a GPU, :mod:`nbattn.cuda.decode_warp` (``path="warp"``) runs the same work
+On a GPU, :mod:`nbattn.cuda.kernels.decode_warp` (``path="warp"``) runs the same work
 list with no block barrier in its main loop; it is picked whenever the head
 dimension maps onto a warp (16-byte chunks, power-of-two lanes per token) and
 the arrays are 16-byte aligned.  For GQA groups of at least ``TC_MIN_GROUP``
@@ -57,13 +57,13 @@ from numba import cuda, float32, int64
 
 from .. import layout as L
 from ..variants import Variant, alibi_slopes, check_return_lse, variant_from_kwargs
-from . import _arrays as A
-from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f,
+from .host import arrays as A
+from .blocks.primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f,
                          ld_v4, load_v4, st_v4)
-from ._driver import jit_kernel, launch_programmatic, sm_count
-from . import decode_warp as WARP
-from . import nanrule as NR
-from .variants import LOG2E, kernel_variant_key, variant_device_fns
+from .host.driver import jit_kernel, launch_programmatic, sm_count
+from .kernels import decode_warp as WARP
+from .blocks import nanrule as NR
+from .blocks.variants import LOG2E, kernel_variant_key, variant_device_fns
 
 __all__ = ["batch_decode_paged", "single_decode", "DecodeProblem", "WorkList", "prepare_decode", "run_decode_work",
            "decode_launch", "decode_arg_index", "split_work", "split_rule", "split_runner", "decode_kernel", "DecodeConfig", "MAX_HEAD_DIM"]
@@ -642,7 +642,7 @@ def _launch_for(p: DecodeProblem, cfg: DecodeConfig, work: WorkList, partial_o=N
 
 def decode_arg_index(cfg: DecodeConfig) -> dict:
     """Where :func:`decode_launch`'s arguments sit in its ``args``, by name (what a
-    :class:`nbattn.cuda._driver.BoundLaunch` patches per call)."""
+    :class:`nbattn.cuda.host.driver.BoundLaunch` patches per call)."""
     first = 11 if cfg.path in ("warp", "tc") else 8          # the work list's first array
     names = ("q", "kv", "kv_indptr", "kv_indices", "kv_last")
     idx = dict(zip(names, range(5)))

@@ -2,16 +2,16 @@
 
 For device inputs (torch CUDA tensors, numba device arrays) a call does, in
 order: the variant from a cache of keyword sets; the page table checked by one
-compiled function (:func:`nbattn.cuda.hostwork.page_table_ok`; on a fault
+compiled function (:func:`nbattn.cuda.host.hostwork.page_table_ok`; on a fault
 :meth:`nbattn.layout.PagedKV.validate` raises the rule's message); the shape
 checks; then, in one staging slot of a ring
-(:class:`nbattn.cuda._driver.StagingRing`), the page table, the work list and
+(:class:`nbattn.cuda.host.driver.StagingRing`), the page table, the work list and
 the reduction map written by one more compiled function
-(:func:`nbattn.cuda.hostwork.decode_work`, the rules of
+(:func:`nbattn.cuda.host.hostwork.decode_work`, the rules of
 :func:`nbattn.cuda.decode.choose_chunk` and :func:`nbattn.cuda.decode.split_work`)
 and sent with one asynchronous copy; outputs allocated; and the decode and
 merge kernels launched through launches bound once per kernel configuration
-(:class:`nbattn.cuda._driver.BoundLaunch`), with only pointers, sizes and the
+(:class:`nbattn.cuda.host.driver.BoundLaunch`), with only pointers, sizes and the
 grid patched.  A slot is reused only once the kernels that read it are done,
 so a call never waits for the call before it.  Host inputs take
 :func:`nbattn.cuda.decode.prepare_decode`.
@@ -26,12 +26,12 @@ from numba import cuda
 
 from .. import layout as L
 from ..variants import check_return_lse, variant_from_kwargs
-from . import _arrays as A
+from .host import arrays as A
 from . import decode as DEC
-from . import hostwork as HW
-from ._driver import BoundLaunch, Span, StagingRing, data_ptr, sm_count, stream_handle
+from .host import hostwork as HW
+from .host.driver import BoundLaunch, Span, StagingRing, data_ptr, sm_count, stream_handle
 from .merge import FEW_FORM, FEW_PARTIALS, MergeMap, merge_partials_launch
-from .primitives import SIMULATOR
+from .blocks.primitives import SIMULATOR
 
 __all__ = ["fast_decode"]
 

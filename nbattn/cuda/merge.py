@@ -61,11 +61,11 @@ from numba import cuda, float32, int64
 
 from ..layout import LayoutError, dtype_of, to_numpy
 from ..reference.state import AttentionState
-from . import _arrays as A
-from ._driver import jit_kernel, launch_programmatic
-from .mma import grid_dependency_wait, grid_dependents_launch
-from .primitives import SIMULATOR, device_fn, element_io, ld_v4, shfl_idx_f32, shfl_xor_f32
-from . import nanrule as NR
+from .host import arrays as A
+from .host.driver import jit_kernel, launch_programmatic
+from .blocks.mma import grid_dependency_wait, grid_dependents_launch
+from .blocks.primitives import SIMULATOR, device_fn, element_io, ld_v4, shfl_idx_f32, shfl_xor_f32
+from .blocks import nanrule as NR
 
 __all__ = ["merge_state", "merge_states", "merge_state_in_place", "MergeMap", "run_merge_partials",
            "merge_partials_launch", "run_merge_tiles", "tile_merge_kernel", "merge_weights"]

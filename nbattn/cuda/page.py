@@ -23,8 +23,8 @@ import numpy as np
 from numba import cuda
 
 from .. import layout as L
-from . import _arrays as A
-from .primitives import SIMULATOR
+from .host import arrays as A
+from .blocks.primitives import SIMULATOR
 
 __all__ = ["append_paged_kv_cache"]
 

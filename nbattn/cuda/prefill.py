@@ -44,18 +44,18 @@ Two paths build the same tile:
 
 - CUDA cores (:func:`core_tile`, here): plain per-thread loops over shared
   memory; it is the path numba's simulator runs (CI) and the fallback.
-- Tensor cores (:func:`nbattn.cuda.prefill_tc.tensor_core_tile`, GPU only,
+- Tensor cores (:func:`nbattn.cuda.kernels.prefill_tc.tensor_core_tile`, GPU only,
   fp16/bf16): 16 fused rows per warp; ``S = Q K^T`` and ``O += P V`` on
-  ``mma.sync.m16n8k16`` (:mod:`nbattn.cuda.mma`), softmax on the accumulator
+  ``mma.sync.m16n8k16`` (:mod:`nbattn.cuda.blocks.mma`), softmax on the accumulator
   fragments with quad shuffles, P fed to the second product straight from
   registers.  head_dim 64/128 take the pipelined kernel (cp.async loads that
   overlap the math, ldmatrix, 64 x 64 tiles); other head dims the plain mma kernel.
 
-Shared building blocks: inputs, outputs and streams (:mod:`nbattn.cuda._arrays`;
+Shared building blocks: inputs, outputs and streams (:mod:`nbattn.cuda.host.arrays`;
 with torch tensors the kernels launch on torch's current stream unless a
-``stream`` is passed), element loads/stores (:func:`nbattn.cuda.primitives.element_io`;
+``stream`` is passed), element loads/stores (:func:`nbattn.cuda.blocks.primitives.element_io`;
 16-bit data reach the kernels as raw uint16), the variant
-(:func:`nbattn.cuda.variants.variant_device_fns`).
+(:func:`nbattn.cuda.blocks.variants.variant_device_fns`).
 """
 from __future__ import annotations
 
@@ -70,21 +70,21 @@ from ..variants import Variant, alibi_slopes, check_return_lse, variant_from_kwa
 
 from numba import cuda, float32, int32  # noqa: E402  (after the shim)
 
-from . import _arrays as A  # noqa: E402
-from . import mma as _mma  # noqa: E402
-from . import prefill_tc as TC  # noqa: E402
-from . import prefill_cc as CC  # noqa: E402
-from . import nanrule as NR  # noqa: E402
-from ._driver import BoundLaunch, Span, StagingRing, handle_of, jit_kernel, torch_stream, launch as launch_kernel  # noqa: E402
-from .primitives import SIMULATOR, device_fn, element_io  # noqa: E402
-from .variants import LOG2E, sigmoid_weight, variant_device_fns  # noqa: E402
+from .host import arrays as A # noqa: E402
+from .blocks import mma as _mma # noqa: E402
+from .kernels import prefill_tc as TC # noqa: E402
+from .kernels import prefill_cc as CC # noqa: E402
+from .blocks import nanrule as NR # noqa: E402
+from .host.driver import BoundLaunch, Span, StagingRing, handle_of, jit_kernel, torch_stream, launch as launch_kernel  # noqa: E402
+from .blocks.primitives import SIMULATOR, device_fn, element_io  # noqa: E402
+from .blocks.variants import LOG2E, sigmoid_weight, variant_device_fns  # noqa: E402
 
 __all__ = ["batch_prefill_paged", "batch_prefill_ragged", "single_prefill"]
 
 NO_KEY = -(2 ** 30)        # kv position of a tile slot that holds no key
 
 # ---------------------------------------------------------------------------
-# Host side: streams, device arrays, outputs (nbattn.cuda._arrays)
+# Host side: streams, device arrays, outputs (nbattn.cuda.host.arrays)
 # ---------------------------------------------------------------------------
 
 
@@ -120,10 +120,10 @@ def torch_direct(*arrays: Any) -> bool:
 
 
 class _Outputs:
-    """Output and LSE of one call in the caller's world (:mod:`nbattn.cuda._arrays`):
+    """Output and LSE of one call in the caller's world (:mod:`nbattn.cuda.host.arrays`):
     ``out=``/``lse=`` used in place on the device, copied into on the host.
 
-    Two results differ from :func:`nbattn.cuda._arrays.finish` (kept as they
+    Two results differ from :func:`nbattn.cuda.host.arrays.finish` (kept as they
     were): a NumPy bf16 ``q`` (raw ``|V2``) gives float32 values -- NumPy has no
     bf16, and the golden model answers in float32 too -- and a
     ``__cuda_array_interface__`` fp16 ``q`` gives a float16 numba array.
@@ -586,7 +586,7 @@ def get_tile(spec: KernelSpec):
     if tile is None:
         if spec.tensor_cores:
             tile = TC.tensor_core_tile(spec)
-        elif CC.covers(spec):       # register-tiled CUDA-core tile (nbattn.cuda.prefill_cc)
+        elif CC.covers(spec):       # register-tiled CUDA-core tile (nbattn.cuda.kernels.prefill_cc)
             tile = CC.cuda_core_tile(spec)
         else:
             tile = core_tile(spec)
@@ -683,7 +683,7 @@ def tile_slopes(num_qo_heads: int, alibi: bool) -> np.ndarray:
     """The ``slopes`` argument of every prefill kernel: ALiBi slopes (zeros when off)
     for the query heads, then from :func:`nan_row_at` a row of NaN that the pipelined
     tensor-core tile reads as K of a key whose V is not finite (the NaN rule; see
-    :mod:`nbattn.cuda.nanrule`)."""
+    :mod:`nbattn.cuda.blocks.nanrule`)."""
     at = nan_row_at(num_qo_heads)
     out = np.full(at + NAN_ROW, np.nan, np.float32)
     out[:num_qo_heads] = alibi_slopes(num_qo_heads) if alibi else 0.0
@@ -749,7 +749,7 @@ def _launch_staged(kernel, grid, threads, stream, dev, meta: list, block: int, n
     kernel goes through a launch bound once per call shape (the shapes, strides
     and dtypes of q, k, v, out and lse; the last :data:`BOUND_MOST` shapes are
     kept), with only pointers, the metadata's sizes, scalars and the grid
-    patched (:class:`nbattn.cuda._driver.BoundLaunch`)."""
+    patched (:class:`nbattn.cuda.host.driver.BoundLaunch`)."""
     h = handle_of(stream)
     with _RING.lock:                                  # see StagingRing.lock
         slot, spans = _RING.stage(meta, h)

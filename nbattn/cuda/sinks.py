@@ -27,7 +27,7 @@ import numpy as np
 
 from ..reference.sinks import check_sinks, sink_lse
 from ..variants import Variant
-from . import _arrays as A
+from .host import arrays as A
 from .merge import merge_state_in_place
 
 __all__ = ["with_sinks", "apply_sinks"]

@@ -69,12 +69,12 @@ from .. import layout as L
 from .._checks import count_arg
 from ..sched.plan import DIRECT, Plan, plan as lpt_plan
 from ..variants import check_return_lse, variant_from_kwargs
-from . import _arrays as A
-from . import hostwork as HW
+from .host import arrays as A
+from .host import hostwork as HW
 from . import decode as DEC
-from ._driver import BoundLaunch, HostToDevice, torch_stream, data_ptr, sm_count, stream_handle
+from .host.driver import BoundLaunch, HostToDevice, torch_stream, data_ptr, sm_count, stream_handle
 from .merge import FEW_PARTIALS, MergeMap, merge_partials_launch, merge_tiles_launch
-from .primitives import SIMULATOR
+from .blocks.primitives import SIMULATOR
 
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
            "WorkspaceLayout", "default_num_ctas", "decode_plan_ctas", "DECODE_CHUNK_OVERHEAD"]

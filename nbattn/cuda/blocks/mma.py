@@ -1,6 +1,6 @@
 """Tensor-core and wide-load intrinsics written as inline PTX (GPU only).
 
-The prefill tensor-core path (:mod:`nbattn.cuda.prefill_tc`) is built on these
+The prefill tensor-core path (:mod:`nbattn.cuda.kernels.prefill_tc`) is built on these
 pieces, each one PTX instruction (or two) wrapped with ``numba.cuda.extending.intrinsic``
 and an ``llvmlite.ir.InlineAsm`` call:
 
@@ -22,7 +22,7 @@ and an ``llvmlite.ir.InlineAsm`` call:
   uint32 (``cvt.rn.{f16,bf16}x2.f32``; the first argument lands in the low half).
 - ``load_u32x4``: a 16-byte ``ld.global.nc.v4.u32`` of eight 2-byte elements
   starting at an element of an array of any rank, by multi-dimensional index
-  (the address must be 16-byte aligned).  :func:`nbattn.cuda.primitives.load_v4`
+  (the address must be 16-byte aligned).  :func:`nbattn.cuda.blocks.primitives.load_v4`
   is the same load over a flat uint32 word view; this form lets the kernel
   index q and the paged cache with their own strides.
 
@@ -44,7 +44,7 @@ The copy and ldmatrix instructions are volatile asm with a memory clobber:
 LLVM keeps them in program order with the barriers around them.
 
 Per-thread conversions (fp16/bf16 <-> float32, bit casts) live in
-:mod:`nbattn.cuda.primitives`.
+:mod:`nbattn.cuda.blocks.primitives`.
 
 Warp-collective instructions have no meaning in numba's CUDA simulator; this
 module only defines the intrinsics there (importing it is harmless) and the
@@ -52,7 +52,7 @@ kernel factory never picks the tensor-core path under the simulator.
 """
 from __future__ import annotations
 
-from .. import _compat  # noqa: F401  (numpy shim, simulator choice)
+from ... import _compat  # noqa: F401  (numpy shim, simulator choice)
 
 __all__ = ["AVAILABLE", "mma_f16", "mma_bf16", "pack_f16x2", "pack_bf16x2", "load_u32x4", "global_addr",
            "shared_addr", "cp_async16", "cp_async_commit", "cp_async_wait_all", "ldsm_x4", "ldsm_x4_t"]
@@ -229,7 +229,7 @@ else:  # simulator: names exist, calling them is an error the factory never make
 
 
 
-# movmatrix (the decode tensor-core path, nbattn.cuda.decode_warp): the transpose of
+# movmatrix (the decode tensor-core path, nbattn.cuda.kernels.decode_warp): the transpose of
 # an 8x8 b16 matrix held in the mma fragment layout (lane 4g + t has row g, columns
 # 2t, 2t+1 in one uint32), returned in the same layout.  Warp-collective.
 __all__ += ["movmatrix_t"]
@@ -250,7 +250,7 @@ else:
 
 
 # Programmatic dependent launch (sm_90, PTX griddepcontrol).  A kernel launched with
-# programmatic stream serialization (:func:`nbattn.cuda._driver.launch_programmatic`)
+# programmatic stream serialization (:func:`nbattn.cuda.host.driver.launch_programmatic`)
 # may start while the kernel before it on the stream still runs; ``grid_dependency_wait``
 # blocks until that kernel has finished and its writes are visible, so what comes before
 # the wait may only read data no earlier kernel writes.  ``grid_dependents_launch`` lets

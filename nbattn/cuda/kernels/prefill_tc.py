@@ -1,7 +1,7 @@
 """The tensor-core paths of the prefill kernel (GPU only, fp16/bf16):
 :func:`tensor_core_tile` builds the same tile as the CUDA-core kernel of
 :mod:`nbattn.cuda.prefill` -- same work list, launch and arguments -- on
-``mma.sync.m16n8k16`` (:mod:`nbattn.cuda.mma`).  Two kernels, routed by head_dim:
+``mma.sync.m16n8k16`` (:mod:`nbattn.cuda.blocks.mma`).  Two kernels, routed by head_dim:
 
 - head_dim 64 and 128 (:func:`pipelined_tile`, T_q = 64, T_k = 64, 4 warps):
   K/V tiles fetched with 16-byte ``cp.async`` so the next tile's loads overlap
@@ -26,7 +26,7 @@ code, a quarter of the compile time.
 Shared with the CUDA-core kernel: the tile prologue (``tile_rows``), the key walk (``kv_reader``,
 ``tile_key_range``, ``NO_KEY``; :func:`_tile_locator` answers as :func:`nbattn.cuda.prefill.key_locator`
 does, once per key and tile, with a shift for power-of-two blocks), element stores
-(:func:`nbattn.cuda.primitives.element_io`) and the variant applied to a score
+(:func:`nbattn.cuda.blocks.primitives.element_io`) and the variant applied to a score
 (:func:`nbattn.cuda.prefill.tile_score`).
 """
 from __future__ import annotations
@@ -35,11 +35,11 @@ import math
 
 from numba import cuda, float32, int32, uint32, uint64
 
-from . import mma as _mma
-from . import prefill as P
-from . import nanrule as NR
-from .primitives import device_fn, element_io
-from .variants import LOG2E, sigmoid_weight
+from ..blocks import mma as _mma
+from .. import prefill as P
+from ..blocks import nanrule as NR
+from ..blocks.primitives import device_fn, element_io
+from ..blocks.variants import LOG2E, sigmoid_weight
 
 __all__ = ["tensor_core_tile", "tensor_core_tiles", "fast_path", "pipelined_tile", "mma_tile"]
 
@@ -631,7 +631,7 @@ def pipelined_tile(spec: P.KernelSpec):
     The NaN rule's V part cannot be applied as V is loaded (it lands after the
     scores are taken), so the tile checks its O at the end and, when a row met
     a non-finite V, walks the keys once more with each V checked as its address
-    is taken (:mod:`nbattn.cuda.nanrule`).
+    is taken (:mod:`nbattn.cuda.blocks.nanrule`).
 
     Where the keys live is worked out once per tile, one tile ahead: at the
     top of iteration t, threads ``tid < T_k`` load the page ids of tile t+1

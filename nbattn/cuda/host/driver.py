@@ -42,14 +42,14 @@ import types
 import numpy as np
 from numba import cuda
 
-from .primitives import SIMULATOR
+from ..blocks.primitives import SIMULATOR
 
 log = logging.getLogger("nbattn")
 
 __all__ = ["jit_kernel", "stable_key", "sm_count", "BoundLaunch", "launch", "launch_programmatic",
            "data_ptr", "stream_handle", "torch_stream", "handle_of", "HostToDevice", "Span", "StagingRing"]
 
-_PACKAGE = pathlib.Path(__file__).resolve().parents[1]
+_PACKAGE = pathlib.Path(__file__).resolve().parents[2]
 _source_digest: str | None = None
 
 
@@ -532,7 +532,7 @@ class StagingRing:
 def launch_programmatic(dispatcher, griddim, blockdim, stream, args) -> bool:
     """Launch ``dispatcher[griddim, blockdim, stream](*args)`` with programmatic stream
     serialization (sm_90 programmatic dependent launch): the kernel may start while the
-    stream's previous kernel runs, and must call :func:`nbattn.cuda.mma.grid_dependency_wait`
+    stream's previous kernel runs, and must call :func:`nbattn.cuda.blocks.mma.grid_dependency_wait`
     before it reads anything that kernel writes.  Returns False, having launched nothing,
     in the simulator (the caller then launches plainly)."""
     if SIMULATOR:

@@ -11,7 +11,7 @@ Rules (docs/concepts/layouts.md):
 - Element types: fp16, bf16 (torch bfloat16, ml_dtypes bfloat16 or a raw
   2-byte void dtype ``|V2``, which is how torch bf16 looks through
   ``__cuda_array_interface__``) and fp32.  Kernels see 16-bit data as raw
-  integer words and convert in registers (:mod:`nbattn.cuda.primitives`).
+  integer words and convert in registers (:mod:`nbattn.cuda.blocks.primitives`).
 
 Interface (stable; prefill/sparse/cascade wrappers use it too):
 
@@ -47,8 +47,8 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
-from ..layout import LayoutError, as_int32
-from .primitives import SIMULATOR
+from ...layout import LayoutError, as_int32
+from ..blocks.primitives import SIMULATOR
 
 __all__ = ["dtype_code", "kind_of", "is_torch", "is_device_kind", "launch_stream", "to_device", "flat", "words",
            "new_output", "finish", "host_meta", "device_meta", "RAW", "NP_DTYPE",

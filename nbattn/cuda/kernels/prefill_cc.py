@@ -41,10 +41,10 @@ when filled), rows padded by 4 floats: Q (T_q x D, loaded once per work
 item), K and V (T_k x D each), P (per warp, T_k x WR: P transposed, a lane's
 R rows contiguous).  Past 47 KB (the static limit less the int arrays) the
 array is numba's dynamic shared array and the kernel carries its size as
-``dynamic_smem`` (:func:`dynamic_smem`; :func:`nbattn.cuda._driver.launch`
+``dynamic_smem`` (:func:`dynamic_smem`; :func:`nbattn.cuda.host.driver.launch`
 passes it and opts in past 48 KB); the simulator's tiny tiles stay static.
 Every shared access of the inner loops is a 16-byte vector
-(:func:`nbattn.cuda.primitives.ld_v4` / ``st_v4``).
+(:func:`nbattn.cuda.blocks.primitives.ld_v4` / ``st_v4``).
 
 Per KV tile (keys ``t0 .. t0+T_k-1``; tiles wholly outside the causal/window
 range are never visited, :func:`nbattn.cuda.prefill.tile_key_range`)::
@@ -64,7 +64,7 @@ range are never visited, :func:`nbattn.cuda.prefill.tile_key_range`)::
     barrier (K, V and P are free for the next step)
 
 Global K/V/Q loads are 16 bytes (eight fp16/bf16 or four fp32 elements,
-:func:`nbattn.cuda.mma.load_u32x4`), held as raw words until their store so
+:func:`nbattn.cuda.blocks.mma.load_u32x4`), held as raw words until their store so
 the conversion does not wait on the load.  Write: the CG lanes of a row add
 their ``l`` (shuffles), then ``o / l`` to ``out`` (or the f32 partial) and
 ``m + log2 l`` to ``lse``.
@@ -73,10 +73,10 @@ The micro-kernels (S, softmax, P V, write) are generated as straight-line
 source per tile shape, the accumulators as named scalars and tuples, because
 a ``cuda.local.array`` stays in registers only if every loop indexing it is
 unrolled, which the tensor-core path measured not to happen
-(:mod:`nbattn.cuda.prefill_tc`).
+(:mod:`nbattn.cuda.kernels.prefill_tc`).
 
 Simulator (CI): a "warp" is RG x CG = 2 x 4 threads (shuffles are the
-block-wide emulation of :func:`nbattn.cuda.primitives.shfl_xor_f32`), tiny
+block-wide emulation of :func:`nbattn.cuda.blocks.primitives.shfl_xor_f32`), tiny
 tiles, and 16-byte global loads become element loads.
 """
 from __future__ import annotations
@@ -86,12 +86,12 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from . import mma as _mma
-from . import prefill as P
-from . import nanrule as NR
-from .primitives import (SHARED_ALIGN, SIMULATOR, bf16x2_to_f32, device_fn, element_io, exp2f,
+from ..blocks import mma as _mma
+from .. import prefill as P
+from ..blocks import nanrule as NR
+from ..blocks.primitives import (SHARED_ALIGN, SIMULATOR, bf16x2_to_f32, device_fn, element_io, exp2f,
                          f16x2_to_f32, f32_as_u32, ld_v4, shfl_xor_f32, st_v4, u32_as_f32, warp_sync)
-from .variants import LOG2E, sigmoid_weight
+from ..blocks.variants import LOG2E, sigmoid_weight
 
 __all__ = ["cuda_core_tiles", "cuda_core_tile", "covers", "launch_bounds", "dynamic_smem", "ENABLED", "LANE_GRIDS",
            "POLICY", "UNROLL", "PREFETCH_MAX_CHUNKS", "SMEM_BUDGET", "MAX_TILE_K"]
@@ -104,7 +104,7 @@ LANE_GRIDS = ((2, 4),) if SIMULATOR else ((4, 8), (2, 16))
 ROWS_PER_LANE = 4
 # Shared memory a tile may take.  Past STATIC_LIMIT its float arrays are one dynamic
 # array (the launch passes the size, kernel attribute ``dynamic_smem``, and opts in
-# past 48 KB: nbattn.cuda._driver.launch); 100 KB leaves room for two CTAs an SM.
+# past 48 KB: nbattn.cuda.host.driver.launch); 100 KB leaves room for two CTAs an SM.
 STATIC_LIMIT = 48 * 1024 - 1024    # the static limit, minus the per-row int arrays and slack
 SMEM_BUDGET = STATIC_LIMIT if SIMULATOR else 100 * 1024
 # Longest KV tile a shape may take (None: what fits SMEM_BUDGET); benchmarks vary it.

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .. import layout as L
+from ... import layout as L
 
 __all__ = ["page_table", "page_table_ok", "decode_work", "DECODE_PARTS"]
 

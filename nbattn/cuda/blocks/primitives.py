@@ -53,7 +53,7 @@ import struct
 
 import numpy as np
 
-from .._compat import simulator_enabled
+from ..._compat import simulator_enabled
 
 __all__ = ["load_v4", "load_i32_cg", "prefetch_l2", "ld_v4", "st_v4", "SHARED_ALIGN", "u32_as_f32", "f32_as_u32",
            "f16x2_to_f32", "bf16x2_to_f32", "f32_to_f16_bits", "f32_to_bf16_bits", "exp2f", "device_fn",

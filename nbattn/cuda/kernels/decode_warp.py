@@ -48,12 +48,12 @@ import math
 import numpy as np
 from numba import cuda, float32, int64, uint32
 
-from .primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f, load_i32_cg,
+from ..blocks.primitives import (ELEMS_PER_WORD, SHARED_ALIGN, SIMULATOR, device_fn, element_io, exp2f, load_i32_cg,
                          load_v4, prefetch_l2, shfl_idx_f32, shfl_xor_f32, st_v4)
-from ._driver import jit_kernel
-from .mma import grid_dependency_wait, grid_dependents_launch
-from .variants import LOG2E, variant_device_fns
-from . import nanrule as NR
+from ..host.driver import jit_kernel
+from ..blocks.mma import grid_dependency_wait, grid_dependents_launch
+from ..blocks.variants import LOG2E, variant_device_fns
+from ..blocks import nanrule as NR
 
 __all__ = ["warp_eligible", "warp_heads_per_cta", "build_warp_kernel", "warp_geometry", "tc_eligible",
            "build_tc_kernel"]
@@ -421,7 +421,7 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     times as much 35.4 us (``benchmarks/results/decode_read_floor.json``); this
     kernel takes 38-39 us.  What was tried to go further, and dropped, is in
     ``benchmarks/EXPERIMENTS.md``."""
-    from . import mma as MMA
+    from ..blocks import mma as MMA
 
     D = cfg.head_dim
     HG = cfg.heads_per_cta

@@ -34,7 +34,7 @@ from functools import lru_cache
 
 from numba import cuda, float32
 
-from ..variants import Variant
+from ...variants import Variant
 
 __all__ = ["variant_device_fns", "kernel_variant_key", "compile_user_fn", "LOG2E", "sigmoid_weight"]
 
