@@ -27,7 +27,7 @@ from dataclasses import asdict
 import numba
 import numpy as np
 
-from nbattn.cuda.wrappers import DECODE_CHUNK_OVERHEAD
+from nbattn.cuda.tuning import DECODE
 from nbattn.perf.results import write_suite
 from nbattn.sched import POLICIES, WORKLOADS, CostModel, compare_policies, make_workload, plan
 
@@ -62,7 +62,7 @@ def plan_records(runs):
     ]
     # "spec": the plain ``L = ceil(W/C)`` rule exactly; "auto": what the decode wrapper asks for
     # (a per-item price and the chunk-limit search, several LPT passes).
-    rules = {"spec": {}, "auto": dict(chunk_overhead=DECODE_CHUNK_OVERHEAD, chunk_limit="auto")}
+    rules = {"spec": {}, "auto": dict(chunk_overhead=DECODE.plan_chunk_overhead, chunk_limit="auto")}
     for (name, qo_len, group), (rule, kw) in itertools.product(cases, rules.items()):
         w = make_workload(name, BATCH, seed=0, qo_len=qo_len, group=group, long_len=131072)
         median_us, min_us = time_plan(w.qo_lens, w.kv_lens, NUM_CTAS, group, runs, **kw)

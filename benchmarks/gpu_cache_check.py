@@ -44,7 +44,7 @@ t = time.time()
 batch_prefill_paged(qp, cache, qo, indptr, indices, last, causal=True)
 torch.cuda.synchronize()
 prefill_s = time.time() - t
-kernels = list(DEC._kernels.values()) + list(M._kernels.values()) + list(P._KERNELS.values())
+kernels = list(DEC.KERNELS.values()) + list(M.KERNELS.values()) + list(P.KERNELS.values())
 hits = sum(sum(k._cache_hits.values()) for k in kernels if hasattr(k, "_cache_hits"))
 misses = sum(sum(k._cache_misses.values()) for k in kernels if hasattr(k, "_cache_misses"))
 print(json.dumps(dict(decode_first_call_s=decode_s, prefill_first_call_s=prefill_s,

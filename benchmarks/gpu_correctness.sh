@@ -38,7 +38,7 @@ P3=$!
 for p in $P1 $P2 $P3; do wait $p; echo "pid $p rc=$? at $(( $(date +%s) - t0 )) s"; done
 grep -E "PASSED|FAILED|ERROR|passed|failed" $L/gpu_tests.log | tail -40; tail -12 $L/notebooks.log; tail -4 $L/verify.log
 if [ "${PREFILL:-0}" = 1 ]; then
-    COMMIT=$COMMIT OUT=$OUT timeout 150 python3 benchmarks/gpu_prefill.py prefill_8k > $L/prefill.log 2>&1
+    timeout 150 python3 benchmarks/gpu_prefill.py prefill_8k --commit "$COMMIT" --out "$OUT" > $L/prefill.log 2>&1
     echo "prefill rc=$? at $(( $(date +%s) - t0 )) s"; grep -v "^ \|Warning" $L/prefill.log | tail -12
 fi
 cp $L/gpu_tests.log "$OUT/gpu_tests.log"

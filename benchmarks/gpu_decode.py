@@ -1,16 +1,20 @@
 """One GPU session for issue 3 (nbattn.cuda decode): correctness at real sizes,
 compute-sanitizer, bandwidth benchmark with peers, compile time and disk cache.
 
-    PYTHONPATH=$PWD python3 benchmarks/gpu_decode.py          # writes $OUT/decode.json,
-                                                             # $OUT/decode_correctness.json
+    PYTHONPATH=$PWD python3 benchmarks/gpu_decode.py          # writes OUT/decode.json,
+                                                             # OUT/decode_correctness.json
     ... gpu_decode.py correct    # only (a), then exit
     ... gpu_decode.py bench      # only (c); reads (a)'s file for the compile time if present
-    ... gpu_decode.py extras     # only (b) and the on-disk cache check, $OUT/decode_extras.json
-    NBATTN_QUICK=1               # skip the sanitizer and the second process
+    ... gpu_decode.py extras     # only (b) and the on-disk cache check, OUT/decode_extras.json
+    options: --out DIR (default $OUT), --quick (skip the sanitizer and the second process),
+             --budget-s S (time budget, 390), --path P (the decode path the bench and the
+             sanitizer's child processes pin: auto | warp | smem | tc), --sweep (the warp
+             path's unroll and heads-per-CTA sweeps)
 
-Paths: the default decode path on a GPU is the warp kernel (nbattn.cuda.kernels.decode_warp);
-every bandwidth record also times the shared-memory kernel (peer "nbattn_smem") in
-the same run, and a few cases sweep the warp path's unroll.
+Paths: the default decode path on a GPU is chosen by nbattn.cuda.kernels.decode_common.make_config
+(the tensor-core kernel for groups >= 4, else the warp kernel); every bandwidth record also times
+the shared-memory kernel (peer "nbattn_smem") in the same run, and a few cases sweep the warp
+path's unroll.  Paths and sweeps are nbattn.cuda.tuning.DecodeTuning values passed as ``tuning=``.
 
 (a) correctness vs the golden model (nbattn.reference) on fresh random inputs:
     batch up to 256, KV up to 32k with non-full last pages, page sizes 1/16/64,
@@ -25,6 +29,8 @@ the same run, and a few cases sweep the warp path's unroll.
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -45,10 +51,13 @@ from nbattn import reference as R
 from nbattn.cuda import batch_decode_paged
 from nbattn.cuda import decode as DEC
 from nbattn.cuda import merge as MRG
+from nbattn.cuda.tuning import DECODE
 
 from _timing import graph_ms  # noqa: E402  (benchmarks/ is the script's folder)
 
-OUT = os.environ.get("OUT", "/tmp/nbattn_out")
+# the command line's options (main() sets them; the defaults serve importers such as gpu_decode_b1.py)
+OPTS = argparse.Namespace(mode="main", out=os.environ.get("OUT", "/tmp/nbattn_out"), budget_s=390.0, quick=False,
+                          path="auto", sweep=False)
 
 
 # Fields of a correctness entry that are measurements; the rest describe the case.
@@ -86,17 +95,19 @@ def _is_ok(r: dict) -> bool:
 
 
 T0 = time.time()
-BUDGET_S = float(os.environ.get("NBATTN_BUDGET_S", "390"))
-QUICK = os.environ.get("NBATTN_QUICK") == "1"
-# the default path as the library picks it, unless the environment pins one (e.g. smem
-# when the warp path failed its correctness checks in this session)
-DEFAULT_PATH = os.environ.get("NBATTN_DECODE_PATH", "auto")
-DEC.DECODE_PATH = DEFAULT_PATH          # the package reads no environment: the script pins the path
 TORCH_DT = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 
 
 def left() -> float:
-    return BUDGET_S - (time.time() - T0)
+    return OPTS.budget_s - (time.time() - T0)
+
+
+def tuning_for(path="auto", unroll=0, heads=4):
+    """The DecodeTuning that pins a path (and the warp path's unroll and heads per CTA);
+    "warp8": the warp path with a whole group of 8 in one CTA (opt-in)."""
+    if path == "warp8":
+        path, heads = "warp", 8
+    return DECODE.replace(path=path, warp_unroll=unroll, warp_max_heads=heads)
 
 
 def log(*a):
@@ -178,8 +189,7 @@ def lens_of(spec, rng):
 
 def check_decode(case, rng, gen, path="auto") -> dict:
     name, code, spec, ps, hkv, g, d, layout, variant, meta_dev = case
-    # "warp8": the warp path with a whole group of 8 in one CTA (opt-in, WARP_MAX_HEADS = 8)
-    DEC.DECODE_PATH, DEC.WARP_MAX_HEADS = ("warp", 8) if path == "warp8" else (path, 4)
+    tuning = tuning_for(path)
     lens = lens_of(spec, rng)
     q, cache, indptr, indices, last = make_case(gen, code, lens, ps, hkv, g, d, layout)
     meta = [torch.from_numpy(a).cuda() if meta_dev else a for a in (indptr, indices, last)]
@@ -188,12 +198,12 @@ def check_decode(case, rng, gen, path="auto") -> dict:
     lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device="cuda")
     t = time.time()
     res = batch_decode_paged(q, cache, *meta, kv_layout=layout, return_lse=not sig, out=out,
-                             lse=None if sig else lse, **variant)
+                             lse=None if sig else lse, tuning=tuning, **variant)
     torch.cuda.synchronize()
     first = time.time() - t
     t = time.time()
     batch_decode_paged(q, cache, *meta, kv_layout=layout, return_lse=not sig, out=out,
-                       lse=None if sig else lse, **variant)
+                       lse=None if sig else lse, tuning=tuning, **variant)
     torch.cuda.synchronize()
     second = time.time() - t
     o = f32(out)
@@ -209,10 +219,10 @@ def check_decode(case, rng, gen, path="auto") -> dict:
                ok_o=bool(np.allclose(o, ro, atol=atol, rtol=rtol) and not np.isnan(o).any()),
                returned_out_buffer=(res[0] if isinstance(res, tuple) else res) is out,
                first_call_s=first, second_call_s=second,
-               split_chunk=DEC.choose_chunk(DEC.prepare_decode(q, cache, *meta, kv_layout=layout, **variant)),
+               split_chunk=DEC.choose_chunk(DEC.prepare_decode(q, cache, *meta, kv_layout=layout, tuning=tuning,
+                                                               **variant)),
                path=path if path == "warp8" else DEC.prepare_decode(q, cache, *meta, kv_layout=layout,
-                                                                    **variant).config().path)
-    DEC.DECODE_PATH, DEC.WARP_MAX_HEADS = "auto", 4
+                                                                    tuning=tuning, **variant).config().path)
     if not sig:
         lv = f32(lse)
         fin = np.isfinite(rl)
@@ -302,29 +312,18 @@ def copy_bandwidth() -> dict:
 def our_runner(p, chunk, path="auto", unroll=0, heads=4):
     """A closure launching the decode work (+ merge) on torch's current stream,
     with the decode path (and the warp path's unroll) fixed for its lifetime."""
-    DEC.DECODE_PATH, DEC.WARP_UNROLL, DEC.WARP_MAX_HEADS = path, unroll, heads
-    try:
-        launch = DEC.split_runner(p, chunk)
-        items = len(DEC.split_work(p.kv_lens, chunk)[1])
-    finally:
-        DEC.DECODE_PATH, DEC.WARP_UNROLL, DEC.WARP_MAX_HEADS = "auto", 0, 4
+    pt = dataclasses.replace(p, tuning=tuning_for(path, unroll, heads))
+    launch = DEC.split_runner(pt, chunk)
+    items = len(DEC.split_work(pt.kv_lens, chunk)[1])
 
     def run():
-        DEC.DECODE_PATH, DEC.WARP_UNROLL, DEC.WARP_MAX_HEADS = path, unroll, heads
-        try:
-            p.stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
-            launch()
-        finally:
-            DEC.DECODE_PATH, DEC.WARP_UNROLL, DEC.WARP_MAX_HEADS = "auto", 0, 4
+        pt.stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+        launch()
     return run, items
 
 
 def with_path(p, path, unroll, fn, heads=4):
-    DEC.DECODE_PATH, DEC.WARP_UNROLL, DEC.WARP_MAX_HEADS = path, unroll, heads
-    try:
-        return fn(p)
-    finally:
-        DEC.DECODE_PATH, DEC.WARP_UNROLL, DEC.WARP_MAX_HEADS = "auto", 0, 4
+    return fn(dataclasses.replace(p, tuning=tuning_for(path, unroll, heads)))
 
 
 def bench_case(batch, kv_len, hkv, copy_bw, gen, split_modes=("auto",), unrolls=(), heads=()):
@@ -337,10 +336,10 @@ def bench_case(batch, kv_len, hkv, copy_bw, gen, split_modes=("auto",), unrolls=
     recs = []
     # the default path, the shared-memory path, and (optionally) other warp-path unrolls
     # (and heads per CTA on the warp path)
-    runs = [(m, DEFAULT_PATH, 0, 4) for m in split_modes]
-    if DEFAULT_PATH != "smem":
+    runs = [(m, OPTS.path, 0, 4) for m in split_modes]
+    if OPTS.path != "smem":
         runs += [(m, "smem", 0, 4) for m in split_modes] + [(split_modes[0], "warp", u, 4) for u in unrolls]
-        if with_path(p, DEFAULT_PATH, 0, lambda p: p.config().path) == "tc":   # the CUDA-core peer
+        if with_path(p, OPTS.path, 0, lambda p: p.config().path) == "tc":   # the CUDA-core peer
             runs += [(m, "warp", 0, 4) for m in split_modes]
         runs += [(split_modes[0], "warp", 0, h) for h in heads]
     for mode, path, unroll, hmax in runs:
@@ -354,7 +353,7 @@ def bench_case(batch, kv_len, hkv, copy_bw, gen, split_modes=("auto",), unrolls=
                          chunk=chunk, items=items, ms=ms, graphed=graphed,
                          bw=nbytes / (ms * 1e-3) / 1e9 / copy_bw))
     # same-run sanity check of the default path's output against torch's math (dense copy)
-    fn, _ = our_runner(p, with_path(p, DEFAULT_PATH, 0, DEC.choose_chunk), DEFAULT_PATH)
+    fn, _ = our_runner(p, with_path(p, OPTS.path, 0, DEC.choose_chunk), OPTS.path)
     fn()
     torch.cuda.synchronize()
     try:
@@ -430,7 +429,7 @@ FLEX = None
 def small_case_run():
     gen = torch.Generator().manual_seed(5)
     q, cache, indptr, indices, last = make_case(gen, "f16", [5, 40, 0, 33], 16, 2, 4, 128, "NHD")
-    p = DEC.prepare_decode(q, cache, indptr, indices, last, return_lse=True)
+    p = DEC.prepare_decode(q, cache, indptr, indices, last, return_lse=True, tuning=tuning_for(OPTS.path))
     DEC.run_split(p, 16)
     o, l = DEC.finish_decode(p, True)
     torch.cuda.synchronize()
@@ -444,7 +443,7 @@ def second_process():
     gen = torch.Generator().manual_seed(6)
     q, cache, indptr, indices, last = make_case(gen, "f16", [100, 7], 16, 2, 4, 128, "NHD")
     t = time.time()
-    batch_decode_paged(q, cache, indptr, indices, last)
+    batch_decode_paged(q, cache, indptr, indices, last, tuning=tuning_for(OPTS.path))
     torch.cuda.synchronize()
     print(json.dumps({"second_process_first_call_s": time.time() - t}))
 
@@ -467,11 +466,11 @@ def sanitize(paths=("auto", "warp"), env_extra=None) -> dict:
                 res[key] = "skipped: out of time"
                 continue
             try:
-                env = dict(os.environ, NBATTN_DECODE_PATH=path, **(env_extra or {}))
+                env = dict(os.environ, **(env_extra or {}))
                 # host API return codes (numba's driver probing: cuGetProcAddress) are not
                 # kernel memory errors: left out of the count
                 r = subprocess.run([exe, "--tool", tool, "--report-api-errors", "no", "--print-limit", "20",
-                                    sys.executable, __file__, "small"],
+                                    sys.executable, __file__, "small", "--path", path],
                                    capture_output=True, text=True, timeout=min(150, left() - 5), env=env)
                 lines = (r.stdout + r.stderr).strip().splitlines()
                 keep = [x for x in lines if "SUMMARY" in x or "small case" in x or "Error" in x
@@ -485,19 +484,19 @@ def sanitize(paths=("auto", "warp"), env_extra=None) -> dict:
 def extras():
     """On-disk kernel cache (a fresh cache directory: the first process compiles, a
     second process loads) and the sanitizer runs; one JSON under $OUT."""
-    os.makedirs(OUT, exist_ok=True)
+    os.makedirs(OPTS.out, exist_ok=True)
     import tempfile
     cache_dir = tempfile.mkdtemp(prefix="nbattn_numba_cache_")
     res = {"cache_dir": "fresh temporary NUMBA_CACHE_DIR"}
     for name in ("first_process", "second_process"):
-        r = subprocess.run([sys.executable, __file__, "second"], capture_output=True, text=True, timeout=150,
-                           env=dict(os.environ, NUMBA_CACHE_DIR=cache_dir))
+        r = subprocess.run([sys.executable, __file__, "second", "--path", OPTS.path], capture_output=True,
+                           text=True, timeout=150, env=dict(os.environ, NUMBA_CACHE_DIR=cache_dir))
         line = [x for x in r.stdout.splitlines() if x.startswith("{")]
         res[name + "_first_call_s"] = json.loads(line[-1])["second_process_first_call_s"] if line else r.stderr[-300:]
         log(name, res[name + "_first_call_s"])
     res["sanitizer"] = sanitize(env_extra={"NUMBA_CACHE_DIR": cache_dir})   # kernels compiled above load
     log("sanitizer", json.dumps(res["sanitizer"])[:2000])
-    write_gpu_suite("decode_extras", extras_records(res), None, OUT, "gpu_decode.py extras")
+    write_gpu_suite("decode_extras", extras_records(res), None, OPTS.out, "gpu_decode.py extras")
 
 
 def extras_records(res: dict) -> list:
@@ -528,7 +527,7 @@ def extras_records(res: dict) -> list:
 # ---------------------------------------------------------------------------
 
 def main(mode="all"):
-    os.makedirs(OUT, exist_ok=True)
+    os.makedirs(OPTS.out, exist_ok=True)
     rng = np.random.default_rng(int(time.time()))
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
     torch.zeros(1, device="cuda")
@@ -540,7 +539,7 @@ def main(mode="all"):
             "records": []}
 
     def dump_corr():
-        with open(os.path.join(OUT, "decode_correctness.json"), "w") as f:
+        with open(os.path.join(OPTS.out, "decode_correctness.json"), "w") as f:
             json.dump(corr_as_suite(corr), f, indent=1, default=str)
 
     if mode == "bench":
@@ -560,7 +559,6 @@ def main(mode="all"):
             rec = check_decode(case, rng, gen, path)
         except Exception:  # noqa: BLE001
             rec = {"case": case[0], "ok": False, "error": traceback.format_exc()[-1500:]}
-            DEC.DECODE_PATH, DEC.WARP_MAX_HEADS = "auto", 4
         corr["records"].append(rec)
         log("correct", rec["case"], "OK" if rec.get("ok") else "FAIL",
             {k: rec.get(k) for k in ("path", "max_abs_err_o", "max_abs_err_lse", "unwritten", "first_call_s",
@@ -585,23 +583,23 @@ def bench_main(rng, gen, dev, versions, corr=None):
     global FLEX
     if corr is None:
         try:
-            with open(os.path.join(OUT, "decode_correctness.json")) as f:
+            with open(os.path.join(OPTS.out, "decode_correctness.json")) as f:
                 corr = json.load(f)
         except OSError:
             corr = {"records": []}
 
     def dump_corr():
-        with open(os.path.join(OUT, "decode_correctness.json"), "w") as f:
+        with open(os.path.join(OPTS.out, "decode_correctness.json"), "w") as f:
             json.dump(corr_as_suite(corr), f, indent=1, default=str)
 
     # -------- benchmark --------
     result = {"suite": "decode", "gpu": dev, "date": datetime.date.today().isoformat(),
-              "command": os.environ.get("NBATTN_COMMAND", "PYTHONPATH=$PWD python3 benchmarks/gpu_decode.py"),
+              "command": " ".join(["PYTHONPATH=$PWD python3 benchmarks/gpu_decode.py"] + sys.argv[1:]),
               "versions": versions,
               "copy_bandwidth_GBps": None, "records": []}
 
     def dump():
-        with open(os.path.join(OUT, "decode.json"), "w") as f:
+        with open(os.path.join(OPTS.out, "decode.json"), "w") as f:
             json.dump(result, f, indent=1, default=str)
 
     copies = copy_bandwidth()
@@ -624,8 +622,8 @@ def bench_main(rng, gen, dev, versions, corr=None):
     table = []
     # most telling first, in case the time budget runs out
     # (batch, kv_len, kv heads, split modes, warp unroll sweep, warp heads-per-CTA sweep)
-    # (the warp path's unroll and heads-per-CTA sweeps: NBATTN_SWEEP=1; measured in earlier runs)
-    sweep = os.environ.get("NBATTN_SWEEP") == "1"
+    # (the warp path's unroll and heads-per-CTA sweeps: --sweep; measured in earlier runs)
+    sweep = OPTS.sweep
     cases = [(64, 4096, hkv, ("auto",), (), (8,) if hkv == 4 and sweep else ()) for hkv in (8, 4)]
     cases += [(1, 32768, 8, ("auto", "unsplit"), (), ()), (1, 32768, 4, ("auto", "unsplit"), (), ())]
     cases += [(64, L, hkv, ("auto",), (2, 4) if L == 16384 and sweep else (),
@@ -672,9 +670,10 @@ def bench_main(rng, gen, dev, versions, corr=None):
         dump()
     # second process: first call should hit the on-disk cache
     try:
-        if QUICK:
-            raise RuntimeError("skipped (NBATTN_QUICK)")
-        r = subprocess.run([sys.executable, __file__, "second"], capture_output=True, text=True, timeout=120)
+        if OPTS.quick:
+            raise RuntimeError("skipped (--quick)")
+        r = subprocess.run([sys.executable, __file__, "second", "--path", OPTS.path], capture_output=True, text=True,
+                           timeout=120)
         line = [x for x in r.stdout.splitlines() if x.startswith("{")]
         sec = json.loads(line[-1])["second_process_first_call_s"] if line else None
         result["records"].append({"case": {"dtype": "f16", "head_dim": 128, "group": 4, "page_size": 16},
@@ -684,7 +683,7 @@ def bench_main(rng, gen, dev, versions, corr=None):
     except Exception as exc:  # noqa: BLE001
         log("second process failed", repr(exc)[:200])
     dump()
-    corr["sanitizer"] = {"note": "skipped (NBATTN_QUICK)"} if QUICK else sanitize()
+    corr["sanitizer"] = {"note": "skipped (--quick)"} if OPTS.quick else sanitize()
     log("sanitizer", json.dumps(corr["sanitizer"])[:1500])
     dump_corr()
     print("\n batch    L  hkv mode/path         chunk      us    bw   flash  cudnn   flex")
@@ -695,13 +694,26 @@ def bench_main(rng, gen, dev, versions, corr=None):
     print("correctness:", sum(1 for r in corr["records"] if _is_ok(r)), "ok of", len(corr["records"]))
 
 
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("mode", nargs="?", default="main",
+                    choices=("main", "all", "correct", "bench", "extras", "small", "second"))
+    ap.add_argument("--out", default=OPTS.out, help="where the result files go (default: $OUT)")
+    ap.add_argument("--budget-s", type=float, default=OPTS.budget_s, help="time budget of the session")
+    ap.add_argument("--quick", action="store_true", help="skip the sanitizer and the second process")
+    ap.add_argument("--path", default=OPTS.path, choices=("auto", "warp", "smem", "tc"),
+                    help="the decode path pinned as the default (e.g. smem when warp failed its checks)")
+    ap.add_argument("--sweep", action="store_true", help="the warp path's unroll and heads-per-CTA sweeps")
+    return ap.parse_args(argv)
+
+
 if __name__ == "__main__":
-    mode = sys.argv[1] if len(sys.argv) > 1 else "main"
-    if mode == "small":
+    OPTS = parse_args()
+    if OPTS.mode == "small":
         small_case_run()
-    elif mode == "extras":
+    elif OPTS.mode == "extras":
         extras()
-    elif mode == "second":
+    elif OPTS.mode == "second":
         second_process()
     else:
-        main(mode)
+        main(OPTS.mode)

@@ -1,6 +1,7 @@
 """Batch-1 split decode on the GPU, taken apart: where the microseconds go.
 
-    PYTHONPATH=$PWD python3 benchmarks/gpu_decode_b1.py      (writes $OUT/decode_b1.json)
+    PYTHONPATH=$PWD python3 benchmarks/gpu_decode_b1.py [--out DIR] [--toggle FIELD=V1,V2]
+                                                  (writes DIR/decode_b1.json; DIR defaults to $OUT)
 
 Shape of issue 3's batch-1 target: 1 x 32k keys, fp16, head_dim 128, 32 query
 heads, 8 or 4 KV heads, page size 16, the default path and chunk
@@ -8,10 +9,10 @@ heads, 8 or 4 KV heads, page size 16, the default path and chunk
 in one process, beside the device copy bandwidth measured first:
 
 * ``total``: decode kernel + merge launch, as ``batch_decode_paged`` runs them:
-  the decode kernel launched programmatically (``decode.DECODE_PROGRAMMATIC``:
+  the decode kernel launched programmatically (``DecodeTuning.programmatic``:
   its CTAs start while the previous call's merge ends and read their work items
   before they wait) with the one-round merge launched programmatically
-  (``merge.FEW_PROGRAMMATIC``: it starts during the decode kernel and waits for
+  (``MergeTuning.few_programmatic``: it starts during the decode kernel and waits for
   its partials); then the decode launched plainly with that merge, launched
   plainly, and with the two-pass merge;
 * ``kernel``: the decode kernel alone (partials written, no merge), launched
@@ -21,9 +22,16 @@ in one process, beside the device copy bandwidth measured first:
 Each total's output is poisoned first and checked fully written; the
 outputs of the merge forms are compared with each other and the last one
 with torch math on the same pages.
+
+``--toggle FIELD=V1,V2,...`` runs everything once per value of a
+:class:`~nbattn.cuda.tuning.DecodeTuning` field (tuples as ``AxB``, e.g.
+``tc_split_shape=8x1,4x2``; ``--toggle FIELD`` alone: a boolean field on, then
+off), groups 4 and 8, in one process; each record names the value under the
+field's name.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -34,10 +42,8 @@ from numba import cuda
 sys.path.insert(0, os.path.dirname(__file__))
 import gpu_decode as G  # noqa: E402  (copy bandwidth, inputs, timing, dense check)
 from nbattn.cuda import decode as DEC  # noqa: E402
-from nbattn.cuda.kernels import decode_warp as WARP  # noqa: E402
 from nbattn.cuda import merge as MRG  # noqa: E402
-
-OUT = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+from nbattn.cuda.tuning import DECODE  # noqa: E402
 
 
 def on_torch_stream(p, fn):
@@ -47,19 +53,19 @@ def on_torch_stream(p, fn):
     return run
 
 
-def case(hkv: int, copy_bw: float) -> list:
+def case(hkv: int, copy_bw: float, tuning=DECODE) -> list:
     hq, d, ps, L = 32, 128, 16, 32768
     q, cache, indptr, indices, last = G.make_case_fast(np.array([L]), ps, hkv, d)
     meta = [torch.from_numpy(a).cuda() for a in (indptr, indices, last)]
     nbytes = 2 * d * (hq * 2 + 2 * L * hkv)
-    p = DEC.prepare_decode(q, cache, *meta, return_lse=True)
+    p = DEC.prepare_decode(q, cache, *meta, return_lse=True, tuning=tuning)
     chunk = DEC.choose_chunk(p)
     cfg = p.config()
     (cta_indptr, req, ks, ke, slot, m_indptr, m_row, m_slots, n_slots) = DEC.split_work(p.kv_lens, chunk)
-    work = DEC.WorkList(*DEC._upload(p.stream, cta_indptr, req, ks, ke, slot))
+    work = DEC.WorkList(*DEC.upload_int32(p.stream, cta_indptr, req, ks, ke, slot))
     po = cuda.device_array((n_slots, hq, d), np.float32)
     pl = cuda.device_array((n_slots, hq), np.float32)
-    mmap = MRG.MergeMap(*DEC._upload(p.stream, m_indptr, m_row, m_slots))
+    mmap = MRG.MergeMap(*DEC.upload_int32(p.stream, m_indptr, m_row, m_slots))
     most = int(np.diff(m_indptr).max())
     base = dict(batch=1, kv_len=L, num_qo_heads=hq, num_kv_heads=hkv, group=hq // hkv, head_dim=d,
                 page_size=ps, dtype="f16", path=cfg.path, kv_chunk=chunk, partials=most,
@@ -78,20 +84,17 @@ def case(hkv: int, copy_bw: float) -> list:
     forms = (("one_round_programmatic", True, True), ("one_round", True, False), ("two_pass", False, False))
 
     def use(form):
-        _, MRG.FEW_FORM, MRG.FEW_PROGRAMMATIC = form
+        return tuning.merge.replace(few_form=form[1], few_programmatic=form[2])
 
-    pdl_default = DEC.DECODE_PROGRAMMATIC
     for form, pdl in [(forms[0], True)] + [(f, False) for f in forms]:
-        use(form)
-        DEC.DECODE_PROGRAMMATIC = pdl
+        p.tuning = tuning.replace(programmatic=pdl, merge=use(form))
         run = DEC.split_runner(p, chunk)
         timed("total", run, merge=form[0], decode_programmatic=pdl)
         p.out_user.fill_(float("nan"))          # poisoned: the checks below see every element written
         on_torch_stream(p, run)()
         torch.cuda.synchronize()
         outs[form[0] + ("_pdl" if pdl else "")] = p.out_user.float().clone()
-    DEC.DECODE_PROGRAMMATIC = pdl_default
-    use(forms[0])
+    p.tuning = tuning
     err = G.dense_check(p, q, cache, indptr, indices, 1, L, hkv, ps, d, rows=1)
     diffs = {f"{k}_vs_two_pass_max_abs_diff": float((v - outs["two_pass"]).abs().max()) for k, v in outs.items()}
     written = {f"{k}_all_written": bool(torch.isfinite(v).all()) for k, v in outs.items()}
@@ -101,47 +104,47 @@ def case(hkv: int, copy_bw: float) -> list:
     for pdl in (True, False):
         timed("kernel", lambda pdl=pdl: DEC.run_decode_work(p, work, po, pl, pdl), decode_programmatic=pdl)
     for form in forms:
-        use(form)
-        timed("merge", lambda: MRG.run_merge_partials(po, pl, mmap, p.out_dev, p.lse_dev, code=p.code,
-                                                      max_partials=most, stream=p.stream), merge=form[0])
-    use(forms[0])
+        timed("merge", lambda mt=use(form): MRG.run_merge_partials(po, pl, mmap, p.out_dev, p.lse_dev, code=p.code,
+                                                                   max_partials=most, stream=p.stream,
+                                                                   tuning=mt), merge=form[0])
     return recs
 
 
+def parse_toggle(text: str):
+    """``FIELD=V1,V2`` (or ``FIELD``: True, then False) as (field, [tunings' values])."""
+    name, _, values = text.partition("=")
+    default = getattr(DECODE, name)           # an unknown field fails here
+
+    def parse(v):
+        if isinstance(default, tuple):
+            return tuple(int(x) for x in v.split("x"))
+        if isinstance(default, bool):
+            return v.lower() in ("1", "true", "on", "yes")
+        return type(default)(v)
+    return name, [parse(v) for v in values.split(",")] if values else [True, False]
+
+
 def main():
-    os.makedirs(OUT, exist_ok=True)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--toggle", default="", help="FIELD=V1,V2,...: a DecodeTuning field, value by value")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     bw = G.copy_bandwidth()
     copy_bw = max(bw.values())
     G.log("copy bandwidth GB/s", {k: round(v) for k, v in bw.items()})
     recs = []
-    toggle = os.environ.get("B1_TOGGLE", "")
-    if toggle:
-        # B1_TOGGLE=NAME: a boolean switch of decode_warp, on then off; NAME=V1,V2,..: those
-        # values in turn (e.g. KV_STAGES=3,0); DEC.NAME: a switch of decode (tuples as AxB,
-        # e.g. DEC.TC_SPLIT_SHAPE=8x1,4x2); groups 4 and 8, in one process
-        name, _, values = toggle.partition("=")
-        mod = WARP
-        if name.startswith("DEC."):
-            mod, name = DEC, name[4:]
-        default = getattr(mod, name)
-
-        def parse(v):
-            if isinstance(default, tuple):
-                return tuple(int(x) for x in v.split("x"))
-            return type(default)(v)
-        settings = [parse(v) for v in values.split(",")] if values else [True, False]
+    if args.toggle:
+        name, settings = parse_toggle(args.toggle)
         for hkv in (8, 4):
             for value in settings:
-                setattr(mod, name, value)
-                DEC._kernels.clear()
-                for r in case(hkv, copy_bw):
-                    r["case"][name.lower()] = "x".join(map(str, value)) if isinstance(value, tuple) else value
+                for r in case(hkv, copy_bw, DECODE.replace(**{name: value})):
+                    r["case"][name] = "x".join(map(str, value)) if isinstance(value, tuple) else value
                     recs.append(r)
-        setattr(mod, name, default)
     else:
         for hkv in (8, 4):
             recs += case(hkv, copy_bw)
-    G.write_gpu_suite("decode_b1", recs, copy_bw, OUT, "gpu_decode_b1.py")
+    G.write_gpu_suite("decode_b1", recs, copy_bw, args.out, "gpu_decode_b1.py")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Prefill, cascade and page-size benchmarks on the GPU, peers in the same run.
 
-    COMMIT=<sha> PYTHONPATH=$PWD python3 benchmarks/gpu_prefill.py [cascade] [page1] [prefill_8k]
-    (writes $OUT or benchmarks/results; COMMIT names the tree measured)
+    PYTHONPATH=$PWD python3 benchmarks/gpu_prefill.py [cascade] [page1] [prefill_8k] [--commit SHA] [--out DIR]
+    (writes --out, default $OUT or benchmarks/results; --commit names the tree measured)
 
 Suites (result-file format, docs/gpu.md):
 - prefill.json: batch 1 x 8k x 8k, 32 query / 8 KV heads, head_dim 128, fp16,
@@ -13,7 +13,9 @@ Suites (result-file format, docs/gpu.md):
 - cascade.json: shared-prefix decode, suffix 128, page 16, batch {16, 64} x
   prefix {1024, 32768}: cascade vs flat paged decode (the default
   nbattn.cuda.batch_decode_paged path, split as choose_chunk splits it); the
-  cascade's prefix pass alone (TFLOP/s); a sweep of the prefix split size.
+  cascade's prefix pass alone (TFLOP/s); a sweep of the prefix split size; other
+  ``CascadeTuning`` values (``min_blocks_split``, ``decode_levels``) passed as
+  ``tuning=``.
 
 Every timing: CUDA events around the kernels only (host planning recorded
 once, :class:`nbattn.cuda.prefill.recording`), after warm-up, median of many
@@ -24,6 +26,7 @@ close to a peer.
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -40,10 +43,12 @@ from nbattn import layout as L
 from nbattn.cuda.cascade import cascade as cuda_cascade
 from nbattn.cuda import prefill as P
 from nbattn.cuda.host.driver import launch as launch_kernel
+from nbattn.cuda.tuning import CASCADE
 
 from _timing import events_ms, graph_ms  # noqa: E402  (benchmarks/ is the script's folder)
 
-OUT = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+OUT = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")   # --out's default
+COMMIT = "unknown"                                                                  # --commit
 DEV = "cuda"
 
 
@@ -115,8 +120,8 @@ def record(recs, case, metric, value, unit, peers=None, **extra):
 def write(suite, recs, copy_bw):
     os.makedirs(OUT, exist_ok=True)
     doc = {"suite": suite, "gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-           "command": "COMMIT=<sha> PYTHONPATH=$PWD python3 benchmarks/gpu_prefill.py",
-           "versions": {"nbattn_commit": os.environ.get("COMMIT", "unknown"), "torch": torch.__version__, "numpy": np.__version__,
+           "command": "PYTHONPATH=$PWD python3 benchmarks/gpu_prefill.py --commit <sha>",
+           "versions": {"nbattn_commit": COMMIT, "torch": torch.__version__, "numpy": np.__version__,
                         "numba_cuda": __import__("importlib.metadata").metadata.version("numba-cuda"),
                         "python": sys.version.split()[0]},
            "copy_bandwidth_GBps": copy_bw, "records": recs}
@@ -300,17 +305,13 @@ def bench_cascade(recs, copy_bw):
             except Exception as e:  # noqa: BLE001
                 print(f"  flat runner check failed: {e!r}"[:200])
                 flat_runner_err = None
-            C = sys.modules["nbattn.cuda.cascade"]
 
             def measure(split_blocks, kv_chunk=None, parts=True, decode_levels=True):
                 """The cascade's recorded launches timed whole and (parts) pass by pass, with
                 its split levels built for ``split_blocks`` CTAs per SM (and single-row levels
-                as batch decodes, or on the prefill tile)."""
-                C.MIN_BLOCKS_SPLIT, C.DECODE_LEVELS = split_blocks, decode_levels
-                try:
-                    rec, oc, first = ours(cuda_cascade, q, levels, cache, kv_chunk=kv_chunk)
-                finally:
-                    C.MIN_BLOCKS_SPLIT, C.DECODE_LEVELS = default_blocks, True
+                as batch decodes, or on the prefill tile): a CascadeTuning."""
+                tuning = CASCADE.replace(min_blocks_split=split_blocks, decode_levels=decode_levels)
+                rec, oc, first = ours(cuda_cascade, q, levels, cache, kv_chunk=kv_chunk, tuning=tuning)
                 run_c = replay_fn(rec.launches)
                 m = {"written": poisoned(run_c, oc), "err": rel_err(oc, flat), "first": first}
                 m["us"], m["graphed"] = graph_ms(run_c)
@@ -326,7 +327,7 @@ def bench_cascade(recs, copy_bw):
                     m["err_ref"] = rel_err(oc[:len(ref)], ref)
                 return m
 
-            default_blocks = C.MIN_BLOCKS_SPLIT
+            default_blocks = CASCADE.min_blocks_split
             main = measure(default_blocks)
             ms_c, ms_pre = main["us"] * 1e-3, main["prefix_us"] * 1e-3
             ms_rest = (main["suffix_us"] + main["merge_us"]) * 1e-3
@@ -382,7 +383,7 @@ def bench_cascade(recs, copy_bw):
 def inspect_tc():
     """Registers and local-memory use of the tensor-core kernels this run compiled."""
     from numba.cuda.dispatcher import CUDADispatcher
-    for key, kern in list(P._KERNELS.items()):
+    for key, kern in list(P.KERNELS.items()):
         if not isinstance(kern, CUDADispatcher) or not getattr(key, "tensor_cores", False):
             continue
         try:
@@ -394,11 +395,20 @@ def inspect_tc():
             print(f"  inspect failed: {e!r}"[:200])
 
 
-def main():
+def main(argv=None):
+    global OUT, COMMIT
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("sections", nargs="*", help="the parts to run: cascade, page1, prefill_8k (default: all)")
+    ap.add_argument("--commit", default=COMMIT, help="the nbattn commit measured (recorded in the files)")
+    ap.add_argument("--out", default=OUT, help="folder for prefill.json and cascade.json")
+    args = ap.parse_args(argv)
+    if set(args.sections) - {"cascade", "page1", "prefill_8k"}:
+        ap.error(f"sections: choose from cascade, page1, prefill_8k, got {args.sections}")
+    OUT, COMMIT = args.out, args.commit
     torch.cuda.init()
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw:.0f} GB/s", flush=True)
-    only = set(sys.argv[1:])
+    only = set(args.sections)
     prefill, cascade = [], []
     for name, fn, recs in (("cascade", lambda r: bench_cascade(r, copy_bw), cascade),
                            ("page1", lambda r: bench_page1_vs_contiguous(r, copy_bw), prefill),

@@ -1,7 +1,8 @@
 """The register-tiled CUDA-core prefill path (nbattn.cuda.kernels.prefill_cc) on the GPU,
 beside the fp32 FMA roof measured in the same run.
 
-    PYTHONPATH=$PWD python3 benchmarks/gpu_prefill_cc.py     (writes $OUT or benchmarks/results)
+    PYTHONPATH=$PWD python3 benchmarks/gpu_prefill_cc.py [--out DIR] [--budget-s S] [--no-checks]
+        [--alts "longest_first=0;policy=keys"]     (writes --out, default $OUT or benchmarks/results)
 
 One run, in this order (so a time-out still leaves the most useful part):
 1. fp32 FMA roof: a numba kernel of 16 independent FMA chains per thread over
@@ -14,14 +15,18 @@ One run, in this order (so a time-out still leaves the most useful part):
    smaller length, the plan/run wrapper (persistent entry);
 3. timings (CUDA events around the recorded launches, warm-up, median) at
    batch 1 x 8k x 8k, 32 query / 8 KV heads, head_dim 128, fp16, contiguous
-   KV, causal and not; an alternative tile shape; the old scalar
-   ``core_tile`` at 2k x 2k beside the new path at 2k x 2k.
+   KV, causal and not; alternative tunings (``--alts``); the teaching tile
+   ``core_tile`` at 2k x 2k beside the register-tiled path at 2k x 2k.
+
+Every alternative is a :class:`nbattn.cuda.tuning.PrefillTuning` passed as
+``tuning=`` (:func:`alternative`); the kernels of each are their own builds.
 
 FLOPs: 4 * l_q * l_kv * head_dim per query head, halved for causal.
 Writes ``prefill_cuda_core.json`` (result-file format, docs/gpu.md) and prints a table.
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import importlib.metadata
 import math
@@ -43,11 +48,12 @@ from nbattn import reference as R
 from nbattn.cuda import prefill as P
 from nbattn.cuda.host.driver import launch as launch_kernel
 from nbattn.cuda.kernels import prefill_cc as CC
+from nbattn.cuda.tuning import PREFILL
 from nbattn.perf import results
 
-OUT = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+OUT = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")   # --out's default
 T0 = time.time()
-BUDGET_S = float(os.environ.get("BUDGET_S", "330"))      # optional parts stop past this
+BUDGET_S = 330.0                                          # optional parts stop past this (--budget-s)
 DATASHEET_FP32 = 67.0                                     # H200 SXM fp32 (non-tensor) TFLOP/s
 RECORDS: list = []
 LOG: list = []
@@ -239,9 +245,9 @@ def flops(n_q, n_kv, heads, d, causal):
     return 4.0 * n_q * n_kv * d * heads * (0.5 if causal else 1.0)
 
 
-def time_single(n, causal, reps, label, n_kv=None):
-    """(TFLOP/s, ms, compile_s, all_written) of single_prefill on the CUDA-core path,
-    ``n`` queries over ``n_kv`` (default ``n``) keys."""
+def time_single(n, causal, reps, label, n_kv=None, tuning=PREFILL):
+    """(TFLOP/s, ms, compile_s, all_written) of single_prefill on the CUDA-core path
+    under ``tuning``, ``n`` queries over ``n_kv`` (default ``n``) keys."""
     n_kv = n_kv or n
     torch.manual_seed(n + causal)
     q = torch.randn((n, 32, 128), device="cuda", dtype=torch.float16)
@@ -250,11 +256,11 @@ def time_single(n, causal, reps, label, n_kv=None):
     out = torch.empty_like(q)
     torch.cuda.synchronize()
     t = time.time()
-    P.single_prefill(q, k, v, causal=causal, out=out, tensor_cores=False)      # compiles
+    P.single_prefill(q, k, v, causal=causal, out=out, tensor_cores=False, tuning=tuning)      # compiles
     torch.cuda.synchronize()
     first = time.time() - t
     with P.recording() as rec:
-        P.single_prefill(q, k, v, causal=causal, out=out, tensor_cores=False)
+        P.single_prefill(q, k, v, causal=causal, out=out, tensor_cores=False, tuning=tuning)
     launches = rec.launches
 
     def run():
@@ -273,10 +279,47 @@ def time_single(n, causal, reps, label, n_kv=None):
     return tf, ms, first, written
 
 
-def main():
+def alternative(alt: str):
+    """``(tuning, q_len, kv_len, modes)`` of one ``--alts`` entry: '+'-joined settings of
+    PrefillTuning fields -- ``policy=rows|keys``, ``smem=BYTES`` (smem_budget),
+    ``max_tile_k=N``, ``longest_first=0|1`` -- or ``shape=QxK`` (full only: the same
+    FLOPs in another grid, e.g. 16384x4096 = twice the CTAs at half the keys each)."""
+    settings = dict(kv.split("=") for kv in alt.split("+"))
+    unknown = set(settings) - {"policy", "smem", "max_tile_k", "longest_first", "shape"}
+    if unknown:
+        raise ValueError(f"--alts: unknown settings {sorted(unknown)} in {alt!r}")
+    changes = {}
+    if "policy" in settings:
+        changes["policy"] = settings["policy"]
+    if "smem" in settings:
+        changes["smem_budget"] = int(settings["smem"])
+    if "max_tile_k" in settings:
+        changes["max_tile_k"] = int(settings["max_tile_k"])
+    if "longest_first" in settings:
+        changes["longest_first"] = settings["longest_first"] == "1"
+    nq, nk = (int(x) for x in settings.get("shape", "8192x8192").split("x"))
+    modes = (True,) if "longest_first" in settings else (False,) if "shape" in settings else (False, True)
+    return PREFILL.replace(**changes), nq, nk, modes
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=OUT, help="folder for prefill_cuda_core.json (default $OUT or benchmarks/results)")
+    ap.add_argument("--budget-s", type=float, default=BUDGET_S, help="seconds after which optional parts stop")
+    ap.add_argument("--no-checks", action="store_true",
+                    help="skip the checks and the 2k comparison (a run that times alternatives only)")
+    ap.add_argument("--alts", default="longest_first=0;policy=keys",
+                    help="';'-separated alternatives, each '+'-joined settings (see alternative())")
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    global OUT, BUDGET_S
+    args = parse_args(argv)
+    OUT, BUDGET_S = args.out, args.budget_s
     os.makedirs(OUT, exist_ok=True)
-    say("device", torch.cuda.get_device_name(), "| lane grids", CC.LANE_GRIDS, "policy", CC.POLICY,
-        "unroll", CC.UNROLL, "longest_first", P.LONGEST_FIRST,
+    say("device", torch.cuda.get_device_name(), "| lane grids", PREFILL.lane_grids, "policy", PREFILL.policy,
+        "unroll", PREFILL.unroll, "longest_first", PREFILL.longest_first,
         "| tiles d128 f16", CC.cuda_core_tiles(128, "f16"))
     roof, sgemm = fp32_roof()
     save()
@@ -316,8 +359,7 @@ def main():
         lambda: check_paged("f16_d64_page16_sigmoid", "f16", 64, 16, True, use_sigmoid=True, sigmoid_bias=-1.0),
         lambda: check_wrapper("wrapper_f16_d128_page16_causal"),
     ]
-    # NO_CHECKS=1 skips the checks and the 2k comparison (a run that times alternatives only)
-    quick = os.environ.get("NO_CHECKS") == "1"
+    quick = args.no_checks
     for fn in ([] if quick else checks):
         if left() < 60:
             say("skipping the remaining checks (time)")
@@ -329,13 +371,12 @@ def main():
             RECORDS.append(dict(case={"check": "raised"}, metric="ok", value=0.0, unit="", peers={}))
         save()
 
-    # The old scalar tile and the new one at 2k x 2k (the old one is ~0.7 s per 8k call).
+    # The teaching tile and the register-tiled one at 2k x 2k (the teaching one is slow at 8k).
     if left() > 40 and not quick:
         try:
             tf_new, ms_new, _, _ = time_single(2048, False, 5, "cuda-core tiled")
-            CC.ENABLED = False
-            tf_old, ms_old, first_old, w_old = time_single(2048, False, 3, "core_tile (scalar)")
-            CC.ENABLED = True
+            tf_old, ms_old, first_old, w_old = time_single(2048, False, 3, "core_tile (scalar)",
+                                                           tuning=PREFILL.replace(cuda_core=False))
             case = dict(target, q_len=2048, kv_len=2048, causal=False)
             RECORDS.append(dict(case=dict(case, path="cuda_cores_tiled"), metric="tflops", value=tf_new,
                                 unit="TFLOP/s", peers={"core_tile": tf_old, "fp32_fma_roof": roof}, ms=ms_new))
@@ -343,46 +384,29 @@ def main():
                                 unit="x", peers={}, over="core_tile", core_tile_ms=ms_old,
                                 core_tile_all_written=w_old))
         except Exception:  # noqa: BLE001
-            CC.ENABLED = True
             say("core_tile comparison failed:\n" + traceback.format_exc()[-1500:])
         save()
 
-    # Alternatives beside the default, each at 8k x 8k full and causal (ALTS: ';'-separated
-    # alternatives, each one or more '+'-joined settings of prefill_cc.POLICY /
-    # SMEM_BUDGET (smem=bytes) / MAX_TILE_K, prefill.LONGEST_FIRST, or shape=QxK (full only: the same FLOPs in another grid, e.g.
-    # 16384x4096 = twice the CTAs at half the keys each), e.g.
-    # "policy=keys;longest_first=0;shape=16384x4096").
-    # Kernels are rebuilt for each.
-    alts = [a for a in os.environ.get("ALTS", "longest_first=0;policy=keys").split(";") if a]
+    # Alternatives beside the default, each at 8k x 8k full and causal (or as alternative() says),
+    # e.g. --alts "policy=keys;longest_first=0;shape=16384x4096".
+    alts = [a for a in args.alts.split(";") if a]
     for alt in alts:
         if left() < 40:
             say("skipping the remaining alternatives (time)")
             break
-        settings = dict(kv.split("=") for kv in alt.split("+"))
-        saved = (CC.POLICY, P.LONGEST_FIRST, CC.SMEM_BUDGET, CC.MAX_TILE_K)
         try:
-            CC.POLICY = settings.get("policy", CC.POLICY)
-            CC.SMEM_BUDGET = int(settings.get("smem", CC.SMEM_BUDGET))
-            if "max_tile_k" in settings:
-                CC.MAX_TILE_K = int(settings["max_tile_k"])
-            if "longest_first" in settings:
-                P.LONGEST_FIRST = settings["longest_first"] == "1"
-            nq, nk = (int(x) for x in settings.get("shape", "8192x8192").split("x"))
-            P._KERNELS.clear()
-            modes = (True,) if "longest_first" in settings else (False,) if "shape" in settings else (False, True)
+            tuning, nq, nk, modes = alternative(alt)
             for causal in modes:
-                tf_alt, ms_alt, _, w_alt = time_single(nq, causal, 5, f"cuda-core tiled {alt}", n_kv=nk)
+                tf_alt, ms_alt, _, w_alt = time_single(nq, causal, 5, f"cuda-core tiled {alt}", n_kv=nk,
+                                                       tuning=tuning)
                 RECORDS.append(dict(case=dict(target, q_len=nq, kv_len=nk, causal=causal,
                                               path="cuda_cores_tiled_alt", alt=alt),
                                     metric="tflops", value=tf_alt, unit="TFLOP/s",
                                     peers={"fp32_fma_roof": roof,
                                            **({"default": timed[causal]} if causal in timed else {})}, ms=ms_alt,
-                                    all_written=w_alt, tiles=list(CC.cuda_core_tiles(128, "f16"))))
+                                    all_written=w_alt, tiles=list(CC.cuda_core_tiles(128, "f16", tuning))))
         except Exception:  # noqa: BLE001
             say(f"alternative {alt} failed:\n" + traceback.format_exc()[-1500:])
-        finally:
-            CC.POLICY, P.LONGEST_FIRST, CC.SMEM_BUDGET, CC.MAX_TILE_K = saved
-            P._KERNELS.clear()
         save()
 
     oks = [r for r in RECORDS if r["metric"] == "ok"]

@@ -68,8 +68,9 @@ def run_family(family: str) -> None:
     import nbattn  # noqa: F401
     import nbattn.cuda as C
     from nbattn import layout as L
-    from nbattn.cuda import decode as DEC
     from nbattn.cuda import merge as M
+    from nbattn.cuda.tuning import DECODE, MERGE
+    from numba import cuda
 
     rng = np.random.default_rng(0)
     f16 = torch.float16
@@ -80,25 +81,31 @@ def run_family(family: str) -> None:
     def q_of(rows, dtype=f16, dd=d):
         return torch.randn((rows, hq, dd), device="cuda", dtype=dtype)
 
-    if family.startswith("decode_"):
-        DEC.DECODE_PATH = family.split("_", 1)[1]
+    if family.startswith("decode_") and family != "decode_split_merge":
+        tuning = DECODE.replace(path=family.split("_", 1)[1])
         for dtype, layout, var in ((f16, "NHD", {}), (torch.bfloat16, "HND", {"window_left": 64}),
                                    (f16, "NHD", {"logits_soft_cap": 30.0})):
-            if DEC.DECODE_PATH == "smem" or dtype != torch.float32:
+            if tuning.path == "smem" or dtype != torch.float32:
                 cache, ip, ix, la = _paged(rng, torch, dtype, lens, 16, hk, d, layout)
                 C.batch_decode_paged(q_of(len(lens), dtype), cache, ip, ix, la, kv_layout=layout,
-                                     return_lse=True, **var)
-        if DEC.DECODE_PATH == "smem":
+                                     return_lse=True, tuning=tuning, **var)
+        if tuning.path == "smem":
             cache, ip, ix, la = _paged(rng, torch, torch.float32, lens, 3, hk, 64)
-            C.batch_decode_paged(q_of(len(lens), torch.float32, 64), cache, ip, ix, la, use_sigmoid=True)
+            C.batch_decode_paged(q_of(len(lens), torch.float32, 64), cache, ip, ix, la, use_sigmoid=True,
+                                 tuning=tuning)
     elif family == "decode_split_merge":
         cache, ip, ix, la = _paged(rng, torch, f16, [4000, 17], 16, hk, d)
         C.batch_decode_paged(q_of(2), cache, ip, ix, la, return_lse=True)      # long request: split + merge
-        for few in (False, True):
-            M.FEW_FORM = few
-            v = torch.randn((5, 7, hq, d), device="cuda", dtype=f16)
-            s = torch.randn((5, 7, hq), device="cuda", dtype=torch.float32)
-            C.merge_states(v, s)
+        v = torch.randn((5, 7, hq, d), device="cuda", dtype=f16)
+        s = torch.randn((5, 7, hq), device="cuda", dtype=torch.float32)
+        C.merge_states(v, s)
+        mmap = M.MergeMap(*(cuda.to_device(np.asarray(x, np.int32)) for x in ([0, 7, 14], [1, 0], np.arange(14))))
+        po, pl = cuda.to_device(rng.standard_normal((14, hq, d), np.float32)), cuda.to_device(
+            rng.standard_normal((14, hq), np.float32))
+        for few in (False, True):       # the two-pass and the one-round split-KV merge
+            M.run_merge_partials(po, pl, mmap, cuda.device_array((2, hq, d), np.uint16),
+                                 cuda.device_array((2, hq), np.float32), code="f16", max_partials=7,
+                                 tuning=MERGE.replace(few_form=few))
         C.merge_state(v[:, 0], s[:, 0], v[:, 1], s[:, 1])
         C.merge_state_in_place(v[:, 0].contiguous(), s[:, 0].contiguous(), v[:, 1].contiguous(),
                                s[:, 1].contiguous(), mask=torch.tensor([1, 0, 1, 1, 0], dtype=torch.bool))

@@ -5,8 +5,8 @@
 #   decode_b1   benchmarks/gpu_decode_b1.py with B1_STREAM=both: the evict-first K/V stream
 #               against plain loads, batch 1 x 32k, group 4        -> $OUT/decode_b1.json
 #   t_gpu       GPU tests of sparse/cascade, the CUDA-core prefill tile, merge and decode
-#   prefill_cc  benchmarks/gpu_prefill_cc.py at the default (no launch bounds), the
-#               bounded build as the alternative                  -> $OUT/prefill_cuda_core.json
+#   prefill_cc  benchmarks/gpu_prefill_cc.py at the default tuning and its default
+#               alternatives (--alts)                             -> $OUT/prefill_cuda_core.json
 #   decode      benchmarks/gpu_decode.py correct, then bench     -> $OUT/decode*.json
 #   prefill     benchmarks/gpu_prefill.py                        -> $OUT/prefill.json, cascade.json
 #   floor       benchmarks/gpu_read_floor.py (bare-read ceiling)  -> $OUT/decode_read_floor.json
@@ -30,9 +30,9 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 has decode_b1 && step decode_b1 90 env B1_STREAM=both python3 benchmarks/gpu_decode_b1.py
 has t_gpu && step t_gpu 330 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_sparse_cascade.py \
     tests/test_cuda_prefill_cc.py tests/test_cuda_merge.py tests/test_cuda_decode.py
-has prefill_cc && step prefill_cc 230 env BUDGET_S=210 ALTS="min_blocks=3" python3 benchmarks/gpu_prefill_cc.py
+has prefill_cc && step prefill_cc 230 python3 benchmarks/gpu_prefill_cc.py --budget-s 210
 # correctness cases start while 200 s of the budget are left: 330 - 200 = 130 s of cases
-has decode && step decode_correct 150 env NBATTN_BUDGET_S=330 NBATTN_QUICK=1 python3 benchmarks/gpu_decode.py correct
-has decode && step decode 100 env NBATTN_BUDGET_S=100 NBATTN_QUICK=1 python3 benchmarks/gpu_decode.py bench
+has decode && step decode_correct 150 python3 benchmarks/gpu_decode.py correct --budget-s 330 --quick
+has decode && step decode 100 python3 benchmarks/gpu_decode.py bench --budget-s 100 --quick
 has prefill && step prefill 300 python3 benchmarks/gpu_prefill.py
 has floor && step floor 60 python3 benchmarks/gpu_read_floor.py

@@ -22,14 +22,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .layout import is_torch, to_numpy
+
 __all__ = ["golden_entry", "kernel_entry", "KERNEL_ONLY", "GOLDEN_ONLY"]
 
 KERNEL_ONLY = ("stream", "tensor_cores", "kv_chunk")
 GOLDEN_ONLY = ("dtype",)
-
-
-def is_torch(x: Any) -> bool:
-    return type(x).__module__.startswith("torch")
 
 
 def _first_torch(args, kwargs):
@@ -70,7 +68,6 @@ def _copy_into(name: str, given: Any, value: np.ndarray) -> Any:
 
 
 def _host(x: Any) -> np.ndarray:
-    from .layout import to_numpy
     return to_numpy(x)
 
 

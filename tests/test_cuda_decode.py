@@ -13,8 +13,10 @@ import nbattn  # noqa: F401  (compat first)
 from nbattn import layout as L
 from nbattn import reference as R
 from nbattn.cuda import decode as DEC
+from nbattn.cuda import decode_problem as DP
 from nbattn.cuda import batch_decode_paged
 from nbattn.cuda.blocks.primitives import SIMULATOR
+from nbattn.cuda.tuning import DECODE
 from numba import cuda
 
 from brute import brute_attention, gather_pages, random_paged_batch
@@ -193,10 +195,15 @@ def test_split_kv_sigmoid_partials_add():
 
 def test_work_list_queue_and_merge_order():
     """The scheduler's entry point: several items per CTA, partial slots out of order."""
+    _work_list_queue_and_merge_order(None)
+
+
+def _work_list_queue_and_merge_order(tuning):
     from nbattn.cuda.merge import MergeMap, run_merge_partials
     rng = np.random.default_rng(14)
     b = batch(rng, "f32", kv_lens=[10, 6], page_size=4, group=2)
-    p = DEC.prepare_decode(b["q"], b["cache"], b["indptr"], b["indices"], b["last"], return_lse=True)
+    p = DEC.prepare_decode(b["q"], b["cache"], b["indptr"], b["indices"], b["last"], return_lse=True,
+                           tuning=tuning)
     # request 0 in three chunks (slots 2, 0, 1 in KV order), request 1 written directly
     work = [np.array(x, np.int32) for x in ([0, 2, 4], [0, 1, 0, 0], [0, 0, 4, 8], [4, 6, 8, 10],
                                             [2, -1, 0, 1])]
@@ -281,7 +288,7 @@ def test_bad_inputs_raise_before_launch(case, monkeypatch):
     args, kw, name = _bad_cases(b)[case]
     snapshot = [np.array(a, copy=True) for a in args]
     launched = []
-    monkeypatch.setattr(DEC, "decode_kernel", lambda cfg: launched.append(cfg))
+    monkeypatch.setattr(DP, "decode_kernel", lambda cfg: launched.append(cfg))
     err = TypeError if name is None else L.LayoutError
     with pytest.raises(err) as e:
         batch_decode_paged(*args, **kw)
@@ -300,8 +307,9 @@ def test_bad_inputs_raise_before_launch(case, monkeypatch):
 # ---------------------------------------------------------------------------
 
 @pytest.fixture
-def warp_path(monkeypatch):
-    monkeypatch.setattr(DEC, "DECODE_PATH", "warp")
+def warp_path():
+    """The tuning that forces the warp path."""
+    return DECODE.replace(path="warp")
 
 
 def _config_of(b, layout="NHD", **kw):
@@ -313,16 +321,15 @@ def _config_of(b, layout="NHD", **kw):
     ("f16", "NHD", 3, 2, 16, 1), ("bf16", "HND", 4, 4, 32, 2), ("f32", "NHD", 1, 1, 64, 1),
     ("f16", "NHD", 5, 2, 8, 1), ("f32", "HND", 2, 6, 32, 1),   # 6 heads: 3 per CTA, padded to 4
 ])
-def test_warp_path_matches_golden(warp_path, monkeypatch, code, layout, page_size, group, head_dim, warps):
-    if SIMULATOR:
-        monkeypatch.setattr(DEC, "WARP_WARPS", warps)
+def test_warp_path_matches_golden(warp_path, code, layout, page_size, group, head_dim, warps):
+    tuning = warp_path.replace(warp_warps=warps) if SIMULATOR else warp_path
     rng = np.random.default_rng([21, page_size, group, head_dim])
     # emulated shuffles cost two block barriers each: keep the simulated cases short
     lens = [13, 1, 0, 20] if head_dim == 16 else [5, 1, 0, 9]
     b = batch(rng, code, kv_lens=lens, page_size=page_size, group=group, layout=layout,
               head_dim=head_dim, share=True)
-    assert _config_of(b, layout).path == "warp"
-    o, lse = run(b, layout, return_lse=True)
+    assert _config_of(b, layout, tuning=tuning).path == "warp"
+    o, lse = run(b, layout, return_lse=True, tuning=tuning)
     check(o, lse, *golden(b, layout, return_lse=True), code)
     assert np.all(as_f32(o)[2] == 0) and np.all(np.isneginf(lse[2]))
 
@@ -332,34 +339,34 @@ def test_warp_path_variants_and_split(warp_path):
     b = batch(rng, "f32", kv_lens=[7, 10], page_size=3)
     kw = dict(causal=True, window_left=5, sink_size=2, logits_soft_cap=3.0, pos_encoding_mode="ALIBI",
               mask_mod=lambda b, h, q, k: (k + h) % 4 != 1)
-    o, lse = run(b, return_lse=True, **kw)
+    o, lse = run(b, return_lse=True, tuning=warp_path, **kw)
     check(o, lse, *golden(b, return_lse=True, **kw), "f32")
-    so, sl = _decode_with_chunks(b, 5, **kw)
+    so, sl = _decode_with_chunks(b, 5, tuning=warp_path, **kw)
     check(so, sl, *golden(b, return_lse=True, **kw), "f32")
     sig = dict(use_sigmoid=True, sigmoid_bias=-0.5, window_left=6)
-    o, _ = _decode_with_chunks(b, 5, **sig)
+    o, _ = _decode_with_chunks(b, 5, tuning=warp_path, **sig)
     np.testing.assert_allclose(o, golden(b, **sig), atol=2e-4, rtol=2e-4)
 
 
-def test_warp_path_eight_heads_per_cta(warp_path, monkeypatch):
-    """One CTA for a whole group of 8 (opt-in: WARP_MAX_HEADS = 8): three reduce-scatter levels."""
-    monkeypatch.setattr(DEC, "WARP_MAX_HEADS", 8)
+def test_warp_path_eight_heads_per_cta(warp_path):
+    """One CTA for a whole group of 8 (opt-in: warp_max_heads=8): three reduce-scatter levels."""
+    tuning = warp_path.replace(warp_max_heads=8)
     rng = np.random.default_rng(24)
     b = batch(rng, "f32", kv_lens=[5, 0, 6], page_size=4, num_kv_heads=1, group=8, head_dim=32)
-    cfg = _config_of(b)
-    assert (cfg.path, cfg.heads_per_cta) == ("warp", 8)
-    o, lse = run(b, return_lse=True)
+    cfg = _config_of(b, tuning=tuning)
+    assert (cfg.path, cfg.heads_per_cta, cfg.tuning) == ("warp", 8, tuning)
+    o, lse = run(b, return_lse=True, tuning=tuning)
     check(o, lse, *golden(b, return_lse=True), "f32")
 
 
 def test_warp_path_work_list(warp_path):
-    test_work_list_queue_and_merge_order()
+    _work_list_queue_and_merge_order(warp_path)
 
 
 def test_warp_path_not_taken_for_odd_head_dim(warp_path):
     rng = np.random.default_rng(23)
     b = batch(rng, "f16", kv_lens=[4], page_size=2, head_dim=24)     # 3 chunks per row: no butterfly
-    assert _config_of(b).path == "smem"
+    assert _config_of(b, tuning=warp_path).path == "smem"
 
 
 def _poisoned_run(b, layout, chunk="auto", **kw):
@@ -393,7 +400,7 @@ def test_warp_path_real_sizes_gpu(warp_path, code, layout, page_size, hkv, group
     kv_lens[0], kv_lens[-1] = 0, max_len           # an empty request and a full-length one
     b = batch(rng, code, kv_lens=kv_lens, page_size=page_size, num_kv_heads=hkv, group=group,
               head_dim=head_dim, layout=layout, share=True)
-    cfg, o, lse = _poisoned_run(b, layout, chunk)
+    cfg, o, lse = _poisoned_run(b, layout, chunk, tuning=warp_path)
     assert cfg.path == "warp"
     assert not np.isnan(as_f32(o)).any() and not np.isnan(lse).any()
     check(o, lse, *golden(b, layout, return_lse=True), code, lse_tol=2e-3)
@@ -409,23 +416,22 @@ def test_warp_path_variants_real_sizes_gpu(warp_path):
     for kw in (dict(causal=True, window_left=700, sink_size=4, logits_soft_cap=30.0, pos_encoding_mode="ALIBI"),
                dict(score_mod=lambda s, b, h, q, k: s - 0.001 * (q - k),
                     mask_mod=lambda b, h, q, k: (k + h) % 5 != 0)):
-        cfg, o, lse = _poisoned_run(b, "NHD", 512, **kw)
+        cfg, o, lse = _poisoned_run(b, "NHD", 512, tuning=warp_path, **kw)
         assert cfg.path == "warp"
         check(o, lse, *golden(b, return_lse=True, **kw), "f16", lse_tol=2e-3)
-    o = run(b, use_sigmoid=True, sigmoid_bias=-2.0)
+    o = run(b, use_sigmoid=True, sigmoid_bias=-2.0, tuning=warp_path)
     np.testing.assert_allclose(as_f32(o), golden(b, use_sigmoid=True, sigmoid_bias=-2.0), atol=4e-3, rtol=4e-3)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(SIMULATOR, reason="needs a real GPU")
 @pytest.mark.parametrize("code,layout,page_size", [("f16", "NHD", 16), ("bf16", "HND", 1)])
-def test_warp_path_eight_heads_real_sizes_gpu(warp_path, monkeypatch, code, layout, page_size):
-    monkeypatch.setattr(DEC, "WARP_MAX_HEADS", 8)
+def test_warp_path_eight_heads_real_sizes_gpu(warp_path, code, layout, page_size):
     rng = np.random.default_rng([33, page_size])
     kv_lens = [0] + [int(x) for x in rng.integers(1, 6000, size=10)]
     b = batch(rng, code, kv_lens=kv_lens, page_size=page_size, num_kv_heads=2, group=8, head_dim=128,
               layout=layout)
-    cfg, o, lse = _poisoned_run(b, layout)
+    cfg, o, lse = _poisoned_run(b, layout, tuning=warp_path.replace(warp_max_heads=8))
     assert (cfg.path, cfg.heads_per_cta) == ("warp", 8)
     assert not np.isnan(as_f32(o)).any() and not np.isnan(lse).any()
     check(o, lse, *golden(b, layout, return_lse=True), code, lse_tol=2e-3)
@@ -440,31 +446,53 @@ def test_warp_path_eight_heads_real_sizes_gpu(warp_path, monkeypatch, code, layo
     ("bf16", "NHD", 16, 1, 8, 96, "auto", dict(pos_encoding_mode="ALIBI",
                                                mask_mod=lambda b, h, q, k: (k + h) % 7 != 0)),
 ])
-def test_tensor_core_path_real_sizes_gpu(monkeypatch, code, layout, page_size, hkv, group, head_dim, chunk, variant):
+def test_tensor_core_path_real_sizes_gpu(code, layout, page_size, hkv, group, head_dim, chunk, variant):
     """The mma.sync decode path (GPU only, forced here) against the golden model."""
-    monkeypatch.setattr(DEC, "DECODE_PATH", "tc")
     rng = np.random.default_rng([34, page_size, hkv, group, head_dim])
     kv_lens = [0] + [int(x) for x in rng.integers(1, 6000, size=9)] + [17]
     b = batch(rng, code, kv_lens=kv_lens, page_size=page_size, num_kv_heads=hkv, group=group,
               head_dim=head_dim, layout=layout, share=True)
-    cfg, o, lse = _poisoned_run(b, layout, chunk, **variant)
+    cfg, o, lse = _poisoned_run(b, layout, chunk, tuning=DECODE.replace(path="tc"), **variant)
     assert cfg.path == "tc"
     assert not np.isnan(as_f32(o)).any() and not np.isnan(lse).any()
     check(o, lse, *golden(b, layout, return_lse=True, **variant), code, lse_tol=2e-3)
     assert np.all(as_f32(o)[0] == 0) and np.all(np.isneginf(lse[0]))
 
 
-def test_decode_path_is_chosen_by_the_module_switch_not_the_environment(monkeypatch):
-    """DECODE_PATH chooses the path from one call to the next; an environment
-    variable of the same name has no say (the package reads no environment)."""
+def test_decode_path_is_chosen_by_the_tuning_not_the_environment(monkeypatch):
+    """``tuning=DECODE.replace(path=...)`` chooses the path call by call, through the
+    public call too; an environment variable has no say (the package reads none)."""
     from nbattn.variants import Variant
     args = ("f32", 32, 2, "NHD", Variant(), True)
     auto = DEC.make_config(*args).path
     monkeypatch.setenv("NBATTN_DECODE_PATH", "warp" if auto != "warp" else "smem")
     assert DEC.make_config(*args).path == auto
-    monkeypatch.setattr(DEC, "DECODE_PATH", "warp")
-    assert DEC.make_config(*args).path == "warp"
-    monkeypatch.setattr(DEC, "DECODE_PATH", "smem")
-    assert DEC.make_config(*args).path == "smem"
-    monkeypatch.setattr(DEC, "DECODE_PATH", "auto")
-    assert DEC.make_config(*args).path == auto
+    for path in ("warp", "smem", "auto"):
+        cfg = DEC.make_config(*args, tuning=DECODE.replace(path=path))
+        assert cfg.path == (auto if path == "auto" else path)
+    assert DEC.make_config(*args, tuning=DECODE) is DEC.make_config(*args)
+    rng = np.random.default_rng(25)
+    b = batch(rng, "f32", kv_lens=[3, 5], page_size=4, head_dim=32)
+    built = []
+    real = DP.decode_kernel
+    monkeypatch.setattr(DP, "decode_kernel", lambda cfg: built.append(cfg) or real(cfg))
+    for path in ("smem", "warp"):
+        o = run(b, tuning=DECODE.replace(path=path))
+        assert built[-1].path == path and built[-1].tuning.path == path
+        np.testing.assert_allclose(o, golden(b), atol=TOL["f32"], rtol=TOL["f32"])
+
+
+@pytest.mark.parametrize("bad", ["warp", {"path": "warp"}, object()])
+def test_tuning_of_another_type_raises_before_launch(monkeypatch, bad):
+    from nbattn.cuda import single_decode
+    from nbattn.cuda.tuning import PREFILL
+    rng = np.random.default_rng(26)
+    b = batch(rng, "f32", kv_lens=[3, 5], page_size=4)
+    launched = []
+    monkeypatch.setattr(DP, "decode_kernel", lambda cfg: launched.append(cfg))
+    for call in (lambda: run(b, tuning=bad), lambda: run(b, tuning=PREFILL),
+                 lambda: DEC.prepare_decode(b["q"], b["cache"], b["indptr"], b["indices"], b["last"], tuning=bad),
+                 lambda: single_decode(b["q"][0], b["q"][:4], b["q"][:4], tuning=DECODE)):
+        with pytest.raises(TypeError, match="tuning"):
+            call()
+    assert not launched

@@ -101,14 +101,14 @@ def test_merge_errors_name_the_argument():
 @pytest.mark.parametrize("n_parts,head_dim,few", [(37, 8, False), (3, 12, False), (1, 8, False),
                                                   (32, 8, True), (9, 12, True), (1, 8, True),
                                                   (41, 8, True)])
-def test_merge_partials_matches_fold_and_is_deterministic(n_parts, head_dim, few, monkeypatch):
+def test_merge_partials_matches_fold_and_is_deterministic(n_parts, head_dim, few):
     """run_merge_partials (two passes: LSE tree, then weighted sums over partial
     streams; or, told at most 64 partials a merge, the one-round warp form)
     equals the golden left fold, keeps the empty-state rule, and gives bitwise
     the same output when run again."""
-    from nbattn.cuda import merge
     from nbattn.cuda.merge import MergeMap, run_merge_partials
-    monkeypatch.setattr(merge, "FEW_FORM", few)
+    from nbattn.cuda.tuning import MERGE
+    tuning = MERGE.replace(few_form=few)
     rng = np.random.default_rng([24, n_parts, head_dim])
     rows, heads = 3, 2
     v, s = states(rng, (rows * n_parts, heads), empty_frac=0.3)
@@ -124,7 +124,8 @@ def test_merge_partials_matches_fold_and_is_deterministic(n_parts, head_dim, few
     for _ in range(2):
         o, lse = cuda.to_device(np.full((rows, heads, head_dim), np.nan, np.float32)), \
             cuda.to_device(np.full((rows, heads), np.nan, np.float32))
-        run_merge_partials(po, pl, mmap, o, lse, code="f32", max_partials=n_parts if few else None)
+        run_merge_partials(po, pl, mmap, o, lse, code="f32", max_partials=n_parts if few else None,
+                           tuning=tuning)
         outs.append((o.copy_to_host(), lse.copy_to_host()))
     ro, rlse = R.merge_states(v.reshape(rows, n_parts, heads, head_dim), s.reshape(rows, n_parts, heads))
     (o, lse), (o2, lse2) = outs

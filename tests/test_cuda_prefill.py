@@ -13,6 +13,8 @@ from nbattn import _compat
 from nbattn import layout as L
 from nbattn import reference as R
 from nbattn.cuda import prefill as P
+from nbattn.cuda.host import prefill_launch as PL
+from nbattn.cuda.tuning import PREFILL
 from nbattn.variants import Variant
 
 SIM = _compat.simulator_enabled()
@@ -290,6 +292,38 @@ def test_heads_of_later_tiles_with_a_group_of_three(tc, d):
     check(got, ref, tol=2e-2 if tc else 2e-3)
 
 
+@pytest.mark.parametrize("fn", ["batch_prefill_paged", "batch_prefill_ragged", "single_prefill"])
+def test_tuning_must_be_a_prefill_tuning(fn, monkeypatch):
+    """``tuning=`` takes a PrefillTuning (or None); anything else is a TypeError naming
+    it, raised before any kernel is built or launched."""
+    from nbattn.cuda.tuning import DECODE
+    rng = np.random.default_rng(8)
+    q, cache, qo, ip, ix, lp = paged_case(rng, [3, 1], [5, 2], 4)
+    k = v = rng.standard_normal((5, 2, 16)).astype(np.float16)
+    args = {"batch_prefill_paged": (q, cache, qo, ip, ix, lp),
+            "batch_prefill_ragged": (q, k, v, qo, np.array([0, 3, 5], np.int32)),
+            "single_prefill": (q[:3], k, v)}[fn]
+    monkeypatch.setattr(P, "get_kernel", lambda *a: pytest.fail("a kernel was built"))
+    for bad in (DECODE, {"unroll": (4, 4)}, "rows"):
+        with pytest.raises(TypeError, match="tuning must be a nbattn.cuda.tuning.PrefillTuning"):
+            getattr(P, fn)(*args, tuning=bad)
+
+
+def test_tuning_reaches_the_kernel_and_keeps_the_result():
+    """A tuning other than the default builds other kernels (its fields are part of the
+    cache key) and computes the same attention."""
+    rng = np.random.default_rng(9)
+    q, cache, qo, ip, ix, lp = paged_case(rng, [9, 3], [17, 3], 4, hq=8, hk=2, d=16)
+    base = P.batch_prefill_paged(q, cache, qo, ip, ix, lp, causal=True, return_lse=True, tensor_cores=False)
+    for tuning in (PREFILL.replace(unroll=(2, 2)), PREFILL.replace(cuda_core=False),
+                   PREFILL.replace(longest_first=False)):
+        n = len(P.KERNELS)
+        got = P.batch_prefill_paged(q, cache, qo, ip, ix, lp, causal=True, return_lse=True, tensor_cores=False,
+                                    tuning=tuning)
+        assert len(P.KERNELS) > n
+        check(got, base, tol=1e-3)
+
+
 def test_causal_work_starts_longest_first():
     """Causal query tiles launch most-keys-first (a permutation of build_work's
     rows, stable among equals); other masks keep build_work's order."""
@@ -311,6 +345,10 @@ def test_causal_work_starts_longest_first():
     assert keys == sorted(keys, reverse=True)
     plain = P.make_spec("paged", "NHD", "f16", 16, 8, 2, Variant(), False)
     assert P.longest_first(plain, work, pos, kvoff) is work
+    # PrefillTuning.longest_first off: build_work's order (and another kernel build)
+    off = P.make_spec("paged", "NHD", "f16", 16, 8, 2, Variant(causal=True), False,
+                      tuning=PREFILL.replace(longest_first=False))
+    assert P.longest_first(off, work, pos, kvoff) is work and off != spec
 
 
 @pytest.mark.parametrize("tc", PATHS)
@@ -323,17 +361,17 @@ def test_bound_launch_reused_across_metadata_sizes(tc, monkeypatch):
     q = rng.standard_normal((12, hq, d)).astype(np.float16)
     k = rng.standard_normal((40, hk, d)).astype(np.float16)
     v = rng.standard_normal((40, hk, d)).astype(np.float16)
-    P._BOUND.clear()
+    PL.BOUND.clear()
     for qo_lens, kv_lens in (([12], [40]), ([3, 9], [10, 30]), ([1, 1, 10], [1, 19, 20]), ([0, 12], [5, 35])):
         qo, kv = np.cumsum([0] + qo_lens).astype(np.int32), np.cumsum([0] + kv_lens).astype(np.int32)
         for causal in (False, True):
             check(*both(P.batch_prefill_ragged, R.batch_prefill_ragged, (q, k, v, qo, kv), tc,
                         causal=causal, return_lse=True))
-    assert len(P._BOUND) == 2                            # one per kernel: causal and not
-    monkeypatch.setattr(P, "BOUND_MOST", 3)
+    assert len(PL.BOUND) == 2                           # one per kernel: causal and not
+    monkeypatch.setattr(PL, "BOUND_MOST", 3)
     for n in range(2, 8):                               # every KV length a new call shape
         P.single_prefill(q[:1], k[:n], v[:n], tensor_cores=tc)
-    assert len(P._BOUND) == 3
+    assert len(PL.BOUND) == 3
 
 
 def _work_by_loop(qo_starts, qo_lens, kv_ptrs, kv_bases, kv_lens, group, tile_q, kv_chunk=None,

@@ -15,6 +15,8 @@ from nbattn import _compat
 from nbattn import reference as R
 from nbattn.cuda import prefill as P
 from nbattn.cuda.kernels import prefill_cc as CC
+from nbattn.cuda.kernels import prefill_core
+from nbattn.cuda.tuning import PREFILL
 from nbattn.variants import Variant
 
 from brute import brute_attention, gather_pages
@@ -55,7 +57,11 @@ def test_dispatch_picks_the_tile_where_it_applies():
     # a head_dim the lanes cannot split evenly falls back to the scalar tile
     spec = P.make_spec("paged", "NHD", "f16", 12, 8, 2, Variant(), False)
     assert not CC.covers(spec) and CC.cuda_core_tiles(12, "f16") is None
-    assert P.get_tile(spec).py_func.__module__ == P.__name__
+    assert P.get_tile(spec).py_func.__module__ == prefill_core.__name__
+    # PrefillTuning.cuda_core off: the teaching tile on the same route
+    spec = P.make_spec("paged", "NHD", "f16", 16 if SIM else 128, 8, 2, Variant(causal=True), False,
+                       tuning=PREFILL.replace(cuda_core=False))
+    assert not CC.covers(spec) and P.get_tile(spec).py_func.__module__ == prefill_core.__name__
 
 
 @pytest.mark.parametrize("causal, layout", [(False, "NHD"), (True, "HND")])
@@ -126,14 +132,13 @@ def test_ragged_f32_and_single():
     check(got, brute_attention(q[:5], k[:7], v[:7]), tol=1e-4)
 
 
-def test_without_register_prefetch(monkeypatch):
+def test_without_register_prefetch():
     """Wide K/V tiles load after the barrier instead of into registers ahead: the
     same results."""
-    monkeypatch.setattr(CC, "PREFETCH_MAX_CHUNKS", 0)
-    monkeypatch.setattr(P, "_KERNELS", {})
     rng = np.random.default_rng(105)
     q, cache, qo, ip, ix, lp = paged_case(rng, [9, 3], [17, 3], 4, hq=8, hk=2, d=16)
-    got = P.batch_prefill_paged(q, cache, qo, ip, ix, lp, causal=True, return_lse=True, tensor_cores=False)
+    got = P.batch_prefill_paged(q, cache, qo, ip, ix, lp, causal=True, return_lse=True, tensor_cores=False,
+                                tuning=PREFILL.replace(prefetch_max_chunks=0))
     check(got, brute_paged(q, cache, qo, ip, ix, lp, causal=True))
 
 
@@ -152,18 +157,52 @@ def test_lse_is_base_two():
 def test_shared_layout_is_aligned_and_fits_two_ctas():
     # Q | K | V | P in one float array: each part starts on a 16-byte boundary (ld_v4 / st_v4),
     # and a shape the 100 KB GPU budget admits leaves room for two CTAs on an H200 SM (228 KB)
+    R = PREFILL.rows_per_lane
     for D in (32, 64, 96, 128, 256):
         for RG, CG in ((4, 8), (2, 16), (2, 4)):
             for NW in (2, 4):
                 for C in (1, 2, 4, 8):
-                    offs = CC._smem_floats(D, RG, CG, NW, C)
+                    offs = CC.smem_floats(D, RG, CG, NW, C, R)
                     assert all(x % 4 == 0 for x in offs)
-                    T_q, T_k = NW * RG * CC.ROWS_PER_LANE, CG * C
+                    T_q, T_k = NW * RG * R, CG * C
                     off_k, off_v, off_p, total = offs      # each part holds its rows, none overlap
                     assert off_k >= T_q * D and off_v - off_k >= T_k * D and off_p - off_v >= T_k * D
-                    assert total - off_p >= NW * T_k * RG * CC.ROWS_PER_LANE
-    assert 2 * (CC._smem_bytes(128, 4, 8, 4, 4) + 1024) <= 228 * 1024
+                    assert total - off_p >= NW * T_k * RG * R
+    assert 2 * (CC.smem_bytes(128, 4, 8, 4, 4, R) + 1024) <= 228 * 1024
     # the simulator keeps every tile static: no launch passes dynamic shared memory there
     if SIM:
         spec = P.make_spec("paged", "NHD", "f16", 16, 8, 2, Variant(causal=True), False)
         assert CC.covers(spec) and CC.dynamic_smem(spec) == 0
+
+
+def test_generated_source_is_shown_for_every_fast_tile():
+    """``generated_source`` returns the straight-line text a fast tile compiles (the
+    whole of it, or one function of it) -- for a tensor-core spec too, without a GPU."""
+    from nbattn.cuda.kernels.prefill_common import KernelSpec
+    from nbattn.cuda.kernels.prefill_dispatch import generated_source, tensor_core_tiles
+    spec = P.make_spec("paged", "NHD", "f16", 16, 8, 2, Variant(causal=True), False)
+    text = generated_source(spec)
+    assert text == CC.source(spec) and all(f"def {n}(" in text for n in CC.MICRO_NAMES)
+    put_p = generated_source(spec, "put_p")
+    assert put_p.startswith("def put_p(") and put_p.count("def ") == 1 and "st_v4" in put_p
+    with pytest.raises(KeyError, match="no function"):
+        generated_source(spec, "nope")
+    assert generated_source(P.make_spec("paged", "NHD", "f16", 12, 8, 2, Variant(), False)) == ""
+    for d in (64, 96):                                   # pipelined, mma
+        tc = KernelSpec("contig", "NHD", "f16", "f16", d, 4, 32, Variant(), True, *tensor_core_tiles(d))
+        names = ("issue", "qk", "pv") if d == 64 else ("q_frags", "qk", "pv")
+        assert all(f"def {n}(" in generated_source(tc) for n in names)
+
+
+def test_generated_kernels_page_shows_what_generated_source_returns():
+    """docs/concepts/generated_kernels.md prints one generated function; it is the
+    text generated_source gives for the spec the page builds."""
+    import pathlib
+    import re
+
+    from nbattn.cuda.kernels.prefill_common import KernelSpec
+    from nbattn.cuda.kernels.prefill_dispatch import generated_source, tensor_core_tiles
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "concepts" / "generated_kernels.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
+    spec = KernelSpec("contig", "NHD", "f16", "f16", 64, 4, 32, Variant(causal=True), True, *tensor_core_tiles(64))
+    assert generated_source(spec, "issue") in blocks

@@ -8,6 +8,7 @@ from nbattn import layout as L
 from nbattn import reference as R
 from nbattn.cuda.cascade import cascade as cuda_cascade
 from nbattn.cuda.sparse import block_sparse
+from nbattn.cuda.tuning import CASCADE
 
 from test_cuda_prefill import PATHS, check
 
@@ -135,8 +136,8 @@ def test_cascade_decode_step_levels(kw, as_decode, monkeypatch):
 
     C = importlib.import_module("nbattn.cuda.cascade")
     taken = []
-    real = C._decode_level
-    monkeypatch.setattr(C, "_decode_level", lambda *a: taken.append(real(*a)) or taken[-1])
+    real = C.decode_level
+    monkeypatch.setattr(C, "decode_level", lambda *a: taken.append(real(*a)) or taken[-1])
     rng = np.random.default_rng(18)
     q, cache, qo, pkv = shared_prefix_batch(rng, 3, [5, 0, 7, 2], [1, 1, 1, 1], hq=8, hk=2)
     q *= 30                                         # logits in the hundreds
@@ -148,6 +149,35 @@ def test_cascade_decode_step_levels(kw, as_decode, monkeypatch):
                                  pkv.paged_kv_last_page_len, return_lse=lse, **kw)
     check(got, flat)
     assert taken == [False, as_decode]
+    # CascadeTuning.decode_levels off: every level on the prefill tile, the same result
+    taken.clear()
+    got = cuda_cascade(q, levels, cache, return_lse=lse, tuning=CASCADE.replace(decode_levels=False), **kw)
+    check(got, R.cascade(q, levels, cache, return_lse=lse, **kw))
+    assert taken == [False, False]
+
+
+@pytest.mark.parametrize("call", ["cascade", "block_sparse", "split_kv"])
+def test_tuning_is_checked_before_any_kernel(call, monkeypatch):
+    """cascade (and split_kv) take a CascadeTuning, block_sparse a PrefillTuning; a wrong
+    ``tuning`` is a TypeError naming it before anything is built."""
+    from nbattn.cuda import prefill as P
+    from nbattn.cuda.split import split_kv
+    from nbattn.cuda.tuning import DECODE, PREFILL
+
+    monkeypatch.setattr(P, "get_tile", lambda *a: pytest.fail("a tile was built"))
+    rng = np.random.default_rng(19)
+    q, k, v = qkv(rng, 4, 6)
+    q2, cache, qo, pkv = shared_prefix_batch(rng, 1, [2, 2], [1, 1])
+    if call == "block_sparse":
+        bsr = L.BSR.from_block_mask(np.ones((2, 2), bool), (2, 3), (4, 6))
+        run, want = (lambda t: block_sparse(q, k, v, bsr, tuning=t)), "PrefillTuning"
+    elif call == "cascade":
+        run, want = (lambda t: cuda_cascade(q2, L.cascade_decompose(qo, pkv), cache, tuning=t)), "CascadeTuning"
+    else:
+        run, want = (lambda t: split_kv(q, k, v, np.array([0, 3, 6], np.int32), tuning=t)), "CascadeTuning"
+    for bad in (DECODE, PREFILL if want == "CascadeTuning" else CASCADE, 3):
+        with pytest.raises(TypeError, match=f"tuning must be a nbattn.cuda.tuning.{want}"):
+            run(bad)
 
 
 def test_cascade_rejects_bad_levels():
@@ -182,8 +212,8 @@ def test_gpu_pipelined_sparse_and_cascade(d):
 
 def test_cascade_chunk_size_fills_one_wave_in_whole_tiles(monkeypatch):
     """The prefix split (GPU only): as many chunks as one wave of CTAs holds,
-    each a whole number of KV tiles, never below MIN_CHUNK; no split when the
-    unsplit level already fills the GPU."""
+    each a whole number of KV tiles, never below CascadeTuning.min_chunk; no split
+    when the unsplit level already fills the GPU."""
     import importlib
 
     from nbattn.cuda import prefill as P
@@ -201,13 +231,15 @@ def test_cascade_chunk_size_fills_one_wave_in_whole_tiles(monkeypatch):
                                  np.zeros(n_groups * pages, np.int32), np.full(n_groups, 16, np.int32), 16, 1)
         return qo, pkv
 
-    slots = C.MIN_BLOCKS_SPLIT * 132
-    for batch, prefix in ((64, 32768), (16, 32768), (16, 1024), (64, 1024)):
-        qo, pkv = level(1, batch, prefix)
-        chunk = C._chunk_size(qo, pkv, spec, 8)
-        ctas = -(-batch * 4 // 64) * 8
-        assert chunk % 64 == 0 and chunk >= C.MIN_CHUNK
-        assert ctas * -(-prefix // chunk) <= slots or chunk == C.MIN_CHUNK
-    assert C._chunk_size(*level(64, 1, 128), spec, 8) == 0          # 64 suffix groups x 8 heads: full
+    for tuning in (CASCADE, CASCADE.replace(min_blocks_split=2, min_chunk=512)):
+        slots = tuning.min_blocks_split * 132
+        for batch, prefix in ((64, 32768), (16, 32768), (16, 1024), (64, 1024)):
+            qo, pkv = level(1, batch, prefix)
+            chunk = C.chunk_size(qo, pkv, spec, 8, tuning)
+            ctas = -(-batch * 4 // 64) * 8
+            assert chunk % 64 == 0 and chunk >= tuning.min_chunk
+            assert ctas * -(-prefix // chunk) <= slots or chunk == tuning.min_chunk
+        assert C.chunk_size(*level(64, 1, 128), spec, 8, tuning) == 0          # 64 suffix groups x 8 heads: full
     causal = P.KernelSpec("paged", "NHD", "f16", "f32", 128, 4, 32, Variant(causal=True), True, 64, 64, 128)
-    assert C._split_blocks(spec) == C.MIN_BLOCKS_SPLIT and C._split_blocks(causal) == C.MIN_BLOCKS
+    assert C.split_blocks(spec) == CASCADE.min_blocks_split and C.split_blocks(causal) == CASCADE.min_blocks
+    assert C.split_blocks(spec, CASCADE.replace(min_blocks_split=4)) == 4

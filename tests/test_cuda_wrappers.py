@@ -131,17 +131,17 @@ def test_decode_plan_serves_layers_and_replan_keeps_addresses():
 
 
 def test_decode_default_plan_prices_items_and_caps_ctas():
-    # Defaults: chunk_overhead=DECODE_CHUNK_OVERHEAD, chunk_limit="auto", C from
+    # Defaults: chunk_overhead=DecodeTuning.plan_chunk_overhead, chunk_limit="auto", C from
     # decode_plan_ctas.  Equal lengths stay whole (no partials), a long request
     # is still cut, and the output is right either way.
-    from nbattn.cuda.wrappers import DECODE_CHUNK_OVERHEAD
+    from nbattn.cuda.tuning import DECODE
     rng = np.random.default_rng(6)
     for lens, split in (([24, 24, 24, 24, 24], False), ([400, 3, 5, 2], True)):
         b = decode_batch(rng, lens)
         w = BatchDecodeWithPagedKVCacheWrapper(workspace(WS), num_ctas=C)
         w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE)
         p = w.last_plan
-        assert p.chunk_overhead == DECODE_CHUNK_OVERHEAD and p.num_ctas <= C
+        assert p.chunk_overhead == DECODE.plan_chunk_overhead and p.num_ctas <= C
         assert (p.num_merges > 0) == split
         close(w.run(b["q"], b["cache"], return_lse=True), ref_decode(b))
     # A plan on fewer CTAs than the grid: the spare CTAs get empty queues.
@@ -150,6 +150,25 @@ def test_decode_default_plan_prices_items_and_caps_ctas():
     close(w.run(b["q"], b["cache"], return_lse=True), ref_decode(b))
     with pytest.raises(ValueError, match="num_ctas"):
         w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, num_ctas=C + 1)
+
+
+def test_decode_plan_takes_a_tuning():
+    """plan(tuning=) shapes the plan and the kernels of every run() of it; a tuning of
+    another type is a TypeError naming it, before the workspace is touched."""
+    from nbattn.cuda.tuning import DECODE, PREFILL
+    rng = np.random.default_rng(8)
+    b = decode_batch(rng, [400, 3, 5, 2])
+    w = BatchDecodeWithPagedKVCacheWrapper(workspace(WS), num_ctas=C)
+    for bad in ("warp", PREFILL):
+        with pytest.raises(TypeError, match="tuning"):
+            w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, tuning=bad)
+    assert w.last_plan is None
+    tuning = DECODE.replace(plan_chunk_overhead=7.0, path="smem")
+    w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, tuning=tuning)
+    assert w.last_plan.chunk_overhead == 7.0 and w._cfg.tuning == tuning and w._cfg.path == "smem"
+    close(w.run(b["q"], b["cache"], return_lse=True), ref_decode(b))
+    w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, tuning=tuning, chunk_overhead=3.0)
+    assert w.last_plan.chunk_overhead == 3.0                # the argument wins over the tuning
 
 
 def test_decode_plan_ctas_is_one_resident_wave():
@@ -218,6 +237,22 @@ def test_prefill_matches_golden(causal):
     w.plan(b["qo_indptr"], b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, causal=causal)
     assert w.last_plan.num_merges >= 1
     close(w.run(b["q"], b["cache"], return_lse=True), ref_prefill(b, causal))
+
+
+def test_prefill_plan_takes_a_tuning():
+    """plan(tuning=) is a PrefillTuning that shapes the plan's tiles; another type is a
+    TypeError naming it, before the workspace is touched."""
+    from nbattn.cuda.tuning import DECODE, PREFILL
+    rng = np.random.default_rng(11)
+    b = prefill_batch(rng, [3, 1, 5], [40, 3, 17])
+    w = BatchPrefillWithPagedKVCacheWrapper(workspace(WS), num_ctas=C)
+    with pytest.raises(TypeError, match="tuning"):
+        w.plan(b["qo_indptr"], b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, tuning=DECODE)
+    assert w.last_plan is None
+    tuning = PREFILL.replace(cuda_core=False)
+    w.plan(b["qo_indptr"], b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, causal=True, tuning=tuning)
+    assert w._spec.tuning == tuning and w._spec_part.tuning == tuning
+    close(w.run(b["q"], b["cache"], return_lse=True), ref_prefill(b, True))
 
 
 def test_prefill_persistent_queues_and_smaller_replan():
@@ -398,8 +433,8 @@ def test_decode_run_skips_checks_only_for_what_it_accepted(monkeypatch):
     w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE)
     close(w.run(b["q"], b["cache"], return_lse=True), ref_decode(b))
     checked = []
-    check = WR._PlanRunWrapper._check_run
-    monkeypatch.setattr(WR._PlanRunWrapper, "_check_run", lambda self, *a: checked.append(1) or check(self, *a))
+    check = WR.PlanRunWrapper._check_run
+    monkeypatch.setattr(WR.PlanRunWrapper, "_check_run", lambda self, *a: checked.append(1) or check(self, *a))
     q2 = rng.standard_normal(b["q"].shape).astype(b["q"].dtype)      # new values, same look
     w.run(q2, b["cache"])
     assert not checked

@@ -23,6 +23,7 @@ from nbattn.cuda import decode as DEC
 from nbattn.cuda import prefill as P
 from nbattn.cuda import batch_decode_paged, batch_prefill_paged, single_prefill
 from nbattn.cuda.blocks.primitives import SIMULATOR
+from nbattn.cuda.tuning import DECODE
 
 from brute import random_paged_batch
 
@@ -163,12 +164,12 @@ DECODE_PATHS = {
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("path", list(DECODE_PATHS))
-def test_decode_variant_on_path(monkeypatch, path, variant):
+def test_decode_variant_on_path(path, variant):
     code, head_dim, group, forced = DECODE_PATHS[path]
     kw = VARIANTS[variant]
     if forced == "tc" and kw.get("use_sigmoid"):
         pytest.skip("the tensor-core decode takes softmax variants only (sigmoid runs on the warp path)")
-    monkeypatch.setattr(DEC, "DECODE_PATH", forced)
+    tuning = DECODE.replace(path=forced)
     rng = np.random.default_rng([zlib.crc32(path.encode()), zlib.crc32(variant.encode()), 3])
     kv_lens = DECODE_LENS
     b = random_paged_batch(rng, qo_lens=[1] * len(kv_lens), kv_lens=kv_lens, page_size=16, num_kv_heads=2,
@@ -180,7 +181,8 @@ def test_decode_variant_on_path(monkeypatch, path, variant):
     sig = bool(kw.get("use_sigmoid"))
     qg, cg = _golden_inputs(q, cache)
     for chunk in (None, 256):                                       # unsplit, and split + merge
-        p = DEC.prepare_decode(q, cache, b["indptr"], b["indices"], b["last"], return_lse=not sig, **dkw)
+        p = DEC.prepare_decode(q, cache, b["indptr"], b["indices"], b["last"], return_lse=not sig,
+                               tuning=tuning, **dkw)
         assert p.config().path == forced
         DEC.run_split(p, chunk)
         res = DEC.finish_decode(p, not sig)
@@ -190,7 +192,8 @@ def test_decode_variant_on_path(monkeypatch, path, variant):
         ro, rlse = (gold, None) if sig else gold
         _check(o, lse, ro, rlse, code, sig)
     # and the public call as a user makes it
-    res = batch_decode_paged(q, cache, b["indptr"], b["indices"], b["last"], return_lse=not sig, **dkw)
+    res = batch_decode_paged(q, cache, b["indptr"], b["indices"], b["last"], return_lse=not sig, tuning=tuning,
+                             **dkw)
     _check(res if sig else res[0], None if sig else res[1], ro, rlse, code, sig)
 
 
@@ -252,9 +255,8 @@ def test_paged_prefill_nan_rule_on_path(path, variant):
 
 
 @pytest.mark.parametrize("path", list(DECODE_PATHS))
-def test_decode_nan_rule_on_path(monkeypatch, path):
+def test_decode_nan_rule_on_path(path):
     code, head_dim, group, forced = DECODE_PATHS[path]
-    monkeypatch.setattr(DEC, "DECODE_PATH", forced)
     rng = np.random.default_rng([zlib.crc32(path.encode()), 12])
     kv_lens = [300, 129, 70, 17]
     b = _nan_batch(rng, head_dim, group, [1] * 4, kv_lens)
@@ -265,7 +267,8 @@ def test_decode_nan_rule_on_path(monkeypatch, path):
                                     dtype=np.float64, **kw)
     assert np.isnan(ro).any() and not np.isnan(ro).all()
     for chunk in (None, 64):
-        p = DEC.prepare_decode(q, cache, b["indptr"], b["indices"], b["last"], return_lse=True, **kw)
+        p = DEC.prepare_decode(q, cache, b["indptr"], b["indices"], b["last"], return_lse=True,
+                               tuning=DECODE.replace(path=forced), **kw)
         assert p.config().path == forced
         DEC.run_split(p, chunk)
         o, lse = DEC.finish_decode(p, True)

@@ -84,6 +84,48 @@ def test_decode_keys_differ(name):
     assert _decode_key(a) != _decode_key(b), name
 
 
+def test_decode_tuning_is_part_of_the_kernel_cache_keys():
+    """A DecodeConfig carries the DecodeTuning it was made with: two tunings never share an
+    in-process kernel, and what a kernel reads of its tuning is in its on-disk key (the
+    tensor-core kernel's L2 prefetch steps; built here, not compiled)."""
+    from nbattn.cuda.kernels.decode_common import DecodeConfig
+    from nbattn.cuda.kernels.decode_tc import build_tc_kernel
+    from nbattn.cuda.tuning import DECODE
+
+    other = DECODE.replace(plan_chunk_overhead=50.0)
+    a = DEC.make_config("f32", 64, 2, "NHD", Variant())
+    b = DEC.make_config("f32", 64, 2, "NHD", Variant(), tuning=other)
+    assert (a.tuning, b.tuning) == (DECODE, other) and a != b
+    assert DEC.decode_kernel(a) is not DEC.decode_kernel(b)
+
+    def tc_key(steps):
+        cfg = DecodeConfig("f16", 128, 4, "NHD", Variant(), 256, 128, True, "tc", 1, 1,
+                           DECODE.replace(prefetch_steps=steps))
+        return _driver.stable_key(build_tc_kernel(cfg, 8, 1).py_func)
+
+    assert tc_key(1) != tc_key(2)
+    assert tc_key(1) == tc_key(1)
+
+
+def test_prefill_tuning_is_part_of_the_kernel_cache_keys():
+    """A KernelSpec carries its PrefillTuning: two tunings never share an in-process
+    kernel, equal tunings do, and a field that changes the code the tile generates
+    changes the on-disk key (a field that does not, leaves it)."""
+    from nbattn.cuda.tuning import PREFILL
+
+    def spec(tuning):
+        return P.make_spec("contig", "NHD", "f32", 64, 4, 2, Variant(causal=True), tuning=tuning)
+
+    unroll, order = PREFILL.replace(unroll=(2, 2)), PREFILL.replace(longest_first=False)
+    assert spec(None).tuning == PREFILL and spec(unroll).tuning == unroll
+    assert P.get_kernel(spec(unroll)) is not P.get_kernel(spec(None))
+    assert P.get_kernel(spec(PREFILL.replace(unroll=(2, 2)))) is P.get_kernel(spec(unroll))
+    key = lambda t: _driver.stable_key(P.get_kernel(spec(t)).py_func)      # noqa: E731
+    prefetch = {key(PREFILL.replace(prefetch_max_chunks=n)) for n in (0, 64)}    # off / on for any shape
+    assert key(unroll) != key(None) and len(prefetch) == 2 and key(None) in prefetch
+    assert key(order) == key(None)          # the launch order only: the same kernel code
+
+
 def test_redefined_identical_function_shares_the_key():
     """Same source and globals: the same kernel, so the cache may serve it."""
     a = Variant(causal=True, score_mod=_user_fn(SCALED, "tilt", SLOPE=0.05))

@@ -12,6 +12,7 @@ fresh random inputs (a new seed each run is printed on failure).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -22,6 +23,7 @@ from numba import cuda  # noqa: E402
 from nbattn import cuda as C
 from nbattn import layout as L
 from nbattn import reference as R
+from nbattn.cuda.tuning import DECODE
 
 from brute import gather_pages, random_paged_batch
 
@@ -149,7 +151,8 @@ def put_kv_value(b, r, t, which, value, rng):
     b["cache"][page, which, t % ps, rng.integers(b["cache"].shape[3]), rng.integers(b["cache"].shape[4])] = value
 
 
-DECODE_FNS = {"reference": R.batch_decode_paged, "cuda": C.batch_decode_paged}
+DECODE_FNS = {"reference": R.batch_decode_paged, "cuda": C.batch_decode_paged,
+              "cuda-warp": functools.partial(C.batch_decode_paged, tuning=DECODE.replace(path="warp"))}
 PREFILL_FNS = {"reference": R.batch_prefill_paged, "cuda": C.batch_prefill_paged}
 
 
@@ -167,13 +170,12 @@ SIDES = ["reference", "cuda", "cuda-d16", "cuda-warp"]
 
 
 @pytest.fixture
-def side_setup(monkeypatch):
+def side_setup():
     def setup(side, decode):
         if side == "cuda-warp":
             if not decode:
                 pytest.skip("the warp path is a decode path")
-            from nbattn.cuda import decode as DEC
-            monkeypatch.setattr(DEC, "DECODE_PATH", "warp")
+            return side, 8
         return ("reference" if side == "reference" else "cuda"), (16 if side == "cuda-d16" else 8)
     return setup
 

@@ -44,36 +44,29 @@ from ..variants import check_return_lse, variant_from_kwargs
 from .host import arrays as A
 from . import merge as M
 from . import prefill as P
-from .kernels import prefill_cc as CC
+from .kernels.prefill_cc import dynamic_smem
+from .kernels.prefill_common import KernelSpec, plain_variant
 from .host.driver import jit_kernel, sm_count
 from .blocks.primitives import SIMULATOR
+from .tuning import CASCADE, CascadeTuning, check_tuning
 
-__all__ = ["cascade"]
-
-# CTAs per SM each level kernel is built for (launch bounds: registers <= 65536 /
-# (threads * blocks)).  A split level (a long shared prefix) is compute-bound and
-# gains from a third CTA per SM even with registers capped at 168 (the pipelined
-# tile's non-causal build wants ~174): H200, batch 64 x prefix 32k, prefix pass
-# 151 vs 173 us.  An unsplit level (short suffixes, a few tiles per CTA) is
-# latency-bound and loses a little under the cap (25.2 vs 26.8 us): no cap.
-# Only the measured build gets the cap (:func:`_split_blocks`): causal and
-# variant builds of the same tile want ~240 registers, head_dim 256 all 255.
-MIN_BLOCKS = 2
-MIN_BLOCKS_SPLIT = 3
-# levels of single decode rows run as a batch decode (_decode_level); False: always the prefill tile
-DECODE_LEVELS = True
-MIN_CHUNK = 256          # keys: below this a chunk's fixed cost (Q tile, first K load, one more state) dominates
+__all__ = ["cascade", "chunk_size", "split_blocks", "decode_level"]
 
 
 def cascade(q, levels, paged_kv_cache, *, kv_layout: str = "NHD", return_lse: bool = False,
-            out=None, lse=None, tensor_cores: bool | None = None, stream=0, kv_chunk=None, **variant):
+            out=None, lse=None, tensor_cores: bool | None = None, stream=0, kv_chunk=None,
+            tuning: CascadeTuning | None = None, **variant):
     """``q [rows, Hq, D]``; ``levels`` a list of CascadeLevel (or 4-tuples);
     ``paged_kv_cache`` shared by all levels.  ``kv_chunk`` fixes the split size
-    (default: chosen to fill the GPU; 0 = never split)."""
+    (default: chosen to fill the GPU; 0 = never split).  ``tuning`` (a
+    :class:`nbattn.cuda.tuning.CascadeTuning`, default ``CASCADE``) shapes the
+    level kernels and hands its ``prefill``, ``decode`` and ``merge`` parts to the
+    passes it runs."""
+    tuning = check_tuning(tuning, CascadeTuning, CASCADE)
     var = variant_from_kwargs(variant)
     check_return_lse(var, return_lse)
     L.check_same_device(q=q, paged_kv_cache=paged_kv_cache)
-    kind = P._check_kind_match(q=q, paged_kv_cache=paged_kv_cache)
+    kind = P.check_kind_match(q=q, paged_kv_cache=paged_kv_cache)
     dims = L.cache_dims(paged_kv_cache, kv_layout)
     lv = L.validate_cascade(levels, dims.page_size, dims.num_pages,
                             total_rows=q.shape[0] if len(q.shape) == 3 else None)
@@ -85,9 +78,10 @@ def cascade(q, levels, paged_kv_cache, *, kv_layout: str = "NHD", return_lse: bo
     if var.causal:
         L.check_causal_lengths(req_q.lengths, total, name=f"levels[{len(lv) - 1}].qo_indptr")
 
-    spec = P.make_spec("paged", kv_layout, kind, d, hq, dims.num_kv_heads, var, tensor_cores, out_kind="f32")
+    spec = P.make_spec("paged", kv_layout, kind, d, hq, dims.num_kv_heads, var, tensor_cores, out_kind="f32",
+                       tuning=tuning.prefill)
     stream = P.resolve_stream(stream, q, paged_kv_cache, out, lse)
-    outs = P._Outputs(q, shape, kind, out, lse, return_lse, stream)
+    outs = P.Outputs(q, shape, kind, out, lse, return_lse, stream)
     row_pos, _, row_req = P.request_rows(req_q, total)
     dq = P.device_in(q, "q", kind, stream)
     cache = P.device_in(paged_kv_cache, "paged_kv_cache", kind, stream)
@@ -96,14 +90,14 @@ def cascade(q, levels, paged_kv_cache, *, kv_layout: str = "NHD", return_lse: bo
     plans, states = [], []
     n_states = 0
     for li, (qo, pkv) in enumerate(lv):
-        chunk = _chunk_size(qo, pkv, spec, dims.num_kv_heads) if kv_chunk is None else int(kv_chunk)
+        chunk = chunk_size(qo, pkv, spec, dims.num_kv_heads, tuning) if kv_chunk is None else int(kv_chunk)
         n = max(1, max((-(-int(x) // chunk) for x in pkv.kv_lens), default=1)) if chunk else 1
         work = P.build_work(qo.qo_indptr[:-1], qo.lengths, pkv.paged_kv_indptr[:-1],
                             np.zeros(qo.batch_size, np.int64), pkv.kv_lens, spec.group, spec.tile_q,
                             kv_chunk=chunk or None, out_starts=n_states * rows + qo.qo_indptr[:-1],
                             chunk_stride=rows)
         plans.append((pkv, work, offsets[li][row_req].astype(np.int32),
-                      _split_blocks(spec) if chunk else MIN_BLOCKS))
+                      split_blocks(spec, tuning) if chunk else tuning.min_blocks))
         # chunks each group has (as build_work makes them), per query row
         chunks = (np.maximum(1, -(-pkv.kv_lens.astype(np.int64) // chunk)) if chunk
                   else np.ones(qo.batch_size, np.int64))
@@ -115,8 +109,8 @@ def cascade(q, levels, paged_kv_cache, *, kv_layout: str = "NHD", return_lse: bo
     states_lse = cuda.device_array((n_states * rows, hq), np.float32, stream=stream)
     if rows:
         for (qo, _), (pkv, work, kvoff, blocks), (first, n, _) in zip(lv, plans, states):
-            if _decode_level(qo, pkv, n, var, kind, kv_layout, dims, dq, cache, first * rows, states_o,
-                             states_lse, outs, stream):
+            if decode_level(qo, pkv, n, var, kind, kv_layout, dims, dq, cache, first * rows, states_o,
+                            states_lse, outs, stream, tuning):
                 continue
             _launch(spec, blocks, dq, cache, pkv.paged_kv_indices, work, row_pos, kvoff, row_req,
                     dims.page_size, dims.num_kv_heads, states_o, states_lse, stream)
@@ -124,7 +118,7 @@ def cascade(q, levels, paged_kv_cache, *, kv_layout: str = "NHD", return_lse: bo
         merge_map = M.MergeMap(*(A.device_meta(x, x, stream) for x in host_map))
         kernel, grid, threads, args = M.merge_partials_launch(
             states_o, states_lse, merge_map, outs.d_out, outs.d_lse, code=kind, use_sigmoid=var.use_sigmoid,
-            max_partials=int(np.diff(host_map[0]).max()))
+            max_partials=int(np.diff(host_map[0]).max()), tuning=tuning.merge)
         P.enqueue(kernel, grid, threads, stream, args)
     return outs.finish()
 
@@ -132,7 +126,7 @@ def cascade(q, levels, paged_kv_cache, *, kv_layout: str = "NHD", return_lse: bo
 _KERNELS: dict = {}
 
 
-def _level_kernel(spec: P.KernelSpec, min_blocks: int):
+def _level_kernel(spec: KernelSpec, min_blocks: int):
     """:func:`nbattn.cuda.prefill.prefill_entry` around the spec's tile, with
     launch bounds promising ``min_blocks`` resident CTAs per SM."""
     key = (spec, min_blocks)
@@ -146,7 +140,7 @@ def _level_kernel(spec: P.KernelSpec, min_blocks: int):
                 tile(cuda.blockIdx.x, q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req,
                      slopes, block, n_keys, out, lse)
         kern = _KERNELS[key] = jit_kernel(kernel, launch_bounds=(spec.threads, min_blocks))
-        kern.dynamic_smem = CC.dynamic_smem(spec)
+        kern.dynamic_smem = dynamic_smem(spec)
     return kern
 
 
@@ -162,17 +156,18 @@ def _launch(spec, min_blocks, q, cache, kv_indices, work, row_pos, row_kvoff, ro
     P.enqueue(_level_kernel(spec, min_blocks), (len(work), num_kv_heads), spec.threads, stream, args)
 
 
-def _decode_level(qo: L.RaggedQ, pkv: L.PagedKV, n_states: int, var, code: str, kv_layout: str, dims, dq, cache,
-                  slot0: int, states_o, states_lse, outs, stream) -> bool:
-    """Launch one level as a batch decode (module doc, step 1) when it is one: every
-    group a single query row, one state per row (no KV split), contiguous q and
-    cache, and no variant that reads key positions (the decode kernel puts the
-    query at the level's last key).  Row g's state goes to slot ``slot0 + g``."""
+def decode_level(qo: L.RaggedQ, pkv: L.PagedKV, n_states: int, var, code: str, kv_layout: str, dims, dq, cache,
+                 slot0: int, states_o, states_lse, outs, stream, tuning: CascadeTuning = CASCADE) -> bool:
+    """Launch one level as a batch decode (module doc, step 1) when it is one and
+    ``tuning.decode_levels`` is on: every group a single query row, one state per row
+    (no KV split), contiguous q and cache, and no variant that reads key positions
+    (the decode kernel puts the query at the level's last key).  Row g's state goes
+    to slot ``slot0 + g``; the decode kernel follows ``tuning.decode``."""
     from . import decode as Dec
 
     positional = (int(var.window_left) >= 0 or var.sink_size or var.has_alibi or var.score_mod is not None
                   or var.mask_mod is not None or var.use_sigmoid)
-    if (not DECODE_LEVELS or positional or n_states != 1 or not np.all(qo.lengths == 1)
+    if (not tuning.decode_levels or positional or n_states != 1 or not np.all(qo.lengths == 1)
             or not (dq.is_c_contiguous() and cache.is_c_contiguous())):
         return False
     g = qo.batch_size
@@ -184,9 +179,9 @@ def _decode_level(qo: L.RaggedQ, pkv: L.PagedKV, n_states: int, var, code: str, 
                              dims.head_dim, dims.page_size, kv_layout, pkv.kv_lens.astype(np.int32),
                              A.words(dq), A.words(cache), *meta,
                              cuda.to_device(np.zeros(hq, np.float32), stream=stream), None, outs.d_out, None,
-                             outs.d_lse, Dec._aligned(dq, cache))
-    work = Dec.WorkList(*Dec._upload(stream, np.arange(g + 1), np.arange(g), np.zeros(g), pkv.kv_lens,
-                                     slot0 + np.arange(g)))
+                             outs.d_lse, Dec.aligned_16(dq, cache), tuning=tuning.decode)
+    work = Dec.WorkList(*Dec.upload_int32(stream, np.arange(g + 1), np.arange(g), np.zeros(g), pkv.kv_lens,
+                                         slot0 + np.arange(g)))
     kernel, grid, threads, args = Dec.decode_launch(prob, work, states_o, states_lse)
     P.enqueue(kernel, grid, threads, stream, args)
     return True
@@ -206,29 +201,35 @@ def _merge_map(states, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return indptr.astype(np.int32), np.arange(rows, dtype=np.int32), slots[written].astype(np.int32)
 
 
-def _split_blocks(spec: P.KernelSpec) -> int:
-    """CTAs per SM for a split level's kernel: MIN_BLOCKS_SPLIT for the plain
-    non-causal pipelined tensor-core build (head_dim 64/128), else MIN_BLOCKS."""
+def split_blocks(spec: KernelSpec, tuning: CascadeTuning = CASCADE) -> int:
+    """CTAs per SM for a split level's kernel (launch bounds: registers <= 65536 /
+    (threads * blocks)): ``tuning.min_blocks_split`` for the plain non-causal
+    pipelined tensor-core build (head_dim 64/128; see CascadeTuning.min_blocks_split),
+    else ``tuning.min_blocks`` (causal and variant builds of that tile need more
+    registers than the tighter cap leaves)."""
     v = spec.variant
-    plain = not (v.causal or int(v.window_left) >= 0 or v.sink_size or v.has_alibi or v.has_soft_cap
-                 or v.score_mod is not None or v.mask_mod is not None or v.use_sigmoid)
-    return MIN_BLOCKS_SPLIT if spec.tensor_cores and spec.head_dim in (64, 128) and plain else MIN_BLOCKS
+    plain = not v.causal and plain_variant(v)
+    if spec.tensor_cores and spec.head_dim in (64, 128) and plain:
+        return tuning.min_blocks_split
+    return tuning.min_blocks
 
 
-def _chunk_size(qo: L.RaggedQ, pkv: L.PagedKV, spec: P.KernelSpec, num_kv_heads: int) -> int:
+def chunk_size(qo: L.RaggedQ, pkv: L.PagedKV, spec: KernelSpec, num_kv_heads: int,
+               tuning: CascadeTuning = CASCADE) -> int:
     """Keys per chunk so that the level's work items fill one wave of CTAs
-    (resident slots = SMs x :func:`_split_blocks`; a second, partial wave would cost a
-    whole one), in whole KV tiles so no chunk ends inside a tile; 0: no split."""
+    (resident slots = SMs x :func:`split_blocks`; a second, partial wave would cost a
+    whole one), in whole KV tiles so no chunk ends inside a tile and never fewer than
+    ``tuning.min_chunk``; 0: no split."""
     if SIMULATOR:
         return 0
-    slots = _split_blocks(spec) * sm_count()
+    slots = split_blocks(spec, tuning) * sm_count()
     tiles = int(np.sum(-(-qo.lengths.astype(np.int64) * spec.group // spec.tile_q)))
     if tiles == 0 or tiles * num_kv_heads >= slots:
         return 0
     longest = int(pkv.kv_lens.max(initial=0))
     want = max(1, slots // (tiles * num_kv_heads))
     chunk = -(-longest // want)
-    chunk = max(MIN_CHUNK, -(-chunk // spec.tile_k) * spec.tile_k)
+    chunk = max(tuning.min_chunk, -(-chunk // spec.tile_k) * spec.tile_k)
     return 0 if chunk >= longest else chunk
 
 

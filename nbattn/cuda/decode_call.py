@@ -8,7 +8,7 @@ checks; then, in one staging slot of a ring
 (:class:`nbattn.cuda.host.driver.StagingRing`), the page table, the work list and
 the reduction map written by one more compiled function
 (:func:`nbattn.cuda.host.hostwork.decode_work`, the rules of
-:func:`nbattn.cuda.decode.choose_chunk` and :func:`nbattn.cuda.decode.split_work`)
+:func:`nbattn.cuda.decode_problem.choose_chunk` and :func:`nbattn.cuda.decode.split_work`)
 and sent with one asynchronous copy; outputs allocated; and the decode and
 merge kernels launched through launches bound once per kernel configuration
 (:class:`nbattn.cuda.host.driver.BoundLaunch`), with only pointers, sizes and the
@@ -25,13 +25,15 @@ import numpy as np
 from numba import cuda
 
 from .. import layout as L
-from ..variants import check_return_lse, variant_from_kwargs
-from .host import arrays as A
-from . import decode as DEC
-from .host import hostwork as HW
-from .host.driver import BoundLaunch, Span, StagingRing, data_ptr, sm_count, stream_handle
-from .merge import FEW_FORM, FEW_PARTIALS, MergeMap, merge_partials_launch
+from ..variants import alibi_slopes, check_return_lse, variant_from_kwargs
+from . import decode_problem as DP
 from .blocks.primitives import SIMULATOR
+from .host import arrays as A
+from .host import hostwork as HW
+from .host.driver import BoundLaunch, Span, StagingRing, data_ptr, stream_handle
+from .kernels.decode_common import WorkList, make_config
+from .merge import MergeMap, merge_partials_launch
+from .tuning import DECODE, DecodeTuning
 
 __all__ = ["fast_decode"]
 
@@ -60,9 +62,10 @@ def _alloc(like, kind: str, shape: tuple, code: str):
 
 
 def fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, *,
-                kv_layout: str, return_lse: bool, out, lse, variant: dict) -> Any:
-    """The call for device ``q`` and cache (see module doc); ``NotImplemented`` when
-    the inputs are of another kind (the caller then takes the general path)."""
+                kv_layout: str, return_lse: bool, out, lse, variant: dict, tuning: DecodeTuning = DECODE) -> Any:
+    """The call for device ``q`` and cache (see module doc) under ``tuning`` (checked by
+    the caller); ``NotImplemented`` when the inputs are of another kind (the caller
+    then takes the general path)."""
     kind = A.kind_of(q)
     if kind not in ("torch", "numba") or A.kind_of(paged_kv_cache) != kind:
         return NotImplemented
@@ -86,12 +89,12 @@ def fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_l
     pkv = HW.page_table(*meta, dims.page_size, dims.num_pages)
     tables = (pkv.paged_kv_indptr, pkv.paged_kv_indices, pkv.paged_kv_last_page_len)
     B = pkv.batch_size
-    DEC._check_head_dim(dims.head_dim)
+    DP.check_head_dim(dims.head_dim)
     shape = L.check_q(q, dims.head_dim, rows=B)
     group = L.check_heads(shape[1], dims.num_kv_heads)
     for name, x, want, c in (("out", out, shape, code), ("lse", lse, shape[:2], None)):
         if x is not None:
-            DEC._check_out(name, x, want, c, kind)
+            DP.check_out(name, x, want, c, kind)
     A.check_contiguous(q, "q")
     A.check_contiguous(paged_kv_cache, "paged_kv_cache")
     if not SIMULATOR and (data_ptr(q) | data_ptr(paged_kv_cache)) % 16:
@@ -99,8 +102,8 @@ def fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_l
 
     # -- all checks passed: work list and metadata in one staging slot, one upload, outputs, launches --
     hq, D = shape[1], shape[2]
-    cfg = DEC.make_config(code, D, group, kv_layout, var, True, B * dims.num_kv_heads)
-    rule = DEC.split_rule(cfg, B, hq)
+    cfg = make_config(code, D, group, kv_layout, var, True, B * dims.num_kv_heads, tuning)
+    rule = DP.split_rule(cfg, B, hq)
     stream = stream_handle(q) if kind == "torch" else 0
     with _RING.lock:                                  # see StagingRing.lock
         stage = _RING.take(tables[1].size + 8 * (B + 1) + 64)
@@ -119,7 +122,7 @@ def fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_l
         else:                                           # nothing is split: the kernel writes no partial
             po = pl = _unused(q, kind)
 
-        pdl = DEC.DECODE_PROGRAMMATIC and cfg.path == "tc" and cfg.min_blocks == 1
+        pdl = DP.launches_programmatically(cfg)
         dec, ix = _bound_decode(cfg, kv_layout, var, q, paged_kv_cache, spans, o_dev, l_dev, po, pl, dims, pdl)
         n_hb = hq // cfg.heads_per_cta
         dec.set_grid(n_items * n_hb if cfg.path in ("warp", "tc") else (n_items, n_hb))
@@ -137,7 +140,8 @@ def fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_l
         dec.set_scalar(ix["sigmoid_bias"], var.sigmoid_bias)
         dec(stream)
         if n_slots:
-            merge = _bound_merge(code, D, hq, var.use_sigmoid, most, po, pl, spans[8:], o_dev, l_dev)
+            merge = _bound_merge(code, D, hq, var.use_sigmoid, most, po, pl, spans[8:], o_dev, l_dev,
+                                 cfg.tuning.merge)
             merge.set_grid((n_merge, hq))
             for i, sp in zip((2, 3, 4), spans[8:]):
                 merge.set(i, sp, max(sp.n, 1))
@@ -183,15 +187,15 @@ def _bound_decode(cfg, kv_layout, var, q, cache, spans, o_dev, l_dev, po, pl, di
     code, D = cfg.code, cfg.head_dim
     B = int(q.shape[0])
     views = [sp.view() for sp in spans]
-    prob = DEC.DecodeProblem(code, "numba", 0, var, var.scale(D), B, hq, dims.num_kv_heads, D, dims.page_size,
-                             kv_layout, np.zeros(B, np.int32), A.words(A.to_device(q, "q", 0, code)),
-                             A.words(A.to_device(cache, "paged_kv_cache", 0, code)), *views[:3],
-                             _slopes(hq, var.has_alibi), None, A.to_device(o_dev, "out", 0, code), None,
-                             A.to_device(l_dev, "lse", 0, "f32"), True)
-    work = DEC.WorkList(*views[3:8])
-    kern, grid, threads, args = DEC._launch_for(prob, cfg, work, A.to_device(po, "po", 0, "f32"),
-                                                A.to_device(pl, "pl", 0, "f32"), prefetch=pdl)
-    ix = DEC.decode_arg_index(cfg)
+    prob = DP.DecodeProblem(code, "numba", 0, var, var.scale(D), B, hq, dims.num_kv_heads, D, dims.page_size,
+                            kv_layout, np.zeros(B, np.int32), A.words(A.to_device(q, "q", 0, code)),
+                            A.words(A.to_device(cache, "paged_kv_cache", 0, code)), *views[:3],
+                            _slopes(hq, var.has_alibi), None, A.to_device(o_dev, "out", 0, code), None,
+                            A.to_device(l_dev, "lse", 0, "f32"), True, cfg.tuning)
+    work = WorkList(*views[3:8])
+    kern, grid, threads, args = DP.launch_for(prob, cfg, work, A.to_device(po, "po", 0, "f32"),
+                                              A.to_device(pl, "pl", 0, "f32"), prefetch=pdl)
+    ix = DP.decode_arg_index(cfg)
     conv = {ix["q"]: _conv(code, "q", True), ix["kv"]: _conv(code, "paged_kv_cache", True),
             ix["out"]: _conv(code, "out", False), ix["lse"]: _conv("f32", "lse", False),
             ix["partial_o"]: _conv("f32", "po", False), ix["partial_lse"]: _conv("f32", "pl", False)}
@@ -209,21 +213,21 @@ def _slopes(hq: int, alibi: bool):
     key = (hq, alibi)
     hit = _SLOPES.get(key)
     if hit is None:
-        hit = _SLOPES[key] = cuda.to_device(DEC.alibi_slopes(hq) if alibi else np.zeros(hq, np.float32))
+        hit = _SLOPES[key] = cuda.to_device(alibi_slopes(hq) if alibi else np.zeros(hq, np.float32))
     return hit
 
 
-def _bound_merge(code, D, hq, sigmoid, most, po, pl, mspans, o_dev, l_dev):
+def _bound_merge(code, D, hq, sigmoid, most, po, pl, mspans, o_dev, l_dev, tuning):
     vec = 4 if D % 4 == 0 else 1
-    few = FEW_FORM and most <= FEW_PARTIALS
-    key = ("merge", code, D, hq, sigmoid, vec, (1 << max(1, most - 1).bit_length()) if few else -1)
+    few = tuning.few_form and most <= tuning.few_partials
+    key = ("merge", code, D, hq, sigmoid, vec, (1 << max(1, most - 1).bit_length()) if few else -1, tuning)
     hit = _BOUND.get(key)
     if hit is not None:
         return hit
     mmap = MergeMap(*[sp.view() for sp in mspans])
     k, g, t, a = merge_partials_launch(A.to_device(po, "po", 0, "f32"), A.to_device(pl, "pl", 0, "f32"), mmap,
                                        A.to_device(o_dev, "out", 0, code), A.to_device(l_dev, "lse", 0, "f32"),
-                                       code=code, use_sigmoid=sigmoid, max_partials=most)
+                                       code=code, use_sigmoid=sigmoid, max_partials=most, tuning=tuning)
     conv = {0: _conv("f32", "po", False), 1: _conv("f32", "pl", False), 2: _conv("f32", "m", False),
             3: _conv("f32", "m", False), 4: _conv("f32", "m", False), 5: _conv(code, "out", False),
             6: _conv("f32", "lse", False)}

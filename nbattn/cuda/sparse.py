@@ -17,19 +17,23 @@ import numpy as np
 from .. import layout as L
 from ..variants import check_return_lse, variant_from_kwargs
 from . import prefill as P
+from .tuning import PREFILL, PrefillTuning, check_tuning
 
 __all__ = ["block_sparse"]
 
 
 def block_sparse(q, k, v, bsr: L.BSR, *, kv_layout: str = "NHD", return_lse: bool = False,
-                 out=None, lse=None, tensor_cores: bool | None = None, stream=0, **variant):
-    """``q [M, Hq, D]``, ``k, v [N, Hkv, D]`` (NHD), ``bsr`` of shape (M, N)."""
+                 out=None, lse=None, tensor_cores: bool | None = None, stream=0,
+                 tuning: PrefillTuning | None = None, **variant):
+    """``q [M, Hq, D]``, ``k, v [N, Hkv, D]`` (NHD), ``bsr`` of shape (M, N); ``tuning`` (a
+    :class:`nbattn.cuda.tuning.PrefillTuning`, default ``PREFILL``) shapes the kernel."""
+    tuning = check_tuning(tuning, PrefillTuning, PREFILL)
     var = variant_from_kwargs(variant)
     check_return_lse(var, return_lse)
     bsr = L.BSR.check(bsr)
     L.check_same_device(q=q, k=k, v=v)
-    kind = P._check_kind_match(q=q, k=k, v=v)
-    n_kv, hkv, d = P._contig_dims(k, v, kv_layout)
+    kind = P.check_kind_match(q=q, k=k, v=v)
+    n_kv, hkv, d = P.contig_dims(k, v, kv_layout)
     shape = L.check_q(q, d)
     if bsr.shape != (shape[0], n_kv):
         raise L.LayoutError(f"bsr: shape {bsr.shape} does not match (q rows, kv rows) = {(shape[0], n_kv)}")
@@ -37,9 +41,9 @@ def block_sparse(q, k, v, bsr: L.BSR, *, kv_layout: str = "NHD", return_lse: boo
     if var.causal:      # as the dense forms: a causal request has no more queries than keys
         L.check_causal_lengths(np.array([shape[0]]), np.array([n_kv]), name="q")
     b_r, b_c = bsr.block_shape
-    spec = P.make_spec("bsr", kv_layout, kind, d, shape[1], hkv, var, tensor_cores)
+    spec = P.make_spec("bsr", kv_layout, kind, d, shape[1], hkv, var, tensor_cores, tuning=tuning)
     stream = P.resolve_stream(stream, q, k, v, out, lse)
-    outs = P._Outputs(q, shape, kind, out, lse, return_lse, stream)
+    outs = P.Outputs(q, shape, kind, out, lse, return_lse, stream)
     m = shape[0]
     starts = np.arange(bsr.n_block_rows, dtype=np.int64) * b_r
     lens = np.minimum(b_r, m - starts)

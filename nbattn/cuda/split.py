@@ -12,6 +12,7 @@ import numpy as np
 
 from .. import layout as L
 from .cascade import cascade
+from .tuning import CASCADE, CascadeTuning, check_tuning
 
 __all__ = ["split_kv"]
 
@@ -31,11 +32,13 @@ def _paged(k, v, kv_layout: str):
 
 def split_kv(q, k, v, kv_chunk_indptr, *, kv_layout: str = "NHD", return_lse: bool = False,
              return_partials: bool = False, out=None, lse=None, tensor_cores: bool | None = None,
-             stream=0, kv_chunk=None, **variant):
+             stream=0, kv_chunk=None, tuning: CascadeTuning | None = None, **variant):
     """:func:`nbattn.reference.split_kv` on the kernels (q ``[Q, Hq, D]``, k/v
     ``[K, Hkv, D]`` NHD).  ``return_partials`` is the golden model's view of the
     per-chunk states; the kernels keep theirs in a workspace, so asking for them
-    here is an error."""
+    here is an error.  ``tuning``: the cascade's (a
+    :class:`nbattn.cuda.tuning.CascadeTuning`)."""
+    tuning = check_tuning(tuning, CascadeTuning, CASCADE)
     if return_partials:
         raise ValueError("return_partials: the kernels do not return per-chunk states; "
                          "use nbattn.reference.split_kv for them")
@@ -56,4 +59,4 @@ def split_kv(q, k, v, kv_chunk_indptr, *, kv_layout: str = "NHD", return_lse: bo
     if not levels:
         raise L.LayoutError("kv_chunk_indptr: must list at least one chunk")
     return cascade(q, levels, _paged(k, v, kv_layout), return_lse=return_lse, out=out, lse=lse,
-                   tensor_cores=tensor_cores, stream=stream, kv_chunk=kv_chunk, **variant)
+                   tensor_cores=tensor_cores, stream=stream, kv_chunk=kv_chunk, tuning=tuning, **variant)

@@ -75,6 +75,8 @@ class MergeTuning(_Tuning):
 
     def __post_init__(self):
         self._nonneg("few_partials")
+        if self.few_partials > 64:
+            raise ValueError(f"MergeTuning.few_partials must be <= 64 (two partials a lane), got {self.few_partials}")
 
 
 @dataclass(frozen=True)

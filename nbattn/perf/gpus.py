@@ -68,34 +68,14 @@ class GPUSpec:
         return float(ridge_point(peak, self.copy_bandwidth_GBps))
 
 
-# Datasheet values (NVIDIA H200 / H100 / A100 product briefs, SXM form factor).
-# The H200 measured fields are our measurements on an H200, not datasheet values.
-H200 = GPUSpec(
-    name="H200",
-    mem_bandwidth_GBps=4800.0,
-    tensor_tflops=989.5,
-    fp32_tflops=67.0,
-    num_sms=132,
-    smem_per_sm_KiB=228,
-    measured_copy_GBps=4300.0,
-    measured_bf16_matmul_tflops=790.0,
-)
-H100_SXM = GPUSpec(
-    name="H100 SXM",
-    mem_bandwidth_GBps=3350.0,
-    tensor_tflops=989.5,
-    fp32_tflops=67.0,
-    num_sms=132,
-    smem_per_sm_KiB=228,
-)
-A100_SXM_80GB = GPUSpec(
-    name="A100 SXM 80GB",
-    mem_bandwidth_GBps=2039.0,
-    tensor_tflops=312.0,
-    fp32_tflops=19.5,
-    num_sms=108,
-    smem_per_sm_KiB=164,
-)
+# Datasheet values (NVIDIA H200 / H100 / A100 product briefs, SXM form factor), in the
+# field order: name, HBM GB/s, dense fp16/bf16 tensor TFLOP/s, fp32 TFLOP/s, SMs, shared
+# memory KiB per SM.  The H200 measured fields are our measurements on an H200, not
+# datasheet values.
+H200 = GPUSpec("H200", 4800.0, 989.5, 67.0, 132, 228,
+               measured_copy_GBps=4300.0, measured_bf16_matmul_tflops=790.0)
+H100_SXM = GPUSpec("H100 SXM", 3350.0, 989.5, 67.0, 132, 228)
+A100_SXM_80GB = GPUSpec("A100 SXM 80GB", 2039.0, 312.0, 19.5, 108, 164)
 
 GPUS: dict[str, GPUSpec] = {g.name: g for g in (H200, H100_SXM, A100_SXM_80GB)}
 

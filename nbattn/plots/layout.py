@@ -33,6 +33,14 @@ def _plt():
     return plt
 
 
+def _write(plt, fig, path):
+    """Lay ``fig`` out, write it to ``path`` (120 dpi) and close it; returns ``fig``."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return fig
+
+
 def page_table_bsr(path, results_root=None):
     """Figure 2: query rows x page-pool slots; each request reads its pages."""
     plt = _plt()
@@ -55,10 +63,7 @@ def page_table_bsr(path, results_root=None):
                   "numbers = logical page order)")
     ax.set_title(f"Page table as BSR: {bsr.nnz_blocks} non-zero blocks of shape {bsr.block_shape}\n"
                  "coloured = valid slots (last pages partly filled)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return fig
+    return _write(plt, fig, path)
 
 
 def causal_mask(path, results_root=None):
@@ -77,10 +82,7 @@ def causal_mask(path, results_root=None):
         for i in range(m.shape[0]):
             ax.text(m.shape[1] - 0.5, i, f" {m[i].sum()}", va="center", fontsize=8)
     fig.suptitle("Causal, bottom-right aligned: query i sees key j iff j <= K - Q + i")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return fig
+    return _write(plt, fig, path)
 
 
 def composable_formats(path, results_root=None):
@@ -109,10 +111,7 @@ def composable_formats(path, results_root=None):
         ax.set_xlabel("page id")
     axes[0].set_ylabel("request (query row)")
     fig.suptitle("Composable formats: the same pages, two views; states merge level by level")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return fig
+    return _write(plt, fig, path)
 
 
 __all__ = ["page_table_bsr", "causal_mask", "composable_formats", "spec4_batch", "causal_visibility"]

@@ -500,25 +500,18 @@ def amdahl_figure(results_root=None):
     return fig
 
 
-def build_shared_prefix(path: Path, results_root: Path) -> None:
-    style.save(shared_prefix_figure(results_root), path)
+def _builder(figure, name: str):
+    """The registry's builder ``(path, results_root)`` that writes ``figure(results_root)``."""
+    def build(path: Path, results_root: Path) -> None:
+        style.save(figure(results_root), path)
+    build.__name__ = build.__qualname__ = name
+    build.__doc__ = f"Write :func:`{figure.__name__}` of ``results_root`` to ``path``."
+    return build
 
 
-def build_page_size(path: Path, results_root: Path) -> None:
-    style.save(page_size_figure(results_root), path)
-
-
-def build_decode_bandwidth(path: Path, results_root: Path) -> None:
-    style.save(decode_bandwidth_figure(results_root), path)
-
-
-def build_split_kv(path: Path, results_root: Path) -> None:
-    style.save(split_kv_figure(results_root), path)
-
-
-def build_breakeven(path: Path, results_root: Path) -> None:
-    style.save(breakeven_figure(results_root), path)
-
-
-def build_amdahl(path: Path, results_root: Path) -> None:
-    style.save(amdahl_figure(results_root), path)
+build_shared_prefix = _builder(shared_prefix_figure, "build_shared_prefix")
+build_page_size = _builder(page_size_figure, "build_page_size")
+build_decode_bandwidth = _builder(decode_bandwidth_figure, "build_decode_bandwidth")
+build_split_kv = _builder(split_kv_figure, "build_split_kv")
+build_breakeven = _builder(breakeven_figure, "build_breakeven")
+build_amdahl = _builder(amdahl_figure, "build_amdahl")

@@ -42,7 +42,7 @@ from .state import LN2, AttentionState, merge_states
 
 __all__ = [
     "attend", "single_prefill", "single_decode", "batch_prefill_ragged", "batch_prefill_paged",
-    "batch_decode_paged", "block_sparse", "cascade", "split_kv",
+    "batch_decode_paged", "block_sparse", "cascade", "split_kv", "float_input",
 ]
 
 
@@ -123,7 +123,9 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, kv_po
 # Argument handling shared by the public forms
 # ---------------------------------------------------------------------------
 
-def _float(name: str, x: Any) -> np.ndarray:
+def float_input(name: str, x: Any) -> np.ndarray:
+    """A floating-point input as a host NumPy array (bf16 widened exactly to float32);
+    fp8 and non-float inputs raise a LayoutError naming ``name``."""
     if L.dtype_of(x).startswith("float8"):
         reject_fp8(name, x)
     arr = L.to_numpy(x)
@@ -141,7 +143,7 @@ def _contiguous_kv(k: Any, v: Any, kv_layout: str,
     if scales is not None:
         k, v = dequantize(k, scales[0]), dequantize(v, scales[1])
     else:
-        k, v = _float("k", k), _float("v", v)
+        k, v = float_input("k", k), float_input("v", v)
     if k.ndim != 3 or k.shape != v.shape:
         raise L.LayoutError(f"v: k and v must both be 3-D with equal shapes, got {k.shape} and {v.shape}")
     if kv_layout == "HND":
@@ -200,7 +202,7 @@ def single_prefill(q, k, v, *, kv_layout: str = "NHD", return_lse: bool = False,
     check_return_lse(var, return_lse)
     scales = _kv_scales(q, k_scale, v_scale, k=k, v=v)
     k, v = _contiguous_kv(k, v, kv_layout, scales)
-    q = _float("q", q)
+    q = float_input("q", q)
     L.check_q(q, k.shape[2])
     L.check_heads(q.shape[1], k.shape[1])
     cm = request_masks(custom_mask, packed_custom_mask, [q.shape[0]], [k.shape[0]],
@@ -217,7 +219,7 @@ def single_decode(q, k, v, *, kv_layout: str = "NHD", return_lse: bool = False,
                   dtype=np.float32, sinks=None, k_scale=None, v_scale=None, **variant):
     """One query token: ``q [Hq, D]``; returns ``o [Hq, D]`` (and ``lse [Hq]``)."""
     _no_custom_mask(variant)
-    q = _float("q", q)
+    q = float_input("q", q)
     if q.ndim != 2:
         raise L.LayoutError(f"q: must have shape [num_qo_heads, head_dim], got {q.shape}")
     out = single_prefill(q[None], k, v, kv_layout=kv_layout, return_lse=return_lse, dtype=dtype,
@@ -240,7 +242,7 @@ def batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, *, kv_layout: str = "NHD
     check_return_lse(var, return_lse)
     scales = _kv_scales(q, k_scale, v_scale, k=k, v=v)
     k, v = _contiguous_kv(k, v, kv_layout, scales)
-    q = _float("q", q)
+    q = float_input("q", q)
     qo = L.RaggedQ.validate(qo_indptr, total_rows=q.shape[0] if q.ndim == 3 else None)
     kv = L.RaggedQ.validate(kv_indptr, total_rows=k.shape[0], name="kv_indptr")
     if kv.batch_size != qo.batch_size:
@@ -269,10 +271,10 @@ def _paged_common(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_indice
         L.cache_dims(paged_kv_cache, kv_layout)         # the shape first, then the (whole) conversion
         cache = dequantize_cache(paged_kv_cache, *scales)
     else:
-        cache = _float("paged_kv_cache", paged_kv_cache)
+        cache = float_input("paged_kv_cache", paged_kv_cache)
     pkv, dims = L.PagedKV.from_cache(cache, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                                      kv_layout)
-    q = _float("q", q)
+    q = float_input("q", q)
     qo = L.RaggedQ.validate(qo_indptr, total_rows=q.shape[0] if q.ndim == 3 else None)
     if qo.batch_size != pkv.batch_size:
         raise L.LayoutError(f"paged_kv_indptr: has {pkv.batch_size} requests, qo_indptr has {qo.batch_size}")
@@ -331,7 +333,7 @@ def block_sparse(q, k, v, bsr: L.BSR, *, kv_layout: str = "NHD", return_lse: boo
     check_no_fp8("block_sparse", q=q, k=k, v=v)
     L.check_same_dtype(q=q, k=k, v=v)
     k, v = _contiguous_kv(k, v, kv_layout)
-    q = _float("q", q)
+    q = float_input("q", q)
     bsr = L.BSR.check(bsr)
     if bsr.shape != (q.shape[0], k.shape[0]):
         raise L.LayoutError(f"bsr: shape {bsr.shape} does not match (q rows, kv rows) = "
@@ -359,7 +361,7 @@ def split_kv(q, k, v, kv_chunk_indptr, *, kv_layout: str = "NHD", return_lse: bo
     check_return_lse(var, return_lse)
     check_no_fp8("split_kv", q=q, k=k, v=v)
     k, v = _contiguous_kv(k, v, kv_layout)
-    q = _float("q", q)
+    q = float_input("q", q)
     L.check_q(q, k.shape[2])
     L.check_heads(q.shape[1], k.shape[1])
     chunks = L.check_indptr("kv_chunk_indptr", kv_chunk_indptr, total=k.shape[0], total_name="kv length")
@@ -396,9 +398,9 @@ def cascade(q, levels: Sequence[Any], paged_kv_cache, *, kv_layout: str = "NHD",
     check_return_lse(var, return_lse)
     check_no_fp8("cascade", q=q, paged_kv_cache=paged_kv_cache)
     L.check_same_dtype(q=q, paged_kv_cache=paged_kv_cache)
-    cache = _float("paged_kv_cache", paged_kv_cache)
+    cache = float_input("paged_kv_cache", paged_kv_cache)
     dims = L.cache_dims(cache, kv_layout)
-    q = _float("q", q)
+    q = float_input("q", q)
     lv = L.validate_cascade(levels, dims.page_size, dims.num_pages,
                             total_rows=q.shape[0] if q.ndim == 3 else None)
     L.check_q(q, dims.head_dim)

@@ -30,13 +30,9 @@ __all__ = ["packbits", "segment_packbits", "mask_indptr", "check_mask_choice", "
 BITORDERS = ("big", "little")
 
 
-def is_torch(x: Any) -> bool:
-    return type(x).__module__.startswith("torch")
-
-
 def _like(result: np.ndarray, x: Any):
     """``result`` as a torch tensor on ``x``'s device when ``x`` is one."""
-    if not is_torch(x):
+    if not L.is_torch(x):
         return result
     import torch
     return torch.from_numpy(np.ascontiguousarray(result)).to(x.device)

@@ -39,10 +39,6 @@ FP8_FORMS = ("single_prefill", "single_decode", "batch_prefill_ragged", "batch_p
 _TORCH_NAMES = " or ".join(f"torch.{n}" for n in FP8_DTYPES)
 
 
-def is_torch(x: Any) -> bool:
-    return type(x).__module__.startswith("torch")
-
-
 def fp8_kind(name: str, x: Any) -> str | None:
     """``'float8_e4m3fn'`` or ``'float8_e5m2'`` for a torch fp8 tensor, None for
     anything that is not fp8.  Other fp8 kinds (``float8_e4m3fnuz``...) and
@@ -50,7 +46,7 @@ def fp8_kind(name: str, x: Any) -> str | None:
     dt = L.dtype_of(x)
     if not dt.startswith("float8"):
         return None
-    if not is_torch(x):
+    if not L.is_torch(x):
         raise L.LayoutError(f"{name}: NumPy has no fp8 dtype; give fp8 data as a torch tensor "
                             f"({_TORCH_NAMES}), got a {type(x).__module__}.{type(x).__name__} of {dt}")
     if dt not in FP8_DTYPES:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from .. import layout as L
-from .attention import _float
+from .attention import float_input
 
 __all__ = ["apply_rope", "apply_rope_pos_ids", "apply_llama31_rope", "apply_llama31_rope_pos_ids"]
 
@@ -42,7 +42,7 @@ __all__ = ["apply_rope", "apply_rope_pos_ids", "apply_llama31_rope", "apply_llam
 # ---------------------------------------------------------------------------
 
 def _qk(q: Any, k: Any) -> tuple[np.ndarray, np.ndarray]:
-    qa, ka = _float("q", q), _float("k", k)
+    qa, ka = float_input("q", q), float_input("k", k)
     if qa.ndim != 3:
         raise L.LayoutError(f"q: must have rank 3, shape [nnz, num_qo_heads, head_dim], got {qa.shape}")
     if ka.ndim != 3:
@@ -152,7 +152,7 @@ def _round_bf16(x: np.ndarray) -> np.ndarray:
 
 def _like(out: np.ndarray, given: Any, host: np.ndarray) -> Any:
     """The float64 result in the element type and kind (NumPy or torch) of the input."""
-    if type(given).__module__.startswith("torch"):
+    if L.is_torch(given):
         import torch
         if given.dtype == torch.bfloat16:
             return torch.from_numpy(_round_bf16(out)).to(device=given.device, dtype=torch.bfloat16)
@@ -194,8 +194,62 @@ def _llama31(q, k, pos_fn, rotary_dim, interleave, rope_scale, rope_theta, low_f
 
 
 # ---------------------------------------------------------------------------
-# Public functions
+# Public functions (their docstrings share the parameter texts below)
 # ---------------------------------------------------------------------------
+
+_PARAM_DOCS = {
+    "q_k": """\
+    q : array, shape [nnz, num_qo_heads, head_dim]
+        Queries.
+    k : array, shape [nnz, num_kv_heads, head_dim]
+        Keys, one row per row of ``q``.""",
+    "pos_ids": """\
+    pos_ids : int array, shape [nnz]
+        Position of every row, ``>= 0``.""",
+    "ragged": """\
+    indptr : int array, shape [batch_size + 1]
+        Row pointer: starts at 0, non-decreasing, ends at ``nnz``.
+    offsets : int array, shape [batch_size]
+        Position of each request's first row, ``>= 0``.""",
+    "pairs": """\
+    rotary_dim : int, optional
+        Even, in ``1..head_dim``; ``None`` means ``head_dim``.
+    interleave : bool
+        The pairing: ``False`` rotate half, ``True`` GPT-J.""",
+    "theta": """\
+    rope_theta : float
+        Base of the frequencies; finite, ``> 0``.""",
+    "llama31": """\
+    rope_scale : float
+        Divides the low frequencies; finite, ``> 0``.
+    rope_theta : float
+        Base of the frequencies; finite, ``> 0``.
+    low_freq_factor : float
+        ``> 0``; sets the wavelength ``w_low`` above which frequencies are scaled.
+    high_freq_factor : float
+        ``> low_freq_factor``; sets the wavelength ``w_high`` below which they are kept.
+    old_context_len : float
+        The context length the model was trained with, ``> 0``.""",
+    "returns": """\
+    Returns
+    -------
+    q_rope : array, shape [nnz, num_qo_heads, head_dim]
+    k_rope : array, shape [nnz, num_kv_heads, head_dim]
+        New arrays of the inputs' dtypes.
+
+    Raises
+    ------
+    nbattn.layout.LayoutError
+        Naming the first bad argument, raised before any work.""",
+}
+
+
+def _shared_params(fn):
+    """Fill ``{name}`` fields of ``fn``'s docstring with the texts of ``_PARAM_DOCS``."""
+    if fn.__doc__:                     # None under python -OO
+        fn.__doc__ = fn.__doc__.format(**_PARAM_DOCS)
+    return fn
+
 
 def apply_rope(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=1.0,
                rope_theta=1e4):
@@ -244,6 +298,7 @@ def apply_rope(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_sc
                   rope_scale, rope_theta)
 
 
+@_shared_params
 def apply_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=1.0,
                        rope_theta=1e4):
     """RoPE on ``q`` and ``k`` with one position per row.
@@ -253,36 +308,20 @@ def apply_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave=False, rope_sc
 
     Parameters
     ----------
-    q : array, shape [nnz, num_qo_heads, head_dim]
-        Queries.
-    k : array, shape [nnz, num_kv_heads, head_dim]
-        Keys, one row per row of ``q``.
-    pos_ids : int array, shape [nnz]
-        Position of every row, ``>= 0``.
-    rotary_dim : int, optional
-        Even, in ``1..head_dim``; ``None`` means ``head_dim``.
-    interleave : bool
-        The pairing: ``False`` rotate half, ``True`` GPT-J.
+{q_k}
+{pos_ids}
+{pairs}
     rope_scale : float
         Positions are divided by it; finite, ``> 0``.
-    rope_theta : float
-        Base of the frequencies; finite, ``> 0``.
+{theta}
 
-    Returns
-    -------
-    q_rope : array, shape [nnz, num_qo_heads, head_dim]
-    k_rope : array, shape [nnz, num_kv_heads, head_dim]
-        New arrays of the inputs' dtypes.
-
-    Raises
-    ------
-    nbattn.layout.LayoutError
-        Naming the first bad argument, raised before any work.
+{returns}
     """
     return _plain(q, k, lambda nnz: _non_negative("pos_ids", pos_ids, nnz, "row of q and k"),
                   rotary_dim, interleave, rope_scale, rope_theta)
 
 
+@_shared_params
 def apply_llama31_rope(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_scale=8.0,
                        rope_theta=5e5, low_freq_factor=1.0, high_freq_factor=4.0,
                        old_context_len=8192):
@@ -298,44 +337,18 @@ def apply_llama31_rope(q, k, indptr, offsets, rotary_dim=None, interleave=False,
 
     Parameters
     ----------
-    q : array, shape [nnz, num_qo_heads, head_dim]
-        Queries.
-    k : array, shape [nnz, num_kv_heads, head_dim]
-        Keys, one row per row of ``q``.
-    indptr : int array, shape [batch_size + 1]
-        Row pointer: starts at 0, non-decreasing, ends at ``nnz``.
-    offsets : int array, shape [batch_size]
-        Position of each request's first row, ``>= 0``.
-    rotary_dim : int, optional
-        Even, in ``1..head_dim``; ``None`` means ``head_dim``.
-    interleave : bool
-        The pairing: ``False`` rotate half, ``True`` GPT-J.
-    rope_scale : float
-        Divides the low frequencies; finite, ``> 0``.
-    rope_theta : float
-        Base of the frequencies; finite, ``> 0``.
-    low_freq_factor : float
-        ``> 0``; sets the wavelength ``w_low`` above which frequencies are scaled.
-    high_freq_factor : float
-        ``> low_freq_factor``; sets the wavelength ``w_high`` below which they are kept.
-    old_context_len : float
-        The context length the model was trained with, ``> 0``.
+{q_k}
+{ragged}
+{pairs}
+{llama31}
 
-    Returns
-    -------
-    q_rope : array, shape [nnz, num_qo_heads, head_dim]
-    k_rope : array, shape [nnz, num_kv_heads, head_dim]
-        New arrays of the inputs' dtypes.
-
-    Raises
-    ------
-    nbattn.layout.LayoutError
-        Naming the first bad argument, raised before any work.
+{returns}
     """
     return _llama31(q, k, lambda nnz: _ragged_positions(indptr, offsets, nnz), rotary_dim, interleave,
                     rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len)
 
 
+@_shared_params
 def apply_llama31_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave=False, rope_scale=8.0,
                                rope_theta=5e5, low_freq_factor=1.0, high_freq_factor=4.0,
                                old_context_len=8192):
@@ -344,37 +357,12 @@ def apply_llama31_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave=False,
 
     Parameters
     ----------
-    q : array, shape [nnz, num_qo_heads, head_dim]
-        Queries.
-    k : array, shape [nnz, num_kv_heads, head_dim]
-        Keys, one row per row of ``q``.
-    pos_ids : int array, shape [nnz]
-        Position of every row, ``>= 0``.
-    rotary_dim : int, optional
-        Even, in ``1..head_dim``; ``None`` means ``head_dim``.
-    interleave : bool
-        The pairing: ``False`` rotate half, ``True`` GPT-J.
-    rope_scale : float
-        Divides the low frequencies; finite, ``> 0``.
-    rope_theta : float
-        Base of the frequencies; finite, ``> 0``.
-    low_freq_factor : float
-        ``> 0``.
-    high_freq_factor : float
-        ``> low_freq_factor``.
-    old_context_len : float
-        ``> 0``.
+{q_k}
+{pos_ids}
+{pairs}
+{llama31}
 
-    Returns
-    -------
-    q_rope : array, shape [nnz, num_qo_heads, head_dim]
-    k_rope : array, shape [nnz, num_kv_heads, head_dim]
-        New arrays of the inputs' dtypes.
-
-    Raises
-    ------
-    nbattn.layout.LayoutError
-        Naming the first bad argument, raised before any work.
+{returns}
     """
     return _llama31(q, k, lambda nnz: _non_negative("pos_ids", pos_ids, nnz, "row of q and k"),
                     rotary_dim, interleave, rope_scale, rope_theta, low_freq_factor, high_freq_factor,

@@ -2,6 +2,8 @@
 
 * :mod:`.plan`: the LPT planner and the :class:`Plan` it returns (per-CTA work
   queues and the reduction map of partial states).
+* :mod:`.lpt`: LPT placement and the chunk-limit search the planner and the
+  simulator share.
 * :mod:`.tiles`: the query/KV tile-size heuristic.
 * :mod:`.simulate`: a cost-model simulator comparing scheduling policies.
 

@@ -50,24 +50,19 @@ Per-item overhead
 On the GPU every work item also pays a fixed price that does not grow with
 its length: reading the queue entry and the first page ids, the first loads
 of the pipeline, the combine and the write of its state.  On the H200 the
-decode kernel's item costs as much as streaming ~64 KV tokens (fitted in
-``benchmarks/results/sched.json``, record ``item_overhead_tokens``).  ``chunk_overhead`` puts that price into
-the cost, in the same units as ``beta*l_kv``; without it LPT sees a 100-token
-tail chunk as nearly free and stacks dozens of them onto one CTA.
+decode kernel's item costs about as much as streaming 64 KV tokens (see
+``nbattn.cuda.tuning.DecodeTuning.plan_chunk_overhead``).  ``chunk_overhead``
+puts that price into the cost, in the same units as ``beta*l_kv``; without it
+LPT sees a 100-token tail chunk as nearly free and stacks dozens of them onto
+one CTA.
 :class:`nbattn.sched.simulate.CostModel` uses the same name for the same term.
 
 Choosing the chunk limit
 ------------------------
-The base rule fixes ``L = ceil(W / C)``, which balances perfectly when chunks
-cost nothing beyond their keys.  With a per-item overhead it can lose to not
-splitting at all: 64 requests of 4096 keys on C = 66 CTAs give ``L = 3972``,
-so each request becomes a 3972-key chunk plus a 124-key tail, and the two CTAs
-left over run 32 tails each.  ``chunk_limit="auto"`` therefore evaluates a few
-candidate limits -- the base rule's, no split (the longest tile), and the longest
-tile cut in 2, 3 or 4 -- by the LPT makespan they produce under the full cost,
-and keeps the best (on ties, the largest limit, i.e. the fewest partial
-states).  ``chunk_limit=<int>`` forces a limit; ``None`` (default) is the base
-rule.
+``chunk_limit=None`` (default) is the base rule ``L = ceil(W / C)``;
+``chunk_limit="auto"`` keeps the candidate limit with the smallest LPT
+makespan (:mod:`nbattn.sched.lpt`, whose docstring says which candidates and
+why); ``chunk_limit=<int>`` forces a limit.
 
 Edge cases
 ----------
@@ -104,7 +99,7 @@ import numpy as np
 from numba import njit
 
 from .._checks import count_arg, int_arg
-
+from .lpt import auto_limit, lpt_assign, query_tiles
 from .tiles import choose_tile_q
 
 __all__ = [
@@ -241,131 +236,6 @@ def check_partial_capacity(p: Plan, num_qo_heads: int, head_dim: int, capacity: 
 
 
 @njit(cache=True)
-def query_tiles(qo_lens, kv_lens, group, tile_q, causal):
-    """Query tiles over fused rows in (request, tile) order: request, tile index,
-    fused rows and KV length of each (with ``causal``, trimmed to the keys the
-    tile's last row can see).  The planner and the simulator both cut tiles here."""
-    batch = qo_lens.shape[0]
-    num_tiles = 0
-    for r in range(batch):
-        num_tiles += (qo_lens[r] * group + tile_q - 1) // tile_q
-    tile_request = np.empty(num_tiles, np.int32)
-    tile_index = np.empty(num_tiles, np.int32)
-    tile_rows = np.empty(num_tiles, np.int64)
-    tile_kv = np.empty(num_tiles, np.int64)
-    t = 0
-    for r in range(batch):
-        rows = qo_lens[r] * group
-        n = (rows + tile_q - 1) // tile_q
-        for k in range(n):
-            start = k * tile_q
-            end = min(start + tile_q, rows)
-            kv = kv_lens[r]
-            if causal and kv > 0:
-                last_position = (end - 1) // group
-                kv = min(kv, kv - qo_lens[r] + last_position + 1)
-            tile_request[t] = r
-            tile_index[t] = k
-            tile_rows[t] = end - start
-            tile_kv[t] = kv
-            t += 1
-    return tile_request, tile_index, tile_rows, tile_kv
-
-
-@njit(cache=True)
-def _lpt_assign(cost, order, num_ctas):
-    """LPT placement: items in ``order`` go one by one to the least-loaded CTA,
-    the lowest id among equals (a binary min-heap keyed by (load, id)).
-    Returns the CTA of each position of ``order`` and every CTA's load."""
-    # All loads start equal and ids ascend, so the initial array is already a heap.
-    heap_load = np.zeros(num_ctas, np.float64)
-    heap_id = np.arange(num_ctas).astype(np.int64)
-    assigned = np.empty(order.shape[0], np.int64)
-    cta_load = np.zeros(num_ctas, np.float64)
-    for j in range(order.shape[0]):
-        cta = heap_id[0]
-        assigned[j] = cta
-        heap_load[0] += cost[order[j]]
-        cta_load[cta] = heap_load[0]
-        # Sift the root down to restore the heap.
-        pos = 0
-        while True:
-            left = 2 * pos + 1
-            if left >= num_ctas:
-                break
-            best = left
-            right = left + 1
-            if right < num_ctas and (
-                heap_load[right] < heap_load[left]
-                or (heap_load[right] == heap_load[left] and heap_id[right] < heap_id[left])
-            ):
-                best = right
-            if heap_load[best] < heap_load[pos] or (
-                heap_load[best] == heap_load[pos] and heap_id[best] < heap_id[pos]
-            ):
-                tmp_load = heap_load[pos]
-                heap_load[pos] = heap_load[best]
-                heap_load[best] = tmp_load
-                tmp_id = heap_id[pos]
-                heap_id[pos] = heap_id[best]
-                heap_id[best] = tmp_id
-                pos = best
-            else:
-                break
-    return assigned, cta_load
-
-
-@njit(cache=True)
-def _lpt_makespan(cost, num_ctas):
-    """Makespan of LPT over ``cost`` (largest first, stable on ties)."""
-    if num_ctas < 1 or cost.shape[0] == 0:
-        return 0.0
-    _, cta_load = _lpt_assign(cost, np.argsort(-cost, kind="mergesort"), num_ctas)
-    return cta_load.max()
-
-
-@njit(cache=True)
-def _chunk_costs(tile_rows, tile_kv, limit, alpha, beta, overhead):
-    n = 0
-    for t in range(tile_kv.shape[0]):
-        n += max(1, (tile_kv[t] + limit - 1) // limit)
-    cost = np.empty(n, np.float64)
-    i = 0
-    for t in range(tile_kv.shape[0]):
-        k = max(1, (tile_kv[t] + limit - 1) // limit)
-        for c in range(k):
-            length = min(limit, tile_kv[t] - c * limit)
-            cost[i] = overhead + alpha * tile_rows[t] + beta * max(length, 0)
-            i += 1
-    return cost
-
-
-@njit(cache=True)
-def _auto_limit(tile_rows, tile_kv, num_ctas, alpha, beta, overhead, spec_limit):
-    """The candidate chunk limit with the smallest LPT makespan (module doc)."""
-    longest = 0
-    for t in range(tile_kv.shape[0]):
-        longest = max(longest, tile_kv[t])
-    best_limit = spec_limit
-    best = _lpt_makespan(_chunk_costs(tile_rows, tile_kv, spec_limit, alpha, beta, overhead), num_ctas)
-    for k in range(1, 5):
-        cand = (longest + k - 1) // k
-        if cand <= spec_limit:
-            break
-        # No plan beats its largest chunk: skip the LPT pass when that alone loses.
-        largest = 0.0
-        for t in range(tile_kv.shape[0]):
-            largest = max(largest, overhead + alpha * tile_rows[t] + beta * min(cand, tile_kv[t]))
-        if largest > best:
-            continue
-        span = _lpt_makespan(_chunk_costs(tile_rows, tile_kv, cand, alpha, beta, overhead), num_ctas)
-        # Candidates come largest first, so on a tie the larger limit (fewer partials) stays.
-        if span < best or (span == best and cand > best_limit):
-            best, best_limit = span, cand
-    return best_limit
-
-
-@njit(cache=True)
 def _plan_core(qo_lens, kv_lens, group, tile_q, num_ctas, alpha, beta, overhead, causal, limit):
     """``limit``: 0 = base rule, -1 = auto, > 0 = forced chunk limit."""
     tile_request, tile_index, tile_rows, tile_kv = query_tiles(qo_lens, kv_lens, group, tile_q, causal)
@@ -378,7 +248,7 @@ def _plan_core(qo_lens, kv_lens, group, tile_q, num_ctas, alpha, beta, overhead,
     if limit > 0:
         chunk_limit = limit
     elif limit < 0:
-        chunk_limit = _auto_limit(tile_rows, tile_kv, num_ctas, alpha, beta, overhead, chunk_limit)
+        chunk_limit = auto_limit(tile_rows, tile_kv, num_ctas, alpha, beta, overhead, chunk_limit)
 
     # Chunk count per tile; a tile with no keys still gets one (empty) item.
     num_items = 0
@@ -433,7 +303,7 @@ def _plan_core(qo_lens, kv_lens, group, tile_q, num_ctas, alpha, beta, overhead,
     # LPT: largest cost first; the stable sort keeps (request, tile, chunk) order on ties.
     order = np.argsort(-cost, kind="mergesort")
 
-    assigned, _ = _lpt_assign(cost, order, num_ctas)
+    assigned, _ = lpt_assign(cost, order, num_ctas)
 
     # Per-CTA queues in assignment order (a counting sort by CTA id).
     cta_indptr = np.zeros(num_ctas + 1, np.int32)
@@ -489,11 +359,6 @@ def _lengths(values, name: str) -> np.ndarray:
     return arr
 
 
-def _readonly(arr: np.ndarray) -> np.ndarray:
-    arr.setflags(write=False)
-    return arr
-
-
 def plan(
     qo_lens,
     kv_lens,
@@ -529,8 +394,8 @@ def plan(
         Chunk cost ``chunk_overhead + alpha*l_q + beta*l_kv``.
     chunk_limit:
         ``None``: the base rule ``ceil(W / num_ctas)``; ``"auto"``: the
-        candidate with the smallest makespan (module doc, "Choosing the chunk
-        limit"); a positive int: that limit.
+        candidate with the smallest makespan (:mod:`nbattn.sched.lpt`,
+        "Choosing the chunk limit"); a positive int: that limit.
     causal:
         Trim each query tile's KV range to what its last row can see
         (requires ``l_qo <= l_kv`` for non-empty requests).
@@ -572,6 +437,12 @@ def plan(
      lower_bound) = _plan_core(qo, kv, group, tile_q, num_ctas, alpha, beta, overhead, bool(causal),
                                limit)
 
+    arrays = dict(qo_lens=qo.astype(np.int32), kv_lens=kv.astype(np.int32), cta_indptr=cta_indptr,
+                  request=request, qo_tile=qo_tile, kv_start=kv_start, kv_end=kv_end, out_slot=out_slot,
+                  merge_indptr=merge_indptr, merge_request=merge_request, merge_qo_tile=merge_qo_tile,
+                  merge_slots=merge_slots, cta_cost=cta_cost)
+    for arr in arrays.values():
+        arr.setflags(write=False)
     result = Plan(
         num_ctas=num_ctas,
         tile_q=tile_q,
@@ -581,22 +452,10 @@ def plan(
         beta=beta,
         chunk_overhead=overhead,
         causal=bool(causal),
-        qo_lens=_readonly(qo.astype(np.int32)),
-        kv_lens=_readonly(kv.astype(np.int32)),
-        cta_indptr=_readonly(cta_indptr),
-        request=_readonly(request),
-        qo_tile=_readonly(qo_tile),
-        kv_start=_readonly(kv_start),
-        kv_end=_readonly(kv_end),
-        out_slot=_readonly(out_slot),
-        merge_indptr=_readonly(merge_indptr),
-        merge_request=_readonly(merge_request),
-        merge_qo_tile=_readonly(merge_qo_tile),
-        merge_slots=_readonly(merge_slots),
         num_partials=int(num_partials),
-        cta_cost=_readonly(cta_cost),
         makespan=float(cta_cost.max()),
         lower_bound=float(lower_bound),
+        **arrays,
     )
     if partial_capacity is not None:
         if num_qo_heads is None or head_dim is None:

@@ -72,7 +72,8 @@ import numpy as np
 
 from .._checks import count_arg, int_arg
 
-from .plan import Plan, plan, query_tiles
+from .lpt import query_tiles
+from .plan import Plan, plan
 from .tiles import choose_tile_q
 
 __all__ = [
@@ -190,22 +191,10 @@ class SimResult:
         }
 
 
-def make_workload(
-    name: str,
-    batch: int = 64,
-    *,
-    seed: int = 0,
-    qo_len: int = 1,
-    group: int = 1,
-    kv_len: int = 1024,
-    low: int = 512,
-    high: int = 2048,
-    long_len: int = 32768,
-    short_len: int = 512,
-    zipf_a: float = 1.5,
-    zipf_scale: int = 256,
-    max_len: int = 32768,
-) -> Workload:
+def make_workload(name: str, batch: int = 64, *, seed: int = 0, qo_len: int = 1, group: int = 1,
+                  kv_len: int = 1024, low: int = 512, high: int = 2048, long_len: int = 32768,
+                  short_len: int = 512, zipf_a: float = 1.5, zipf_scale: int = 256,
+                  max_len: int = 32768) -> Workload:
     """Build one of :data:`WORKLOADS` with ``batch`` requests of ``qo_len`` queries each.
 
     * ``constant``: every KV length ``kv_len``.

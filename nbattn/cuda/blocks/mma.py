@@ -1,6 +1,6 @@
 """Tensor-core and wide-load intrinsics written as inline PTX (GPU only).
 
-The prefill tensor-core path (:mod:`nbattn.cuda.kernels.prefill_tc`) is built on these
+The prefill tensor-core tiles (:mod:`nbattn.cuda.kernels.prefill_mma`, ``prefill_pipelined``) are built on these
 pieces, each one PTX instruction (or two) wrapped with ``numba.cuda.extending.intrinsic``
 and an ``llvmlite.ir.InlineAsm`` call:
 
@@ -229,7 +229,7 @@ else:  # simulator: names exist, calling them is an error the factory never make
 
 
 
-# movmatrix (the decode tensor-core path, nbattn.cuda.kernels.decode_warp): the transpose of
+# movmatrix (the decode tensor-core path, nbattn.cuda.kernels.decode_tc): the transpose of
 # an 8x8 b16 matrix held in the mma fragment layout (lane 4g + t has row g, columns
 # 2t, 2t+1 in one uint32), returned in the same layout.  Warp-collective.
 __all__ += ["movmatrix_t"]

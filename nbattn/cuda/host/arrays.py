@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
-from ...layout import LayoutError, as_int32
+from ...layout import LayoutError, as_int32, is_torch
 from ..blocks.primitives import SIMULATOR
 
 __all__ = ["dtype_code", "kind_of", "is_torch", "is_device_kind", "launch_stream", "to_device", "flat", "words",
@@ -57,10 +57,6 @@ __all__ = ["dtype_code", "kind_of", "is_torch", "is_device_kind", "launch_stream
 # Raw element type the kernels see, the NumPy dtype a host result has.
 RAW = {"f16": np.uint16, "bf16": np.uint16, "f32": np.float32}
 NP_DTYPE = {"f16": np.dtype(np.float16), "bf16": np.dtype("V2"), "f32": np.dtype(np.float32)}
-
-
-def is_torch(x: Any) -> bool:
-    return type(x).__module__.startswith("torch")
 
 
 def kind_of(x: Any) -> str:

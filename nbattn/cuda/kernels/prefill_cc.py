@@ -1,131 +1,80 @@
-"""The register-tiled CUDA-core prefill tile (issue 4, CUDA-core path).
+"""The register-tiled CUDA-core prefill tile: the teaching tile's math on register micro-tiles.
 
-What it computes: the per-row body ``tile(wi, ...)`` of a prefill kernel
-build, exactly what :func:`nbattn.cuda.prefill.core_tile` computes -- the
-attention of docs/concepts/masks.md (scale, logits transform, mask, softmax or
-sigmoid, in that order) over one work item's keys, returning the state of
-docs/concepts/state.md (normalized output plus base-2 LSE; ``o = 0``, ``lse = -inf``
-for a row that kept no key; NaN LSE for sigmoid).  Same signature, work list,
-shared helpers (``tile_rows``, ``tile_score``, ``key_locator``, ``kv_reader``,
-``tile_key_range``, ``element_io``) and entries (``prefill_entry``,
-``persistent_entry``) as the other paths; all fp32 math on CUDA cores
-(FMA), FlashAttention-2's loop order.  The simulator runs it (CI).
+It computes exactly :func:`nbattn.cuda.kernels.prefill_core.core_tile` -- same
+signature, work list, shared pieces (:mod:`nbattn.cuda.kernels.prefill_common`)
+and entries -- all fp32 on CUDA cores (FMA).  The simulator runs it (CI).  How it
+differs from the teaching tile:
 
-Launch shape.  ``NT = NW * 32`` threads (GPU): warp ``w`` owns the fused
-rows ``w*WR .. w*WR+WR-1`` of the ``T_q = NW*WR`` row tile, whole -- their
-scores, softmax state and output -- so softmax needs no block-wide step.
-A warp's lanes are an ``RG x CG`` grid (lane = rg*CG + cg).  Lane (rg, cg)
-holds, in registers:
+Rows belong to warps, not to the block.  ``NT = NW * 32`` threads (GPU): warp
+``w`` owns the fused rows ``w*WR .. w*WR+WR-1`` of the ``T_q = NW*WR`` row tile,
+whole -- their scores, softmax state and output -- so the softmax needs no
+block-wide step.  A warp's lanes are an ``RG x CG`` grid (lane = rg*CG + cg), and
+lane (rg, cg) holds in registers:
 
 - an ``R x C`` micro-tile of S: rows ``rg + RG*i`` of its warp, keys
   ``cg + CG*c`` of the KV tile (``T_k = CG*C``);
 - an ``R x D/CG`` micro-tile of O: the same rows, dims ``4cg + 4CG*k + (0..3)``;
-- the running max ``m`` and its partial sum ``l`` of each of its rows.
+- the running max ``m`` and its partial sum ``l`` of each of its rows (the CG
+  lanes of a row add their ``l`` by shuffles at the end).
 
-Rows and keys are interleaved (not blocked) so that the lanes of a warp read
-consecutive padded rows of Q and K at the same time: their 16-byte loads
-fall in distinct banks (lanes that share a row read the same address).
+Rows and keys are interleaved (not blocked): the lanes of a warp read consecutive
+padded rows of Q and K at once, in distinct banks.  The shapes a call may take are
+:class:`nbattn.cuda.tuning.PrefillTuning` fields (:func:`cuda_core_tiles`).
 
-Shapes (GPU, :func:`cuda_core_tiles`).  Default ``POLICY = "rows"``: 4 x 8
-lanes, R = 4, at head_dim 128 C = 4, so T_q = 64 fused rows, T_k = 32 keys,
-128 threads; ptxas (sm_90): 246-250 registers, no spills, 75.8 KB of
-dynamic shared memory (two CTAs an SM); an S step is 64 FMAs per 8 shared
-loads, a P V step 64 per 5.  Measured on the H200 (``benchmarks/gpu_prefill_cc.py``,
-``benchmarks/results/prefill_cuda_core.json``, 1 x 8k x 8k full / causal, same
-run): 34.3 / 34.9 TFLOP/s, 0.53 / 0.54 of the measured fp32 FMA roof (65.0).
-Other shapes, buffers and launch bounds were measured and dropped
-(``benchmarks/EXPERIMENTS.md``).
+Shared memory is one float array, Q | K | V | P, fp32, rows padded by 4 floats: Q
+(T_q x D, once per work item), K and V (T_k x D each), P (per warp, T_k x WR: P
+transposed).  Past :data:`STATIC_LIMIT` it is numba's dynamic shared array, of
+size :func:`dynamic_smem`.  Every shared access of the inner loops is a 16-byte
+vector (:func:`nbattn.cuda.blocks.primitives.ld_v4` / ``st_v4``).
 
-Shared memory: one float array, Q | K | V | P, each tile fp32 (converted once
-when filled), rows padded by 4 floats: Q (T_q x D, loaded once per work
-item), K and V (T_k x D each), P (per warp, T_k x WR: P transposed, a lane's
-R rows contiguous).  Past 47 KB (the static limit less the int arrays) the
-array is numba's dynamic shared array and the kernel carries its size as
-``dynamic_smem`` (:func:`dynamic_smem`; :func:`nbattn.cuda.host.driver.launch`
-passes it and opts in past 48 KB); the simulator's tiny tiles stay static.
-Every shared access of the inner loops is a 16-byte vector
-(:func:`nbattn.cuda.blocks.primitives.ld_v4` / ``st_v4``).
+Per KV tile (keys ``t0 .. t0+T_k-1``)::
 
-Per KV tile (keys ``t0 .. t0+T_k-1``; tiles wholly outside the causal/window
-range are never visited, :func:`nbattn.cuda.prefill.tile_key_range`)::
+    K(t0), V(t0) words (in registers since the last step) -> K, V as fp32; barrier
+    issue the next tile's K and V 16-byte global loads into registers (they land
+      while this step computes; PrefillTuning.prefetch_max_chunks)
+    S = Q K^T; the variant per element, or one multiply by scale*log2(e) on whole
+      tiles; online softmax in base 2 (row max over the CG lanes of a row by xor
+      shuffles, p = 2^(s - m')); P -> the warp's P; warp barrier
+    O = alpha O + P V; barrier (K, V and P are free for the next step)
 
-    K(t0), V(t0) words (fetched into registers one step early) -> K, V as fp32
-    barrier
-    issue the next tile's K and V global loads into registers (they land
-      while this step computes)
-    S = Q K^T (micro-tile, 16-byte loads along head_dim)
-    variant + mask per element, or one multiply by scale*log2(e) on
-      interior tiles without variant; online softmax in base 2: row max
-      over the CG lanes of the row by xor shuffles, m' = max(m, max_j s),
-      alpha = 2^(m - m'), p = 2^(s - m'), l = alpha l + sum p (per lane;
-      the lanes' l are added at the end); P -> the warp's P
-    warp barrier (P is written and read by its own warp only)
-    O = alpha O + P V (micro-tile; P and V rows by 16-byte loads)
-    barrier (K, V and P are free for the next step)
+The micro-kernels (S, softmax, P V, K/V fetch, write) are generated as
+straight-line source per tile shape, the accumulators as named scalars and
+tuples: a ``cuda.local.array`` stays in registers only if every loop indexing it
+is unrolled, and the compiler does not unroll them all (docs/concepts/
+generated_kernels.md; :func:`source` returns the text).
 
-Global K/V/Q loads are 16 bytes (eight fp16/bf16 or four fp32 elements,
-:func:`nbattn.cuda.blocks.mma.load_u32x4`), held as raw words until their store so
-the conversion does not wait on the load.  Write: the CG lanes of a row add
-their ``l`` (shuffles), then ``o / l`` to ``out`` (or the f32 partial) and
-``m + log2 l`` to ``lse``.
-
-The micro-kernels (S, softmax, P V, write) are generated as straight-line
-source per tile shape, the accumulators as named scalars and tuples, because
-a ``cuda.local.array`` stays in registers only if every loop indexing it is
-unrolled, which the tensor-core path measured not to happen
-(:mod:`nbattn.cuda.kernels.prefill_tc`).
-
-Simulator (CI): a "warp" is RG x CG = 2 x 4 threads (shuffles are the
-block-wide emulation of :func:`nbattn.cuda.blocks.primitives.shfl_xor_f32`), tiny
-tiles, and 16-byte global loads become element loads.
+Simulator (CI): a "warp" is 2 x 4 threads (shuffles are the block-wide emulation
+of :func:`nbattn.cuda.blocks.primitives.shfl_xor_f32`), 16-byte loads element loads.
 """
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from ..blocks import mma as _mma
-from .. import prefill as P
 from ..blocks import nanrule as NR
 from ..blocks.primitives import (SHARED_ALIGN, SIMULATOR, bf16x2_to_f32, device_fn, element_io, exp2f,
-                         f16x2_to_f32, f32_as_u32, ld_v4, shfl_xor_f32, st_v4, u32_as_f32, warp_sync)
+                                 f16x2_to_f32, f32_as_u32, ld_v4, shfl_xor_f32, st_v4, u32_as_f32, warp_sync)
 from ..blocks.variants import LOG2E, sigmoid_weight
+from ..tuning import PREFILL, PrefillTuning
+from .prefill_common import (NO_KEY, KernelSpec, compile_functions, key_locator, kv_reader, tile_item, tile_rows,
+                             plain_variant, tile_score, tile_skip, tile_thread, tup)
 
-__all__ = ["cuda_core_tiles", "cuda_core_tile", "covers", "launch_bounds", "dynamic_smem", "ENABLED", "LANE_GRIDS",
-           "POLICY", "UNROLL", "PREFETCH_MAX_CHUNKS", "SMEM_BUDGET", "MAX_TILE_K"]
+__all__ = ["cuda_core_tiles", "cuda_core_tile", "covers", "launch_bounds", "dynamic_smem", "smem_floats",
+           "smem_bytes", "source", "STATIC_LIMIT", "ELEMS_PER_16B"]
 
-# Lane grids (RG x CG lanes per warp) a tile can take, and rows per lane.
-# GPU: 32-lane warps of 4 x 8 lanes (16 rows per warp, 16 dims of O per
-# lane) or 2 x 16 lanes (8 rows per warp, 8 dims of O per lane: half the O
-# registers, so more CTAs fit an SM, and a longer K/V tile beside the same Q).
-LANE_GRIDS = ((2, 4),) if SIMULATOR else ((4, 8), (2, 16))
-ROWS_PER_LANE = 4
-# Shared memory a tile may take.  Past STATIC_LIMIT its float arrays are one dynamic
-# array (the launch passes the size, kernel attribute ``dynamic_smem``, and opts in
-# past 48 KB: nbattn.cuda.host.driver.launch); 100 KB leaves room for two CTAs an SM.
+# Past STATIC_LIMIT bytes a tile's float arrays are one dynamic array (the launch passes
+# the size, kernel attribute ``dynamic_smem``, and opts in past 48 KB).
 STATIC_LIMIT = 48 * 1024 - 1024    # the static limit, minus the per-row int arrays and slack
-SMEM_BUDGET = STATIC_LIMIT if SIMULATOR else 100 * 1024
-# Longest KV tile a shape may take (None: what fits SMEM_BUDGET); benchmarks vary it.
-MAX_TILE_K = None
-# Which fitting shape wins: "rows" = 4 x 8 lanes, the most warps, then the most
-# keys per lane; "keys" = 4 x 8 lanes, the most keys per lane, then warps.
-POLICY = "rows"
-# Loop trips of the generated S and P V loops cover UNROLL[0] 4-dim chunks / UNROLL[1] keys.
-UNROLL = (8, 4)
-# Most 16-byte K (or V) chunks per thread that are prefetched into registers.
-PREFETCH_MAX_CHUNKS = 4
-# Benchmarks switch the path off to time the scalar core_tile on the same build route.
-ENABLED = True
-
 ELEMS_PER_16B = {"f16": 8, "bf16": 8, "f32": 4}
 
 
-def _smem_floats(D: int, RG: int, CG: int, NW: int, C: int) -> tuple[int, int, int, int]:
+def smem_floats(D: int, RG: int, CG: int, NW: int, C: int, R: int) -> tuple[int, int, int, int]:
     """Offsets (floats) of the K tile, the V tile and P in the tile's shared array
-    (Q first), and its length: rows padded by 4 floats."""
-    R = ROWS_PER_LANE
+    (Q first), and its length: rows padded by 4 floats (``R`` rows per lane)."""
     T_q, T_k = NW * RG * R, CG * C
     off_k = T_q * (D + 4)
     off_v = off_k + T_k * (D + 4)
@@ -133,83 +82,89 @@ def _smem_floats(D: int, RG: int, CG: int, NW: int, C: int) -> tuple[int, int, i
     return off_k, off_v, off_p, off_p + NW * T_k * RG * R
 
 
-def _smem_bytes(D: int, RG: int, CG: int, NW: int, C: int) -> int:
-    return 4 * _smem_floats(D, RG, CG, NW, C)[3]
+def smem_bytes(D: int, RG: int, CG: int, NW: int, C: int, R: int) -> int:
+    """Bytes of the tile's shared float array (:func:`smem_floats`)."""
+    return 4 * smem_floats(D, RG, CG, NW, C, R)[3]
 
 
-def dynamic_smem(spec) -> int:
+def dynamic_smem(spec: KernelSpec) -> int:
     """Bytes of dynamic shared memory a launch of ``spec``'s kernel passes (0: the
     tile's arrays are static, or the spec is not this tile's)."""
     shape = _shape_of(spec)
     if shape is None or SIMULATOR:
         return 0
-    n = _smem_bytes(spec.head_dim, *shape)
+    n = smem_bytes(spec.head_dim, *shape, spec.tuning.rows_per_lane)
     return n if n > STATIC_LIMIT else 0
 
 
-def _shapes(head_dim: int, kind: str) -> list:
+def _shapes(head_dim: int, kind: str, tuning: PrefillTuning) -> list:
     """The (RG, CG, NW, C) shapes this tile can build for (head_dim, kind):
     head_dim splits into 16-byte chunks per lane of O (D % (4*CG) == 0), the
-    O micro-tile stays within 64 registers, Q, K/V and P fit the static
-    shared memory, and a K/V tile's 16-byte chunks split evenly over the threads."""
-    R = ROWS_PER_LANE
+    O micro-tile stays within 64 registers, Q, K/V and P fit ``tuning.smem_budget``,
+    K/V tiles are at most ``tuning.max_tile_k`` keys, and a K/V tile's 16-byte
+    chunks split evenly over the threads."""
+    R = tuning.rows_per_lane
     D = int(head_dim)
     if kind not in ELEMS_PER_16B or D <= 0:
         return []
     out = []
-    for RG, CG in LANE_GRIDS:
+    for RG, CG in tuning.lane_grids:
         if D % (4 * CG) or R * D // CG > 64:
             continue
         for NW in ((2,) if SIMULATOR else (4, 2)):
             for C in ((2,) if SIMULATOR else (8, 4, 2, 1)):
                 chunks = CG * C * D // ELEMS_PER_16B[kind]
-                if MAX_TILE_K is not None and CG * C > MAX_TILE_K:
+                if tuning.max_tile_k is not None and CG * C > tuning.max_tile_k:
                     continue
-                if (_smem_bytes(D, RG, CG, NW, C) <= SMEM_BUDGET and R * C <= 32
+                if (smem_bytes(D, RG, CG, NW, C, R) <= tuning.smem_budget and R * C <= 32
                         and chunks % (NW * RG * CG) == 0):
                     out.append((RG, CG, NW, C))
     return out
 
 
-def _tiles_of(RG: int, CG: int, NW: int, C: int) -> tuple[int, int, int]:
-    return NW * RG * ROWS_PER_LANE, CG * C, NW * RG * CG
+def _tiles_of(RG: int, CG: int, NW: int, C: int, R: int) -> tuple[int, int, int]:
+    return NW * RG * R, CG * C, NW * RG * CG
 
 
-def _rank(shape):
+def _rank(shape, policy: str):
+    """``"rows"``: 4 x 8 lanes, then the most warps, then the most keys a lane;
+    ``"keys"``: 4 x 8 lanes, then the most keys a lane, then warps."""
     RG, CG, NW, C = shape
-    if POLICY == "keys":
+    if policy == "keys":
         return (CG == 8, C, NW)
     return (CG == 8, NW, C)
 
 
-def cuda_core_tiles(head_dim: int, kind: str):
-    """(T_q, T_k, threads) of this tile for (head_dim, kind), or None when it
-    does not cover them (the caller falls back to ``core_tile``)."""
-    if not ENABLED:
+def cuda_core_tiles(head_dim: int, kind: str, tuning: PrefillTuning = PREFILL):
+    """(T_q, T_k, threads) of this tile for (head_dim, kind) under ``tuning`` (the
+    fitting shape ``tuning.policy`` ranks first), or None when it does not cover
+    them or ``tuning.cuda_core`` is off (the caller falls back to ``core_tile``)."""
+    if not tuning.cuda_core:
         return None
-    shapes = _shapes(head_dim, kind)
+    shapes = _shapes(head_dim, kind, tuning)
     if not shapes:
         return None
-    return _tiles_of(*max(shapes, key=_rank))
+    return _tiles_of(*max(shapes, key=lambda s: _rank(s, tuning.policy)), tuning.rows_per_lane)
 
 
-def _shape_of(spec):
+def _shape_of(spec: KernelSpec):
     """(RG, CG, NW, C) of a spec sized for this tile, else None (tile sizes and
-    thread count name one shape: checked when the module loads)."""
-    if spec.tensor_cores:
+    thread count name one shape: checked for the defaults when the module loads)."""
+    if spec.tensor_cores or not spec.tuning.cuda_core:
         return None
-    for shape in _shapes(spec.head_dim, spec.kind):
-        if _tiles_of(*shape) == (spec.tile_q, spec.tile_k, spec.threads):
+    R = spec.tuning.rows_per_lane
+    for shape in _shapes(spec.head_dim, spec.kind, spec.tuning):
+        if _tiles_of(*shape, R) == (spec.tile_q, spec.tile_k, spec.threads):
             return shape
     return None
 
 
-def covers(spec) -> bool:
+def covers(spec: KernelSpec) -> bool:
     """True when ``spec`` was sized for this tile (``kernel_tiles`` chose it)."""
     return _shape_of(spec) is not None
 
 
-def launch_bounds(spec):
+def launch_bounds(spec: KernelSpec):
     """Launch bounds of this tile's kernels: None (the "rows" shape needs 246-250
     registers, so two 128-thread CTAs fit an SM whatever ptxas is told)."""
     return None
@@ -217,7 +172,7 @@ def launch_bounds(spec):
 
 for _d in (32, 64, 96, 128, 256):
     for _k in ELEMS_PER_16B:
-        _t = [_tiles_of(*sh) for sh in _shapes(_d, _k)]
+        _t = [_tiles_of(*sh, PREFILL.rows_per_lane) for sh in _shapes(_d, _k, PREFILL)]
         assert len(set(_t)) == len(_t), "two tile shapes with the same (T_q, T_k, threads)"
 
 
@@ -262,8 +217,44 @@ def _unpack_fn(kind: str):
 # Generated micro-kernels
 # ---------------------------------------------------------------------------
 
-def _micro_kernels(D, RG, CG, R, C, WR, QS, KS, KPT, CPR, EPC, NT, sigmoid, env, unroll) -> dict:
-    """Straight-line device functions of one tile shape (see the module doc):
+class Layout(NamedTuple):
+    """A build's shape: RG x CG lanes, NW warps, C keys and R rows a lane, head_dim D, WR rows
+    a warp, row strides QS = KS, EPC elements a 16-byte chunk, CPR chunks a row, KPT a thread."""
+    RG: int
+    CG: int
+    NW: int
+    C: int
+    R: int
+    D: int
+    WR: int
+    QS: int
+    KS: int
+    EPC: int
+    CPR: int
+    KPT: int
+    NT: int
+
+
+def layout(spec: KernelSpec) -> Layout:
+    """The :class:`Layout` of a spec sized for this tile."""
+    shape = _shape_of(spec)
+    assert shape is not None, "spec not sized for the register-tiled CUDA-core tile"
+    RG, CG, NW, C = shape
+    R, D, NT = spec.tuning.rows_per_lane, spec.head_dim, spec.threads
+    EPC = ELEMS_PER_16B[spec.kind]    # elements per 16-byte chunk
+    CPR = D // EPC                    # chunks per row
+    assert (spec.tile_k * CPR) % NT == 0, "K/V tile chunks must split evenly over the threads"
+    # padded rows: consecutive rows start 4 banks apart
+    return Layout(RG, CG, NW, C, R, D, RG * R, D + 4, D + 4, EPC, CPR, spec.tile_k * CPR // NT, NT)
+
+
+MICRO_NAMES = ("o_zero", "stats0", "qk", "scaled", "masked", "softmax", "poison", "put_p", "pv", "fetch",
+               "refetch", "put_kv", "write")
+
+
+def micro_source(lay: Layout, sigmoid: bool, unroll: tuple) -> str:
+    """Source of the straight-line device functions of one tile shape (see the module doc;
+    ``unroll`` = PrefillTuning.unroll):
 
     - ``o_zero()``: the zero O micro-tile (R*DPT floats, row-major);
     - ``qk(s_q, s_kv, qa, ka)``: S micro-tile (R*C floats, row-major) from
@@ -279,20 +270,21 @@ def _micro_kernels(D, RG, CG, R, C, WR, QS, KS, KPT, CPR, EPC, NT, sigmoid, env,
       fp32 from ``s_kv[base]`` on (the tile's K or V);
     - ``write(o, l, m, ...)``: o / l and the LSE of the lane's valid rows.
     """
+    RG, CG, C, R, D, WR, QS, KS = lay.RG, lay.CG, lay.C, lay.R, lay.D, lay.WR, lay.QS, lay.KS
+    EPC, CPR, KPT, NT = lay.EPC, lay.CPR, lay.KPT, lay.NT
     DPT = D // CG            # O dims per lane
     NCH = DPT // 4           # 16-byte chunks of a lane's O row
     S = [[f"s{i}_{c}" for c in range(C)] for i in range(R)]
     Sf = [x for row in S for x in row]
     O = [[f"o{i}_{x}" for x in range(DPT)] for i in range(R)]
     Of = [x for row in O for x in row]
-    tup = lambda xs: "(" + ", ".join(xs) + ",)"
     L = []
     L.append("def o_zero():")
     L.append("    z = float32(0.0)")
     L.append("    return " + tup(["z"] * len(Of)))
 
-    # S = Q K^T: per 4 dims, R + C 16-byte loads feed 4*R*C FMAs.  Two chunks
-    # per loop trip halve the loop overhead; the trip count is a constant.
+    # S = Q K^T: per 4 dims, R + C 16-byte loads feed 4*R*C FMAs; U chunks a loop
+    # trip (unroll[0]), the trip count a constant.
     U = max(u for u in range(1, unroll[0] + 1) if (D // 4) % u == 0)
     L.append("def qk(s_q, s_kv, qa, ka):")
     L.append("    z = float32(0.0)")
@@ -475,88 +467,68 @@ def _micro_kernels(D, RG, CG, R, C, WR, QS, KS, KPT, CPR, EPC, NT, sigmoid, env,
         else:
             L.append(f"            lse[qi + out_shift, h] = nan if bad else (neg_inf if empty else m{i} + math.log2(l{i}))")
     L.append("    return 0")
+    return "\n".join(L) + "\n"
 
-    env = dict(env, float32=float32, uint32=uint32, math=math, ld_v4=ld_v4, st_v4=st_v4, cuda=cuda,
-               exp2=exp2f, shfl_xor=shfl_xor_f32, sigmoid_weight=sigmoid_weight, neg_inf=float32(-math.inf),
-               max_nan=NR.max_nan, nan=NR.NAN_F32)
-    exec(compile("\n".join(L), f"<nbattn cuda-core micro-kernels D={D} C={C}>", "exec"), env)
-    names = ("o_zero", "stats0", "qk", "scaled", "masked", "softmax", "poison", "put_p", "pv", "fetch", "refetch",
-             "put_kv", "write")
-    return {n: device_fn(env[n]) for n in names}
+
+def _micro_env(spec: KernelSpec, positional: bool, unpack) -> dict:
+    """Globals of the generated micro-kernels of ``spec`` (``unpack``: :func:`_unpack_fn`'s)."""
+    var = spec.variant
+    _, store, _ = element_io(spec.out_kind)
+    return dict(score=tile_score(spec, positional), locate=key_locator(spec.mode),
+                kv=kv_reader(spec.mode, spec.kv_layout, load16), unpack=unpack, store=store,
+                NO_KEY=NO_KEY, group=spec.group, bias=float32(var.sigmoid_bias), poison_kv=NR.poison_kv(spec.kind),
+                float32=float32, uint32=uint32, math=math, ld_v4=ld_v4, st_v4=st_v4, cuda=cuda, exp2=exp2f,
+                shfl_xor=shfl_xor_f32, sigmoid_weight=sigmoid_weight, neg_inf=float32(-math.inf),
+                max_nan=NR.max_nan, nan=NR.NAN_F32)
+
+
+def source(spec: KernelSpec) -> str:
+    """The generated source of ``spec``'s micro-kernels (the text this tile compiles)."""
+    return micro_source(layout(spec), spec.variant.use_sigmoid, spec.tuning.unroll)
 
 
 # ---------------------------------------------------------------------------
 # The tile
 # ---------------------------------------------------------------------------
 
-def cuda_core_tile(spec: P.KernelSpec):
+def cuda_core_tile(spec: KernelSpec):
     """The per-row body of a CUDA-core build sized by :func:`cuda_core_tiles`
     (launch: grid (n_work, num_kv_heads) or the persistent grid, ``spec.threads``)."""
-    shape = _shape_of(spec)
-    assert shape is not None, "spec not sized for the register-tiled CUDA-core tile"
-    RG, CG, NW, C = shape
-    R = ROWS_PER_LANE
-    D, group = spec.head_dim, spec.group
-    T_q, T_k, NT = spec.tile_q, spec.tile_k, spec.threads
+    lay = layout(spec)
+    RG, CG, NW, C, R, D, WR, QS, KS, EPC, CPR, KPT, NT = lay
+    group = spec.group
+    T_q, T_k = spec.tile_q, spec.tile_k
     WARP = RG * CG
-    WR = RG * R                       # rows per warp
-    QS = KS = D + 4                   # padded rows: consecutive rows start 4 banks apart
-    EPC = ELEMS_PER_16B[spec.kind]    # elements per 16-byte chunk
-    CPR = D // EPC                    # chunks per row
-    assert (T_k * CPR) % NT == 0, "K/V tile chunks must split evenly over the threads"
-    KPT = T_k * CPR // NT             # K (or V) chunks per thread
-    var = spec.variant
-    sigmoid = var.use_sigmoid
-    causal = var.causal
     positional = spec.mode != "bsr"
-    stage = P.tile_rows(spec, positional)
-    item = P.tile_item(spec)
-    # Only causal (or nothing) to apply: interior tiles are just scaled.
-    plain = not (int(var.window_left) >= 0 or var.sink_size or var.has_alibi or var.has_soft_cap
-                 or var.score_mod is not None or var.mask_mod is not None or sigmoid)
-    scale_log2 = float32(var.scale(D) * LOG2E)
-    _, store, _ = element_io(spec.out_kind)
-    kv = P.kv_reader(spec.mode, spec.kv_layout, load16)
-    locate = P.key_locator(spec.mode)
-    unpack = _unpack_fn(spec.kind)
-    NO_KEY = P.NO_KEY
+    stage = tile_rows(spec, positional)
+    item = tile_item(spec)
+    thread = tile_thread(spec, WARP, CG)
+    next_tile = tile_skip(T_k)
+    causal = spec.variant.causal
+    plain = plain_variant(spec.variant)     # then whole tiles are only scaled
+    scale_log2 = float32(spec.variant.scale(D) * LOG2E)
     # Register prefetch of the next K/V tile overlaps its load with math but
     # holds 4*KPT words through S or P V; wide K/V tiles turn it off.
-    prefetch = KPT <= PREFETCH_MAX_CHUNKS
+    prefetch = KPT <= spec.tuning.prefetch_max_chunks
     Q_CHUNKS = T_q * CPR
     Q_ITERS = -(-Q_CHUNKS // NT)
-    OFF_K, OFF_V, OFF_P, SMEM = _smem_floats(D, RG, CG, NW, C)
+    OFF_K, OFF_V, OFF_P, SMEM = smem_floats(D, RG, CG, NW, C, R)
     DECL = 0 if dynamic_smem(spec) else SMEM      # 0: numba's dynamic shared array
+    unpack = _unpack_fn(spec.kind)
 
-    score = P.tile_score(spec, positional)
-
-    env = dict(score=score, locate=locate, kv=kv, unpack=unpack, store=store, NO_KEY=NO_KEY,
-               group=group, bias=float32(var.sigmoid_bias), poison_kv=NR.poison_kv(spec.kind))
-    mk = _micro_kernels(D, RG, CG, R, C, WR, QS, KS, KPT, CPR, EPC, NT, sigmoid, env, UNROLL)
+    mk = compile_functions(micro_source(lay, spec.variant.use_sigmoid, spec.tuning.unroll),
+                           f"cuda-core micro-kernels D={D} C={C}", _micro_env(spec, positional, unpack),
+                           MICRO_NAMES)
     o_zero, stats0, qk, scaled = mk["o_zero"], mk["stats0"], mk["qk"], mk["scaled"]
     masked, softmax, poison = mk["masked"], mk["softmax"], mk["poison"]
     put_p, pv, fetch, refetch, put_kv, write = (mk["put_p"], mk["pv"], mk["fetch"], mk["refetch"], mk["put_kv"],
                                                 mk["write"])
 
     @device_fn
-    def next_tile(t, lo, sink_end):
-        # skip whole tiles left of the window that hold no sink
-        if t >= sink_end and t + T_k <= lo:
-            t += ((lo - t) // T_k) * T_k
-        return t
-
-    @device_fn
     def tile(wi, q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
              block, n_keys, out, lse):
-        kv_head = cuda.blockIdx.y
-        tid = cuda.threadIdx.x
-        warp = tid // WARP
-        lane = tid % WARP
-        rg = lane // CG
-        cg = lane % CG
+        tid, kv_head, head0, warp, lane, rg, cg = thread()
         qo_start, row0, n_rows, kv_ptr, kv_base, kv_begin, kv_end, out_shift = item(work, wi)
-        head0 = kv_head * group
-
         sm = cuda.shared.array(DECL, float32, alignment=SHARED_ALIGN)   # Q | K | V | P (floats)
         s_kpos = cuda.shared.array(T_k, int32)
         s_qpos = cuda.shared.array(T_q, int32)
@@ -575,12 +547,8 @@ def cuda_core_tile(spec: P.KernelSpec):
                 else:
                     w0 = w1 = w2 = w3 = uint32(0)
                 unpack(w0, w1, w2, w3, sm, r * QS + d)
-        stage(tid, n_rows, qo_start, row0, row_pos, row_kvoff, row_req, kv_begin, kv_end,
-              s_qpos, s_diag, s_req, s_range)
-        cuda.syncthreads()
-        lo = s_range[0]
-        hi = s_range[1]
-        sink_end = s_range[2]
+        lo, hi, sink_end = stage(tid, n_rows, qo_start, row0, row_pos, row_kvoff, row_req, kv_begin, kv_end,
+                                 s_qpos, s_diag, s_req, s_range)
 
         rbase = warp * WR + rg               # the lane's rows: rbase + i*RG
         warp_full = warp * WR + WR <= n_rows

@@ -1,0 +1,267 @@
+"""The decode plan/run wrapper (docs/concepts/scheduler.md), shaped like FlashInfer's
+``BatchDecodeWithPagedKVCacheWrapper``: plan() once per generation step, run()
+once per layer, over the workspace of :mod:`nbattn.cuda.plan_run`.
+
+Decode runs one persistent launch of ``num_ctas`` CTAs per KV-head block; CTA
+``c`` walks its queue ``cta_indptr[c]:cta_indptr[c+1]``
+(:func:`nbattn.cuda.decode.run_decode_work`), reading the queue bounds from the
+workspace; the merge is :func:`nbattn.cuda.merge.merge_tiles_launch`'s fixed
+grid (an LPT plan) or the one-round merge (a ``"split"`` plan).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+from numba import cuda
+
+from .. import layout as L
+from ..sched.plan import DIRECT, Plan, plan as lpt_plan
+from ..variants import variant_from_kwargs
+from .decode_problem import DecodeProblem, check_head_dim, decode_arg_index, launch_for
+from .host import arrays as A
+from .host.driver import BoundLaunch, sm_count
+from .kernels.decode_common import WorkList, make_config
+from .merge import MergeMap, merge_partials_launch, merge_tiles_launch
+from .plan_run import H_NUM_MERGES, PlanRunWrapper, data_code, plan_page_table
+from .tuning import DECODE, DecodeTuning, check_tuning
+
+__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "decode_plan_ctas"]
+
+
+def decode_plan_ctas(cfg, num_qo_heads: int, capacity: int) -> int:
+    """CTAs per KV head a decode plan balances over: the CTAs of the persistent
+    grid that are resident at once, at most ``capacity``.
+
+    The warp and tensor-core paths' launch bounds promise ``cfg.min_blocks``
+    CTAs per SM, and each planner CTA is ``num_qo_heads // heads_per_cta``
+    kernel CTAs.  Planning for more queues than can run at once only cuts
+    requests into chunks that then wait for a second wave; the shared-memory
+    path (simulator, fallback) keeps the capacity."""
+    if cfg.path not in ("warp", "tc"):
+        return capacity
+    head_blocks = num_qo_heads // cfg.heads_per_cta
+    return max(1, min(capacity, cfg.min_blocks * sm_count() // head_blocks))
+
+
+class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
+    """Batch decode (one query row per request) over a paged KV cache, planned
+    once per step and run once per layer (docs/concepts/scheduler.md).
+
+    >>> ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    >>> w = BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+    >>> w.plan(kv_indptr, kv_indices, kv_last_page_len, 32, 8, 128, 16)
+    >>> for layer in range(32):
+    ...     o = w.run(q[layer], kv_cache[layer])
+
+    ``num_ctas`` is the fixed grid per KV head (the planner's C); the decode
+    kernel runs ``num_ctas * num_qo_heads // heads_per_cta`` CTAs (see
+    :func:`nbattn.cuda.decode.run_decode_work`).
+    """
+
+    _decode = True
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads: int, num_kv_heads: int,
+             head_dim: int, page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
+             logits_soft_cap: float | None = None, q_data_type: Any = "float16",
+             kv_data_type: Any = None, sm_scale: float | None = None, *, alpha: float = 1.0,
+             beta: float = 1.0, chunk_overhead: float | None = None,
+             chunk_limit: int | str | None = "auto", num_ctas: int | None = None,
+             schedule: str = "auto", tuning: DecodeTuning | None = None, **variant) -> None:
+        """Plan a decode step and copy the plan into the workspace.
+
+        Arguments are FlashInfer's; other variant keywords of
+        :mod:`nbattn.variants` (``sink_size``, ``use_sigmoid``, ``score_mod``,
+        ...) pass through.  The metadata (``indptr``, ``indices``,
+        ``last_page_len``) is read on the host: NumPy arrays, lists or CPU
+        tensors; a GPU tensor is copied to the host once, here.
+
+        ``schedule`` picks how the keys are cut into work:
+
+        * ``"lpt"``: the LPT planner (:func:`nbattn.sched.plan`) balances the
+          requests' chunks over ``num_ctas`` persistent CTAs per head block
+          (by default the decode kernel's resident CTAs, :func:`decode_plan_ctas`);
+          ``alpha``/``beta``/``chunk_overhead`` are its chunk cost
+          ``chunk_overhead + alpha*l_q + beta*l_kv`` (``chunk_overhead`` None:
+          ``tuning.plan_chunk_overhead``) and ``chunk_limit`` its limit rule
+          (``None``: ``ceil(W/C)``).
+        * ``"split"``: every request is cut into the same number of equal
+          chunks, as many as fill one wave of the small-batch kernel shape,
+          merged by the one-round merge; both kernels launch programmatically.
+          This is the standalone decode's split for small batches.
+        * ``"auto"`` (default): ``"split"`` where the batch alone leaves the SMs
+          idle (the small-batch kernel shape applies), else ``"lpt"``.
+
+        ``tuning`` (a :class:`~nbattn.cuda.tuning.DecodeTuning`; None: ``DECODE``) shapes
+        the kernels every run() of this plan launches.
+
+        Raises before touching the workspace when the plan would not fit it.
+        """
+        t0 = time.perf_counter()
+        tuning = check_tuning(tuning, DecodeTuning, DECODE)
+        var = variant_from_kwargs(dict(variant, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                                       logits_soft_cap=logits_soft_cap, sm_scale=sm_scale))
+        code = data_code(q_data_type, kv_data_type)
+        group = L.check_heads(int(num_qo_heads), int(num_kv_heads))
+        check_head_dim(int(head_dim))
+        if schedule not in ("auto", "lpt", "split"):
+            raise ValueError(f"schedule: must be 'auto', 'lpt' or 'split', got {schedule!r}")
+        pkv = plan_page_table(indptr, indices, last_page_len, page_size)
+        batch = pkv.batch_size
+        kv_lens = pkv.kv_lens
+        hq, hk, D = int(num_qo_heads), int(num_kv_heads), int(head_dim)
+        cfg = make_config(code, D, group, self._kv_layout, var, True, batch * hk, tuning)
+        small = cfg.path == "tc" and cfg.min_blocks == 1          # the one-wave small-batch shape
+        mode = ("split" if small and batch <= self.num_ctas else "lpt") if schedule == "auto" else schedule
+        if mode == "split" and batch > self.num_ctas:
+            raise ValueError(f"schedule: 'split' runs one work item per CTA of the constructor's grid, "
+                             f"so batch ({batch}) must be at most num_ctas ({self.num_ctas})")
+        if num_ctas is not None and not 1 <= int(num_ctas) <= self.num_ctas:
+            raise ValueError(f"num_ctas: must be in 1..{self.num_ctas} (the constructor's grid), "
+                             f"got {num_ctas}")
+        if mode == "split":
+            p = self._split_plan(kv_lens, batch, hq // cfg.heads_per_cta, cfg)
+        else:
+            if small:       # the persistent grid runs the batch-independent shape
+                cfg = make_config(code, D, group, self._kv_layout, var, tuning=tuning)
+            if num_ctas is None:
+                num_ctas = decode_plan_ctas(cfg, hq, self.num_ctas)
+            # One query tile per request: its `group` fused rows are one decode CTA's heads.
+            overhead = tuning.plan_chunk_overhead if chunk_overhead is None else chunk_overhead
+            p = lpt_plan(np.ones(batch, np.int64), kv_lens, int(num_ctas), tile_q=group, group=group,
+                         alpha=alpha, beta=beta, chunk_overhead=overhead, chunk_limit=chunk_limit)
+            self._check_bound(p)
+        self._check_fits(batch, int(pkv.paged_kv_indices.size), p.num_items, hq, D, 1, group)
+        stream = self._begin_plan()
+        self._write_common(p, pkv.paged_kv_indptr, pkv.paged_kv_indices,
+                           pkv.paged_kv_last_page_len, stream)
+        self._copy("request", p.request)
+        self._copy("kv_start", p.kv_start)
+        self._copy("kv_end", p.kv_end)
+        self._copy("out_slot", p.out_slot)
+        self._flush(stream)
+        self._slopes_for(hq, stream)
+        self._plan, self._variant, self._code, self._cfg, self._mode = p, var, code, cfg, mode
+        self._num_qo_heads, self._num_kv_heads, self._group = hq, hk, group
+        self._head_dim, self._page_size, self._batch = D, int(page_size), batch
+        self._kv_lens = kv_lens
+        self._max_page = int(pkv.paged_kv_indices.max()) if pkv.paged_kv_indices.size else -1
+        self._q_shape = (batch, hq, D)
+        self._bound_key = (cfg, mode, p.num_ctas if mode == "split" else self.num_ctas, batch, hq,
+                           p.num_partials if mode == "split" else -1)
+        self.plan_seconds = time.perf_counter() - t0
+
+    def _split_plan(self, kv_lens: np.ndarray, batch: int, head_blocks: int, cfg) -> Plan:
+        """Every request in ``splits`` chunks (one wave of the small-batch shape), the
+        chunk a multiple of 16 keys; chunk j of request r writes slot ``r*splits + j``
+        (empty chunks past a short request's end write an empty state).  The number of
+        items depends on the batch and heads only, so a captured graph replays after a
+        re-plan with other lengths."""
+        slots = cfg.min_blocks * sm_count()
+        splits = max(1, min(slots // max(batch * head_blocks, 1), self.num_ctas // max(batch, 1),
+                            cfg.tuning.merge.few_partials))
+        lens = kv_lens.astype(np.int64)
+        chunk = np.maximum(16, -(-(-(-lens // splits)) // 16) * 16)            # per request
+        j = np.tile(np.arange(splits, dtype=np.int64), batch)
+        r = np.repeat(np.arange(batch, dtype=np.int64), splits)
+        start = np.minimum(j * chunk[r], lens[r])
+        end = np.minimum(start + chunk[r], lens[r])
+        n = batch * splits
+        direct = splits == 1
+        i32 = lambda x: np.ascontiguousarray(x, np.int32)  # noqa: E731
+        cost = (end - start).astype(np.float64)
+        return Plan(num_ctas=n, tile_q=1, group=1, chunk_limit=int(chunk.max(initial=16)), alpha=0.0, beta=1.0,
+                    chunk_overhead=0.0, causal=False, qo_lens=np.ones(batch, np.int32),
+                    kv_lens=i32(lens), cta_indptr=i32(np.arange(n + 1)), request=i32(r),
+                    qo_tile=np.zeros(n, np.int32), kv_start=i32(start), kv_end=i32(end),
+                    out_slot=i32(np.full(n, DIRECT) if direct else np.arange(n)),
+                    merge_indptr=i32([0] if direct else np.arange(0, n + 1, splits)),
+                    merge_request=i32([] if direct else np.arange(batch)),
+                    merge_qo_tile=np.zeros(0 if direct else batch, np.int32),
+                    merge_slots=i32([] if direct else np.arange(n)),
+                    num_partials=0 if direct else n, cta_cost=cost,
+                    makespan=float(cost.max(initial=0.0)), lower_bound=float(cost.max(initial=0.0)))
+
+    # -- run ------------------------------------------------------------------
+    def run(self, q, paged_kv_cache, out=None, lse=None, return_lse: bool = False):
+        """Attention of ``q [batch, num_qo_heads, head_dim]`` against the planned
+        pages of ``paged_kv_cache``; returns ``o`` (and the base-2 ``lse``).
+
+        Checks only what can change between calls (shapes, dtypes and devices of
+        ``q``, the cache, ``out`` and ``lse``) and launches the kernels bound at
+        the first run of this plan's configuration; with torch CUDA tensors it
+        launches on torch's current stream and returns torch tensors."""
+        kind, code, stream, q_dev, kv_dev, kv_words, out_user, out_dev, lse_user, lse_dev = self._run_inputs(
+            q, paged_kv_cache, out, lse, return_lse)
+        bound = self._bound_now               # this plan's launches, found once (not hashed per call)
+        if bound is None:
+            bound = self._bound_now = self._bound_launches(q_dev, kv_dev)
+        dec, merge, ix = bound
+        dec.set(ix["q"], q_dev)
+        dec.set(ix["kv"], kv_dev, kv_words)
+        dec.set(ix["out"], out_dev)
+        dec.set(ix["lse"], lse_dev)
+        dec(stream)
+        if merge is not None:
+            merge.set(ix["merge_out"], out_dev)
+            merge.set(ix["merge_lse"], lse_dev)
+            merge(stream)
+        return self._results(kind, code, out, out_user, out_dev, lse, lse_user, lse_dev, return_lse)
+
+    forward = run
+
+    def _bound_launches(self, q_dev, kv_dev):
+        """(decode, merge or None, argument indices): bound once per configuration."""
+        key = self._bound_key
+        hit = self._bound.get(key)
+        if hit is not None:
+            return hit
+        cfg, code, D, hq = self._cfg, self._code, self._head_dim, self._num_qo_heads
+        var = self._variant
+        q_w, kv_w = A.words(A.to_device(q_dev, "q", 0, code)), A.words(A.to_device(kv_dev, "paged_kv_cache", 0, code))
+        out0 = cuda.device_array((self._batch, hq, D), A.RAW[code])
+        lse0 = cuda.device_array((self._batch, hq), np.float32)
+        prob = DecodeProblem(code, "numba", 0, var, var.scale(D), self._batch, hq, self._num_kv_heads, D,
+                             self._page_size, self._kv_layout, self._kv_lens, q_w, kv_w,
+                             self._view("kv_indptr"), self._view("kv_indices"), self._view("kv_last"),
+                             self._slopes, out0, out0, lse0, lse0, True, cfg.tuning)
+        work = WorkList(self._view("cta_indptr"), self._view("request"), self._view("kv_start"),
+                        self._view("kv_end"), self._view("out_slot"))
+        po, pl = self._partials(1, hq, D)
+        split = self._mode == "split"
+        if split:       # the persistent grid is the plan's items, one per CTA
+            work = work._replace(cta_indptr=self._view("cta_indptr")[:self._plan.num_ctas + 1])
+        pdl = split and cfg.tuning.programmatic     # a "split" plan launches programmatically
+        kern, grid, threads, args = launch_for(prob, cfg, work, po, pl, prefetch=pdl)
+        ix = decode_arg_index(cfg)
+        conv = {ix["q"]: lambda x: A.words(A.to_device(x, "q", 0, code)),
+                ix["kv"]: lambda x: A.words(A.to_device(x, "paged_kv_cache", 0, code)),
+                ix["out"]: lambda x: A.flat(A.to_device(x, "out", 0, code)),
+                ix["lse"]: lambda x: A.flat(A.to_device(x, "lse", 0, "f32"))}
+        dec = BoundLaunch(kern, grid, threads, args, convert=conv,
+                          programmatic=pdl and cfg.path == "tc")
+        merge = None
+        if split and self._plan.num_partials:
+            B = self._batch
+            mmap = MergeMap(self._view("merge_indptr")[:B + 1], self._view("merge_request")[:B],
+                            self._view("merge_slots")[:self._plan.num_partials])
+            k, g, t, a = merge_partials_launch(po.reshape(2 * self.num_ctas, hq, D), pl.reshape(2 * self.num_ctas, hq),
+                                               mmap, out0, lse0, code=code, use_sigmoid=var.use_sigmoid,
+                                               max_partials=self._plan.num_partials // B, tuning=cfg.tuning.merge)
+            ix = dict(ix, merge_out=5, merge_lse=6)
+        elif not split:
+            k, g, t, a = merge_tiles_launch(
+                self._view("header")[H_NUM_MERGES:H_NUM_MERGES + 1], self._view("merge_indptr"),
+                self._view("merge_request"), self._view("merge_qo_tile"), self._view("merge_slots"),
+                self._view("cta_indptr"), po, pl, A.flat(out0), A.flat(lse0), code=code, head_dim=D,
+                num_qo_heads=hq, num_kv_heads=self._num_kv_heads, group=self._group, tile_q=self._plan.tile_q,
+                slot_rows=1, num_ctas=self.num_ctas, per_request_row=True, use_sigmoid=var.use_sigmoid)
+            ix = dict(ix, merge_out=8, merge_lse=9)
+        if split and not self._plan.num_partials:
+            merge = None
+        else:
+            mconv = {ix["merge_out"]: conv[ix["out"]], ix["merge_lse"]: conv[ix["lse"]]}
+            merge = BoundLaunch(k, g, t, a, convert=mconv)
+        self._bound[key] = (dec, merge, ix)
+        return self._bound[key]

@@ -1,0 +1,200 @@
+"""The prefill plan/run wrapper (docs/concepts/scheduler.md), shaped like FlashInfer's
+``BatchPrefillWithPagedKVCacheWrapper``, over the workspace of
+:mod:`nbattn.cuda.plan_run`.
+
+Prefill runs persistent launches of ``num_ctas`` CTAs per KV head
+(:func:`nbattn.cuda.prefill.persistent_entry`), CTA ``c`` walking its LPT
+queue.  The queue is cut by output kind and run as two launches, first the
+chunks of split tiles (float32 partial states), then the unsplit tiles (final
+output): one kernel holding both bodies would need twice the static shared
+memory, past 48 KB.  Each phase keeps the plan's per-CTA order but is balanced
+only as a part of the whole queue.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from .. import layout as L
+from ..sched.plan import DIRECT, plan as lpt_plan
+from ..variants import variant_from_kwargs
+from .host import arrays as A
+from .host.driver import BoundLaunch
+from .merge import merge_tiles_launch
+from .plan_run import H_NUM_MERGES, PlanRunWrapper, data_code, plan_page_table
+from .tuning import PREFILL, PrefillTuning, check_tuning
+
+__all__ = ["BatchPrefillWithPagedKVCacheWrapper"]
+
+
+class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
+    """Batch prefill/append over a paged KV cache with a planned KV split
+    (docs/concepts/scheduler.md); kernels from :mod:`nbattn.cuda.prefill`.
+
+    The planner's query tile is the prefill kernel's ``T_q`` (fused rows, GQA
+    heads fused).  Unsplit tiles write the final output directly; chunks of
+    split tiles write float32 partial states that the merge kernel folds in
+    KV order.  Every launch of :meth:`run` has a fixed grid, so
+    ``use_cuda_graph`` (FlashInfer's flag) changes nothing here.
+    """
+
+    _decode = False
+
+    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+             num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, page_size: int,
+             causal: bool = False, pos_encoding_mode: str = "NONE", sm_scale: float | None = None,
+             window_left: int = -1, logits_soft_cap: float | None = None,
+             q_data_type: Any = "float16", kv_data_type: Any = None, *, alpha: float = 1.0,
+             beta: float = 1.0, chunk_overhead: float = 0.0, chunk_limit: int | str | None = None,
+             tensor_cores: bool | None = None, tuning: PrefillTuning | None = None, **variant) -> None:
+        """LPT-plan a prefill step (FlashInfer's arguments) and copy it into the workspace.
+
+        The planner's cost and limit rule (``alpha``, ``beta``, ``chunk_overhead``,
+        ``chunk_limit``) default to docs/concepts/scheduler.md exactly: the persistent prefill
+        kernel's per-item price has not been measured.  ``tuning`` (a
+        :class:`~nbattn.cuda.tuning.PrefillTuning`; None: ``PREFILL``) shapes the tiles every
+        run() of this plan launches."""
+        from . import prefill as P
+
+        t0 = time.perf_counter()
+        tuning = check_tuning(tuning, PrefillTuning, PREFILL)
+        var = variant_from_kwargs(dict(variant, causal=causal, pos_encoding_mode=pos_encoding_mode,
+                            window_left=window_left, logits_soft_cap=logits_soft_cap,
+                            sm_scale=sm_scale))
+        code = data_code(q_data_type, kv_data_type)
+        hq, hk, D = int(num_qo_heads), int(num_kv_heads), int(head_dim_qk)
+        group = L.check_heads(hq, hk)
+        pkv = plan_page_table(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size)
+        qo = L.RaggedQ.validate(qo_indptr)
+        if qo.batch_size != pkv.batch_size:
+            raise L.LayoutError(f"paged_kv_indptr: has {pkv.batch_size} requests, qo_indptr has "
+                                f"{qo.batch_size}")
+        kv_lens = pkv.kv_lens
+        if var.causal:
+            L.check_causal_lengths(qo.lengths, kv_lens)
+        spec = P.make_spec("paged", self._kv_layout, code, D, hq, hk, var, tensor_cores, tuning=tuning)
+        spec_part = P.make_spec("paged", self._kv_layout, code, D, hq, hk, var, spec.tensor_cores,
+                                out_kind="f32", tuning=tuning)
+        tq = spec.tile_q
+        # Positions one tile spans: tq/group when tiles start on a position boundary.
+        slot_rows = tq // group if tq % group == 0 else tq // group + 2
+        p = lpt_plan(qo.lengths, kv_lens, self.num_ctas, tile_q=tq, group=group, alpha=alpha,
+                     beta=beta, chunk_overhead=chunk_overhead, chunk_limit=chunk_limit,
+                     causal=var.causal)
+        self._check_bound(p)
+        n_direct = int(np.count_nonzero(p.out_slot == DIRECT))
+        self._check_fits(qo.batch_size, int(pkv.paged_kv_indices.size), n_direct, hq, D, slot_rows,
+                         tq, qo.total)
+
+        # Work rows in the plan's CTA-queue order: the persistent kernel's CTA c
+        # runs rows cta_indptr[c]:cta_indptr[c+1].
+        r = p.request.astype(np.int64)
+        row0 = p.qo_tile.astype(np.int64) * tq
+        slot = p.out_slot.astype(np.int64)
+        qo_start = qo.qo_indptr[:-1].astype(np.int64)[r]
+        out_row0 = np.where(slot == DIRECT, qo_start, slot * slot_rows - row0 // group)
+        rows = np.stack([qo_start, qo.lengths[r], row0, pkv.paged_kv_indptr[:-1][r],
+                         np.zeros_like(r), p.kv_start, p.kv_end, out_row0], axis=1)
+        # Each CTA's queue, cut by output kind: two persistent launches (see run()).
+        cta = p.item_cta()
+        split = slot != DIRECT
+        final_indptr = np.zeros(self.num_ctas + 1, np.int32)
+        part_indptr = np.zeros(self.num_ctas + 1, np.int32)
+        final_indptr[1:p.num_ctas + 1] = np.bincount(cta[~split], minlength=p.num_ctas)
+        part_indptr[1:p.num_ctas + 1] = np.bincount(cta[split], minlength=p.num_ctas)
+        final_indptr, part_indptr = np.cumsum(final_indptr), np.cumsum(part_indptr)
+        row_pos, row_kvoff, row_req = P.request_rows(qo, kv_lens)
+
+        stream = self._begin_plan()
+        self._write_common(p, pkv.paged_kv_indptr, pkv.paged_kv_indices,
+                           pkv.paged_kv_last_page_len, stream)
+        self._copy("final_rows", rows[~split])
+        self._copy("part_rows", rows[split])
+        self._copy("final_indptr", final_indptr)
+        self._copy("part_indptr", part_indptr)
+        self._copy("qo_indptr", qo.qo_indptr)
+        self._copy("row_pos", row_pos)
+        self._copy("row_kvoff", row_kvoff)
+        self._copy("row_req", row_req)
+        self._flush(stream)
+        self._slopes_for(hq, stream)
+        self._plan, self._variant, self._code = p, var, code
+        self._spec, self._spec_part, self._slot_rows = spec, spec_part, slot_rows
+        self._num_qo_heads, self._num_kv_heads, self._group = hq, hk, group
+        self._head_dim, self._page_size, self._total_q = D, int(page_size), qo.total
+        self._max_page = int(pkv.paged_kv_indices.max()) if pkv.paged_kv_indices.size else -1
+        self._q_shape = (qo.total, hq, D)
+        self.plan_seconds = time.perf_counter() - t0
+
+    def run(self, q, paged_kv_cache, out=None, lse=None, return_lse: bool = False):
+        """Attention of ragged ``q [total_q, num_qo_heads, head_dim]`` (rows as
+        in plan()'s ``qo_indptr``) over the planned pages; returns ``o`` (and
+        the base-2 ``lse``).
+
+        As the decode wrapper's run(): only what can change between calls is
+        checked, then three launches bound once per plan configuration run on
+        torch's current stream (torch CUDA tensors in, torch tensors out)."""
+        kind, code, stream, q_dev, kv_dev, kv_words, out_user, out_dev, lse_user, lse_dev = self._run_inputs(
+            q, paged_kv_cache, out, lse, return_lse)
+        bound = self._bound_now               # this plan's launches for this cache shape
+        if bound is None or bound[0] != kv_dev.shape:
+            bound = self._bound_now = (kv_dev.shape, self._bound_launches(q_dev, kv_dev, out_dev, lse_dev))
+        part, final, merge = bound[1]
+        for bl in (part, final):
+            bl.set(0, q_dev)
+            bl.set(1, kv_dev)
+            bl.set(2, kv_dev)
+        final.set(12, out_dev)
+        final.set(13, lse_dev)
+        merge.set(8, out_dev)
+        merge.set(9, lse_dev)
+        part(stream)
+        final(stream)
+        merge(stream)
+        return self._results(kind, code, out, out_user, out_dev, lse, lse_user, lse_dev, return_lse)
+
+    def _bound_launches(self, q_dev, kv_dev, out_dev, lse_dev):
+        """(part, final, merge): the two persistent launches of C CTAs per KV head -- chunks
+        of split tiles into float32 partial states, then unsplit tiles -- and the fixed-grid
+        merge, bound once per configuration (every array but q, the cache, out and lse is
+        a fixed view of the workspace)."""
+        from . import prefill as P
+
+        key = (self._spec, self._spec_part, self._slot_rows, self._q_shape, tuple(kv_dev.shape))
+        hit = self._bound.get(key)
+        if hit is not None:
+            return hit
+        code, H, D = self._code, self._num_qo_heads, self._head_dim
+        rows_cap = 2 * self.num_ctas * self._slot_rows
+        raw = {"q": lambda x: A.to_device(x, "q", 0, code),
+               "kv": lambda x: A.to_device(x, "paged_kv_cache", 0, code),
+               "out": lambda x: A.to_device(x, "out", 0, code),
+               "lse": lambda x: A.to_device(x, "lse", 0, "f32")}
+        q_raw, kv_raw, out_raw, lse_raw = raw["q"](q_dev), raw["kv"](kv_dev), raw["out"](out_dev), raw["lse"](lse_dev)
+        po, pl = self._partials(self._slot_rows, H, D)
+        tail = (self._view("row_pos"), self._view("row_kvoff"), self._view("row_req"), self._slopes,
+                np.int32(self._page_size), np.int32(0))
+        conv = {0: raw["q"], 1: raw["kv"], 2: raw["kv"], 12: raw["out"], 13: raw["lse"]}
+        bound = []
+        for spec, name, cap, o, l in (
+                (self._spec_part, "part", 2 * self.num_ctas, po.reshape(rows_cap, H, D), pl.reshape(rows_cap, H)),
+                (self._spec, "final", self.max_work_items, out_raw, lse_raw)):
+            work = self._view(f"{name}_rows")[:8 * cap].reshape(cap, 8)
+            args = (q_raw, kv_raw, kv_raw, self._view("kv_indices"), work, self._view(f"{name}_indptr"), *tail, o, l)
+            bound.append(BoundLaunch(P.get_persistent_kernel(spec), (self.num_ctas, self._num_kv_heads),
+                                     spec.threads, args, convert=conv))
+        k, g, t, a = merge_tiles_launch(
+            self._view("header")[H_NUM_MERGES:H_NUM_MERGES + 1], self._view("merge_indptr"),
+            self._view("merge_request"), self._view("merge_qo_tile"), self._view("merge_slots"),
+            self._view("qo_indptr"), po, pl, A.flat(out_raw), A.flat(lse_raw), code=code, head_dim=D,
+            num_qo_heads=H, num_kv_heads=self._num_kv_heads, group=self._group, tile_q=self._plan.tile_q,
+            slot_rows=self._slot_rows, num_ctas=self.num_ctas, per_request_row=False,
+            use_sigmoid=self._variant.use_sigmoid)
+        merge = BoundLaunch(k, g, t, a, convert={8: lambda x: A.flat(raw["out"](x)),
+                                                  9: lambda x: A.flat(raw["lse"](x))})
+        self._bound[key] = (bound[0], bound[1], merge)
+        return self._bound[key]
+
+    forward = run
