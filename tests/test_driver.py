@@ -4,7 +4,7 @@ numba's own cache key pickles a kernel's closure, and nbattn's factory-made
 kernels close over device functions whose pickles differ per process, so the
 cache never hit in a new process.  These tests pin what the replacement key
 must do; that a second process then loads instead of compiling is measured on
-the GPU (benchmarks/results/decode_extras.json).
+the GPU (benchmarks/results/experiments/decode_extras.json).
 """
 from __future__ import annotations
 
