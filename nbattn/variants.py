@@ -33,7 +33,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-POS_ENCODING_MODES = ("NONE", "ALIBI")
+POS_ENCODING_MODES = ("NONE", "ALIBI", "ROPE_LLAMA")
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,9 @@ class Variant:
     causal: bool = False
     sm_scale: Optional[float] = None          # None -> 1/sqrt(head_dim)
     logits_soft_cap: Optional[float] = None   # None or 0 -> off; c*tanh(s/c)
-    pos_encoding_mode: str = "NONE"           # "ALIBI": bias -slope_h*(q_idx - kv_idx)
+    pos_encoding_mode: str = "NONE"           # "ALIBI": bias -slope_h*(q_idx - kv_idx); "ROPE_LLAMA": q, k rotated
+    rope_scale: float = 1.0                   # ROPE_LLAMA: positions divided by this
+    rope_theta: float = 1e4                   # ROPE_LLAMA: pair p turns at rope_theta ** (-2p / head_dim)
     window_left: int = -1                     # inclusive; -1 = no window
     sink_size: int = 0                        # first keys always visible (beside the window)
     use_sigmoid: bool = False                 # sigmoid attention: no softmax, no LSE
@@ -53,6 +55,10 @@ class Variant:
         if self.pos_encoding_mode not in POS_ENCODING_MODES:
             raise ValueError(f"pos_encoding_mode: must be one of {POS_ENCODING_MODES}, "
                              f"got {self.pos_encoding_mode!r}")
+        for name in ("rope_scale", "rope_theta"):
+            x = getattr(self, name)
+            if not (isinstance(x, (int, float, np.floating, np.integer)) and np.isfinite(x) and x > 0):
+                raise ValueError(f"{name}: must be finite and > 0, got {x!r}")
         if int(self.window_left) < -1:
             raise ValueError(f"window_left: must be -1 (no window) or >= 0, got {self.window_left}")
         if int(self.sink_size) < 0:
@@ -79,9 +85,13 @@ class Variant:
         return self.pos_encoding_mode == "ALIBI"
 
     @property
+    def has_rope(self) -> bool:
+        return self.pos_encoding_mode == "ROPE_LLAMA"
+
+    @property
     def needs_positions(self) -> bool:
         """Whether the result depends on absolute positions (not only on the key set)."""
-        return (self.causal or self.has_alibi or self.window_left >= 0 or self.sink_size > 0
+        return (self.causal or self.has_alibi or self.has_rope or self.window_left >= 0 or self.sink_size > 0
                 or self.score_mod is not None or self.mask_mod is not None)
 
     def scale(self, head_dim: int) -> float:
@@ -92,6 +102,18 @@ class Variant:
 
 
 VARIANT_FIELDS = tuple(Variant.__dataclass_fields__)
+
+KERNEL_ROPE_MESSAGE = ("pos_encoding_mode='ROPE_LLAMA': the kernels do not rotate q and k at attention time yet; "
+                       "rotate them first (nbattn.reference.apply_rope_pos_ids) and pass pos_encoding_mode='NONE', "
+                       "or run the golden model (nbattn.reference)")
+
+
+def check_kernel_variant(variant: "Variant") -> "Variant":
+    """``variant`` if the kernels compute it; else a NotImplementedError naming the argument
+    (raised before any kernel is built or launched)."""
+    if variant.has_rope:
+        raise NotImplementedError(KERNEL_ROPE_MESSAGE)
+    return variant
 
 
 def make_variant(**kwargs) -> Variant:

@@ -14,7 +14,7 @@ Outputs ``o: [rows, num_qo_heads, head_dim]`` and, with ``return_lse=True``,
 the base-2 ``lse: [rows, num_qo_heads]``.
 
 Variant keywords (all functions; see :mod:`nbattn.variants`): ``causal``,
-``sm_scale``, ``logits_soft_cap``, ``pos_encoding_mode`` ("NONE"/"ALIBI"),
+``sm_scale``, ``logits_soft_cap``, ``pos_encoding_mode`` ("NONE"/"ALIBI"/"ROPE_LLAMA", with ``rope_scale``, ``rope_theta``),
 ``window_left``, ``sink_size``, ``use_sigmoid``, ``sigmoid_bias``,
 ``score_mod``, ``mask_mod`` -- or a ready ``variant=Variant(...)``.
 The prefill forms (``single_prefill``, ``batch_prefill_ragged``,
@@ -37,6 +37,7 @@ from ..variants import Variant, check_return_lse, unknown_keywords_message, vari
 from .custom_mask import check_mask_choice, request_masks
 from .fp8 import check_kv_dtypes, check_no_fp8, dequantize, dequantize_cache, kv_scales, reject_fp8
 from .masks import keep_mask, transform_logits
+from .rotary import rope_angles, rotate
 from .sinks import apply_sinks, check_sinks
 from .state import LN2, AttentionState, merge_states
 
@@ -72,6 +73,11 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, kv_po
     group = hq // hkv
     if nq == 0 or nk == 0:
         return AttentionState(np.zeros((nq, hq, d), dtype), np.full((nq, hq), -np.inf, dtype))
+    if variant.has_rope:
+        # RoPE at attention time: q turns by its position, each key by its position in the
+        # request (the cache holds keys unrotated), in float64, before any score.
+        q = rotate(q, rope_angles(q_pos, d, variant.rope_scale, variant.rope_theta), d, False)
+        k = rotate(k, rope_angles(kv_pos, d, variant.rope_scale, variant.rope_theta), d, False)
     # GQA: fold the heads of one KV group into rows so each K/V head is read once.
     qf = q.astype(dtype, copy=False).reshape(nq, hkv, group, d).transpose(1, 2, 0, 3).reshape(hkv, group * nq, d)
     kf = k.astype(dtype, copy=False).transpose(1, 2, 0)          # [Hkv, D, K]

@@ -33,6 +33,7 @@ import numpy as np
 
 from .. import layout as L
 from .attention import float_input
+from .rotary import inv_freq, rotate
 
 __all__ = ["apply_rope", "apply_rope_pos_ids", "apply_llama31_rope", "apply_llama31_rope_pos_ids"]
 
@@ -110,12 +111,6 @@ def _llama31_factors(low_freq_factor: Any, high_freq_factor: Any,
 # The computation
 # ---------------------------------------------------------------------------
 
-def _inv_freq(rotary_dim: int, rope_theta: float) -> np.ndarray:
-    """``rope_theta ** (-2i / rotary_dim)`` for pair ``i < rotary_dim/2``."""
-    i = np.arange(rotary_dim // 2, dtype=np.float64)
-    return rope_theta ** (-2.0 * i / rotary_dim)
-
-
 def _llama31_freq(inv_freq: np.ndarray, rope_scale: float, low: float, high: float,
                   old_context_len: float) -> np.ndarray:
     """Llama 3.1's frequencies: short wavelengths kept, long ones divided by
@@ -125,19 +120,6 @@ def _llama31_freq(inv_freq: np.ndarray, rope_scale: float, low: float, high: flo
     blend = (1.0 - smooth) * inv_freq / rope_scale + smooth * inv_freq
     return np.where(wavelen < old_context_len / high, inv_freq,
                     np.where(wavelen > old_context_len / low, inv_freq / rope_scale, blend))
-
-
-def _rotate(x: np.ndarray, angle: np.ndarray, rotary_dim: int, interleave: bool) -> np.ndarray:
-    """``x [nnz, H, D]`` with its pairs turned by ``angle [nnz, rotary_dim/2]``, in float64."""
-    out = x.astype(np.float64)                   # a new array; the tail dims stay as they are
-    half = rotary_dim // 2
-    first = slice(0, rotary_dim, 2) if interleave else slice(0, half)
-    second = slice(1, rotary_dim, 2) if interleave else slice(half, rotary_dim)
-    cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
-    x1, x2 = out[..., first].copy(), out[..., second].copy()
-    out[..., first] = x1 * cos - x2 * sin
-    out[..., second] = x1 * sin + x2 * cos
-    return out
 
 
 def _round_bf16(x: np.ndarray) -> np.ndarray:
@@ -164,11 +146,11 @@ def _like(out: np.ndarray, given: Any, host: np.ndarray) -> Any:
 
 
 def _apply(q, k, qa, ka, pos, rotary_dim, interleave, rope_theta, position_scale, freq_fn):
-    inv = _inv_freq(rotary_dim, rope_theta)
+    inv = inv_freq(rotary_dim, rope_theta)
     freq = freq_fn(inv)
     angle = (pos.astype(np.float64) / position_scale)[:, None] * freq[None, :]
-    q_rope = _rotate(qa, angle, rotary_dim, bool(interleave))
-    k_rope = _rotate(ka, angle, rotary_dim, bool(interleave))
+    q_rope = rotate(qa, angle, rotary_dim, bool(interleave))
+    k_rope = rotate(ka, angle, rotary_dim, bool(interleave))
     return _like(q_rope, q, qa), _like(k_rope, k, ka)
 
 

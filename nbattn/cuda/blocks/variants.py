@@ -34,7 +34,7 @@ from functools import lru_cache
 
 from numba import cuda, float32
 
-from ...variants import Variant
+from ...variants import Variant, check_kernel_variant
 
 __all__ = ["variant_device_fns", "kernel_variant_key", "compile_user_fn", "LOG2E", "sigmoid_weight"]
 
@@ -43,7 +43,7 @@ LOG2E = 1.4426950408889634  # natural-exp scores -> base-2 exponent
 
 def kernel_variant_key(variant: Variant) -> Variant:
     """The part of a Variant that is compiled into kernels (sm_scale is not)."""
-    return variant.with_(sm_scale=None)
+    return check_kernel_variant(variant).with_(sm_scale=None)
 
 
 _user_cache: dict = {}
