@@ -101,6 +101,13 @@ class DecodeTuning(_Tuning):
     #: ``path="tc"``). benchmarks/results/decode.json: group 8 on "tc" at 0.97-1.02 of
     #: copy bandwidth against 0.49-0.50 on "warp"; group 4 about even.
     tc_min_group: int = 4
+    #: (warps a CTA, CTAs an SM) of the tensor-core path for CTAs of up to 4 heads: 168
+    #: registers a thread (ptxas, sm_90) allow 12 warps an SM, and 6 x 2 gives batch 64 x 8 KV
+    #: heads (512 CTAs) about two full waves. benchmarks/results/decode.json, path "tc".
+    tc_shape: tuple = (6, 2)
+    #: The same for CTAs of more than 4 heads (group 8: 256 CTAs, one wave either way):
+    #: 4 x 3 at 0.97 of copy bandwidth against 0.83 for 6 x 2 at 4k (benchmarks/EXPERIMENTS.md).
+    tc_shape_wide: tuple = (4, 3)
     #: (warps a CTA, CTAs an SM) of the tensor-core path for small batches that split
     #: into one wave. benchmarks/results/decode_b1.json, fields "warps", "min_blocks".
     tc_split_shape: tuple = (8, 1)
@@ -127,7 +134,8 @@ class DecodeTuning(_Tuning):
                      "prefetch_steps", "prefetch_max_heads")
         if self.warp_warps < 1 or self.warp_max_heads < 1:
             raise ValueError("DecodeTuning.warp_warps and warp_max_heads must be >= 1")
-        self._pair("tc_split_shape")
+        for name in ("tc_split_shape", "tc_shape", "tc_shape_wide"):
+            self._pair(name)
         if not isinstance(self.merge, MergeTuning):
             raise TypeError(f"DecodeTuning.merge must be a MergeTuning, got {type(self.merge).__name__}")
 

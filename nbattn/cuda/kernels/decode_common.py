@@ -149,9 +149,8 @@ def _make_config(code: str, head_dim: int, group: int, kv_layout: str, variant: 
     key = kernel_variant_key(variant)
     if _use_tc(code, head_dim, group, aligned, variant, tuning):
         hg = heads_per_cta(group)
-        # (warps a CTA, CTAs an SM): 168 registers a thread (ptxas, sm_90) allow 12 warps
-        # an SM; blocks of more than 4 heads take 4 x 3, smaller blocks 6 x 2
-        nw, mb = (4, 3) if hg > 4 else (6, 2)
+        # (warps a CTA, CTAs an SM) by the CTA's heads (DecodeTuning.tc_shape / tc_shape_wide)
+        nw, mb = tuning.tc_shape_wide if hg > 4 else tuning.tc_shape
         if batch_kv_heads is not None and 2 * batch_kv_heads * (group // hg) <= sm_count():
             nw, mb = tuning.tc_split_shape      # the unsplit grid fills at most half the SMs
         return DecodeConfig(code, head_dim, hg, kv_layout, key, 32 * nw, 16 * nw, aligned, "tc", 1, mb, tuning)
