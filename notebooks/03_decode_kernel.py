@@ -136,7 +136,11 @@ print("✓ the kernel gathered every key of every request from the right page an
 # `nbattn.cuda.batch_decode_paged` takes exactly the golden model's arguments. Inside, a
 # CTA owns one work item and a group of query heads; per KV tile it gathers K and V into
 # shared memory, computes the scores of all its heads, runs the online softmax in base 2 and
-# accumulates `p·V`. We use GQA with 4 query heads per KV head:
+# accumulates `p·V`. The kernel to read is `nbattn/cuda/kernels/decode_smem.py`: one screen,
+# its math as comments under *compute qk*, *update m and l*, *update acc*, beside
+# `nbattn.reference.attend`. On a GPU the faster warp and tensor-core paths run the same work
+# list; `tuning=DECODE.replace(path="smem")` (from `nbattn.cuda.tuning`) asks for the teaching
+# kernel anywhere. We use GQA with 4 query heads per KV head:
 
 # %%
 if SMALL:

@@ -147,7 +147,8 @@ print("✓ about half the tiles: causal prefill does ~half the FLOPs (rl.causal_
 # CTA owns one tile of fused rows (GQA heads folded in) and one KV head; it gathers each
 # KV tile from the pages into shared memory once and uses it for the whole group. On a GPU
 # with fp16/bf16 it runs the tensor-core path; in the simulator the CUDA-core path with
-# small tiles. Here is the three-request batch of notebook 02, causal:
+# small tiles. The tile to read is `nbattn/cuda/kernels/prefill_core.py` (the fast tiles beside
+# it say how they differ). Here is the three-request batch of notebook 02, causal:
 
 # %%
 import nbattn.cuda as nbcuda
