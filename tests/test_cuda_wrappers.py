@@ -460,6 +460,7 @@ def test_decode_run_skips_checks_only_for_what_it_accepted(monkeypatch):
 
 def _count_run_calls(w, b, monkeypatch):
     """Python function calls made by one run() (kernels not executed), and their names."""
+    import gc
     import sys
     from nbattn.cuda.host import driver as _driver
     monkeypatch.setattr(_driver.BoundLaunch, "__call__", lambda self, stream=0: None)
@@ -469,11 +470,15 @@ def _count_run_calls(w, b, monkeypatch):
     def prof(frame, event, arg):
         if event == "call":
             names.append(frame.f_code.co_qualname if hasattr(frame.f_code, "co_qualname") else frame.f_code.co_name)
+    # garbage from earlier tests must not be collected (finalizers are Python calls) inside the window
+    gc.collect()
+    gc.disable()
     sys.setprofile(prof)
     try:
         w.run(b["q"], b["cache"])
     finally:
         sys.setprofile(None)
+        gc.enable()
     return names
 
 
