@@ -23,7 +23,6 @@ from typing import Any, Callable
 import numpy as np
 
 from .layout import is_torch, to_numpy
-from .variants import KERNEL_ROPE_MESSAGE
 
 __all__ = ["golden_entry", "kernel_entry", "KERNEL_ONLY", "GOLDEN_ONLY"]
 
@@ -108,8 +107,6 @@ def kernel_entry(fn: Callable) -> Callable:
     def call(*args, **kwargs):
         for name in GOLDEN_ONLY:
             kwargs.pop(name, None)
-        if kwargs.get("pos_encoding_mode") == "ROPE_LLAMA" or getattr(kwargs.get("variant"), "has_rope", False):
-            raise NotImplementedError(KERNEL_ROPE_MESSAGE)
         return fn(*args, **kwargs)
     call.__doc__ = (fn.__doc__ or "") + (
         "\n\n    Also takes the golden model's ``dtype=`` (a no-op: kernels accumulate in float32).")

@@ -103,18 +103,6 @@ class Variant:
 
 VARIANT_FIELDS = tuple(Variant.__dataclass_fields__)
 
-KERNEL_ROPE_MESSAGE = ("pos_encoding_mode='ROPE_LLAMA': the kernels do not rotate q and k at attention time yet; "
-                       "rotate them first (nbattn.reference.apply_rope_pos_ids) and pass pos_encoding_mode='NONE', "
-                       "or run the golden model (nbattn.reference)")
-
-
-def check_kernel_variant(variant: "Variant") -> "Variant":
-    """``variant`` if the kernels compute it; else a NotImplementedError naming the argument
-    (raised before any kernel is built or launched)."""
-    if variant.has_rope:
-        raise NotImplementedError(KERNEL_ROPE_MESSAGE)
-    return variant
-
 
 def make_variant(**kwargs) -> Variant:
     """Build a Variant from the keyword arguments of a public attention function."""

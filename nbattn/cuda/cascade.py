@@ -40,7 +40,8 @@ import numpy as np
 from numba import cuda
 
 from .. import layout as L
-from ..variants import check_return_lse, variant_from_kwargs
+from ..variants import check_return_lse
+from .blocks.variants import kernel_variant
 from .host import arrays as A
 from . import merge as M
 from . import prefill as P
@@ -63,7 +64,7 @@ def cascade(q, levels, paged_kv_cache, *, kv_layout: str = "NHD", return_lse: bo
     level kernels and hands its ``prefill``, ``decode`` and ``merge`` parts to the
     passes it runs."""
     tuning = check_tuning(tuning, CascadeTuning, CASCADE)
-    var = variant_from_kwargs(variant)
+    var = kernel_variant(variant)
     check_return_lse(var, return_lse)
     L.check_same_device(q=q, paged_kv_cache=paged_kv_cache)
     kind = P.check_kind_match(q=q, paged_kv_cache=paged_kv_cache)

@@ -40,11 +40,12 @@ import numpy as np
 from numba import cuda
 
 from .. import layout as L
-from ..variants import alibi_slopes, check_return_lse, variant_from_kwargs
+from ..variants import alibi_slopes, check_return_lse
 from .decode_call import fast_decode
 from .decode_problem import (KERNELS, MAX_HEAD_DIM, DecodeProblem, aligned_16, check_head_dim, check_out,
                              choose_chunk, decode_arg_index, decode_kernel, decode_launch, launch_for,
                              launches_programmatically, split_rule)
+from .blocks.variants import kernel_variant
 from .host import arrays as A
 from .host.driver import launch_programmatic
 from .kernels.decode_common import DecodeConfig, WorkList, heads_per_cta, make_config
@@ -68,7 +69,7 @@ def prepare_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_k
     bring the arrays to the device; ``tuning``: a :class:`~nbattn.cuda.tuning.DecodeTuning`
     (None: ``DECODE``)."""
     tuning = check_tuning(tuning, DecodeTuning, DECODE)
-    var = variant_from_kwargs(dict(variant))
+    var = kernel_variant(dict(variant))
     check_return_lse(var, return_lse)
     L.check_kv_layout(kv_layout)
     code = A.dtype_code(q, "q")

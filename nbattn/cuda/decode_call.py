@@ -25,9 +25,10 @@ import numpy as np
 from numba import cuda
 
 from .. import layout as L
-from ..variants import alibi_slopes, check_return_lse, variant_from_kwargs
+from ..variants import alibi_slopes, check_return_lse
 from . import decode_problem as DP
 from .blocks.primitives import SIMULATOR
+from .blocks.variants import kernel_variant
 from .host import arrays as A
 from .host import hostwork as HW
 from .host.driver import BoundLaunch, Span, StagingRing, data_ptr, stream_handle
@@ -47,9 +48,9 @@ def _variant(kwargs: dict):
         key = tuple(sorted(kwargs.items()))
         hit = _VARIANTS.get(key)
     except TypeError:                      # an unhashable keyword value: no cache
-        return variant_from_kwargs(dict(kwargs))
+        return kernel_variant(dict(kwargs))
     if hit is None:
-        hit = _VARIANTS[key] = variant_from_kwargs(dict(kwargs))
+        hit = _VARIANTS[key] = kernel_variant(dict(kwargs))
     return hit
 
 

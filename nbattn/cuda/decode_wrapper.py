@@ -18,8 +18,8 @@ from numba import cuda
 
 from .. import layout as L
 from ..sched.plan import DIRECT, Plan, plan as lpt_plan
-from ..variants import check_kernel_variant, variant_from_kwargs
 from .decode_problem import DecodeProblem, check_head_dim, decode_arg_index, launch_for
+from .blocks.variants import kernel_variant
 from .host import arrays as A
 from .host.driver import BoundLaunch, sm_count
 from .kernels.decode_common import WorkList, make_config
@@ -100,8 +100,8 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         """
         t0 = time.perf_counter()
         tuning = check_tuning(tuning, DecodeTuning, DECODE)
-        var = check_kernel_variant(variant_from_kwargs(dict(variant, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
-                                       logits_soft_cap=logits_soft_cap, sm_scale=sm_scale)))
+        var = kernel_variant(dict(variant, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                                       logits_soft_cap=logits_soft_cap, sm_scale=sm_scale))
         code = data_code(q_data_type, kv_data_type)
         group = L.check_heads(int(num_qo_heads), int(num_kv_heads))
         check_head_dim(int(head_dim))

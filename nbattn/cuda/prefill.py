@@ -55,7 +55,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import layout as L
-from ..variants import check_return_lse, variant_from_kwargs
+from ..variants import check_return_lse
+from .blocks.variants import kernel_variant
 from .host.driver import torch_stream
 from .host.prefill_launch import (NAN_ROW, Outputs, build_work, check_kind_match, contig_dims,  # noqa: F401
                                   default_stream, device_in, enqueue, launch_work, longest_first, nan_row_at,
@@ -92,7 +93,7 @@ def batch_prefill_paged(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_
     path (default: tensor cores on a GPU for fp16/bf16); ``tuning`` shapes the
     kernels (default :data:`nbattn.cuda.tuning.PREFILL`)."""
     tuning = check_tuning(tuning, PrefillTuning, PREFILL)
-    var = variant_from_kwargs(variant)
+    var = kernel_variant(variant)
     check_return_lse(var, return_lse)
     L.check_same_device(q=q, paged_kv_cache=paged_kv_cache)
     kind = check_kind_match(q=q, paged_kv_cache=paged_kv_cache)
@@ -126,7 +127,7 @@ def batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, *, kv_layout: str = "NHD
     """Ragged Q over ragged contiguous KV (golden: :func:`nbattn.reference.batch_prefill_ragged`);
     ``tuning`` as :func:`batch_prefill_paged`'s."""
     tuning = check_tuning(tuning, PrefillTuning, PREFILL)
-    var = variant_from_kwargs(variant)
+    var = kernel_variant(variant)
     check_return_lse(var, return_lse)
     L.check_same_device(q=q, k=k, v=v)
     kind = check_kind_match(q=q, k=k, v=v)
@@ -160,7 +161,7 @@ def single_prefill(q, k, v, *, kv_layout: str = "NHD", return_lse: bool = False,
     if len(q.shape) != 3:
         L.check_q(q, int(k.shape[-1]))
     nq = int(q.shape[0])
-    var = variant_from_kwargs(dict(variant))
+    var = kernel_variant(dict(variant))
     if var.causal:
         L.check_causal_lengths(np.array([nq]), np.array([n_kv]), name="q")
     return batch_prefill_ragged(q, k, v, np.array([0, nq], np.int32), np.array([0, n_kv], np.int32),

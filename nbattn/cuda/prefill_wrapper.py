@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import layout as L
 from ..sched.plan import DIRECT, plan as lpt_plan
-from ..variants import check_kernel_variant, variant_from_kwargs
+from .blocks.variants import kernel_variant
 from .host import arrays as A
 from .host.driver import BoundLaunch
 from .merge import merge_tiles_launch
@@ -60,9 +60,9 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
 
         t0 = time.perf_counter()
         tuning = check_tuning(tuning, PrefillTuning, PREFILL)
-        var = check_kernel_variant(variant_from_kwargs(dict(variant, causal=causal, pos_encoding_mode=pos_encoding_mode,
+        var = kernel_variant(dict(variant, causal=causal, pos_encoding_mode=pos_encoding_mode,
                             window_left=window_left, logits_soft_cap=logits_soft_cap,
-                            sm_scale=sm_scale)))
+                            sm_scale=sm_scale))
         code = data_code(q_data_type, kv_data_type)
         hq, hk, D = int(num_qo_heads), int(num_kv_heads), int(head_dim_qk)
         group = L.check_heads(hq, hk)

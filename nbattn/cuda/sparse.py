@@ -15,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import layout as L
-from ..variants import check_return_lse, variant_from_kwargs
+from ..variants import check_return_lse
+from .blocks.variants import kernel_variant
 from . import prefill as P
 from .tuning import PREFILL, PrefillTuning, check_tuning
 
@@ -28,7 +29,7 @@ def block_sparse(q, k, v, bsr: L.BSR, *, kv_layout: str = "NHD", return_lse: boo
     """``q [M, Hq, D]``, ``k, v [N, Hkv, D]`` (NHD), ``bsr`` of shape (M, N); ``tuning`` (a
     :class:`nbattn.cuda.tuning.PrefillTuning`, default ``PREFILL``) shapes the kernel."""
     tuning = check_tuning(tuning, PrefillTuning, PREFILL)
-    var = variant_from_kwargs(variant)
+    var = kernel_variant(variant)
     check_return_lse(var, return_lse)
     bsr = L.BSR.check(bsr)
     L.check_same_device(q=q, k=k, v=v)

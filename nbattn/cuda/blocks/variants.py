@@ -34,16 +34,30 @@ from functools import lru_cache
 
 from numba import cuda, float32
 
-from ...variants import Variant, check_kernel_variant
+from ...variants import Variant, variant_from_kwargs
 
-__all__ = ["variant_device_fns", "kernel_variant_key", "compile_user_fn", "LOG2E", "sigmoid_weight"]
+__all__ = ["kernel_variant", "variant_device_fns", "kernel_variant_key", "compile_user_fn", "LOG2E", "sigmoid_weight"]
 
 LOG2E = 1.4426950408889634  # natural-exp scores -> base-2 exponent
 
 
+def kernel_variant(kwargs: dict) -> Variant:
+    """The Variant a kernel call's ``**variant`` keywords ask for
+    (:func:`nbattn.variants.variant_from_kwargs`, which consumes ``kwargs``), refused with a
+    NotImplementedError naming the argument when the kernels do not compute it.  Every
+    public operation of nbattn.cuda gets its variant here, before anything is built."""
+    var = variant_from_kwargs(kwargs)
+    if var.has_rope:
+        raise NotImplementedError(
+            "pos_encoding_mode='ROPE_LLAMA': the kernels do not rotate q and k at attention time yet; "
+            "rotate them first (nbattn.reference.apply_rope_pos_ids) and pass pos_encoding_mode='NONE', "
+            "or run the golden model (nbattn.reference)")
+    return var
+
+
 def kernel_variant_key(variant: Variant) -> Variant:
     """The part of a Variant that is compiled into kernels (sm_scale is not)."""
-    return check_kernel_variant(variant).with_(sm_scale=None)
+    return variant.with_(sm_scale=None)
 
 
 _user_cache: dict = {}
