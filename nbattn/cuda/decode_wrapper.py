@@ -18,6 +18,7 @@ from numba import cuda
 
 from .. import layout as L
 from ..sched.plan import DIRECT, Plan, plan as lpt_plan
+from ..sched.tiles import choose_tile_q, decode_tiles
 from .decode_problem import DecodeProblem, check_head_dim, decode_arg_index, launch_for
 from .blocks.variants import kernel_variant
 from .host import arrays as A
@@ -129,7 +130,9 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
                 num_ctas = decode_plan_ctas(cfg, hq, self.num_ctas)
             # One query tile per request: its `group` fused rows are one decode CTA's heads.
             overhead = tuning.plan_chunk_overhead if chunk_overhead is None else chunk_overhead
-            p = lpt_plan(np.ones(batch, np.int64), kv_lens, int(num_ctas), tile_q=group, group=group,
+            qo_lens = np.ones(batch, np.int64)
+            p = lpt_plan(qo_lens, kv_lens, int(num_ctas), tile_q=choose_tile_q(qo_lens, group, decode_tiles(group)),
+                         group=group,
                          alpha=alpha, beta=beta, chunk_overhead=overhead, chunk_limit=chunk_limit)
             self._check_bound(p)
         self._check_fits(batch, int(pkv.paged_kv_indices.size), p.num_items, hq, D, 1, group)

@@ -19,6 +19,7 @@ import numpy as np
 
 from .. import layout as L
 from ..sched.plan import DIRECT, plan as lpt_plan
+from ..sched.tiles import choose_tile_q
 from .blocks.variants import kernel_variant
 from .host import arrays as A
 from .host.driver import BoundLaunch
@@ -33,8 +34,9 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
     """Batch prefill/append over a paged KV cache with a planned KV split
     (docs/concepts/scheduler.md); kernels from :mod:`nbattn.cuda.prefill`.
 
-    The planner's query tile is the prefill kernel's ``T_q`` (fused rows, GQA
-    heads fused).  Unsplit tiles write the final output directly; chunks of
+    The planner's query tile comes from the package's one tile rule,
+    :func:`nbattn.sched.tiles.choose_tile_q`, over the menu the built kernel
+    offers: its ``T_q`` (fused rows, GQA heads fused).  Unsplit tiles write the final output directly; chunks of
     split tiles write float32 partial states that the merge kernel folds in
     KV order.  Every launch of :meth:`run` has a fixed grid, so
     ``use_cuda_graph`` (FlashInfer's flag) changes nothing here.
@@ -77,7 +79,7 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         spec = P.make_spec("paged", self._kv_layout, code, D, hq, hk, var, tensor_cores, tuning=tuning)
         spec_part = P.make_spec("paged", self._kv_layout, code, D, hq, hk, var, spec.tensor_cores,
                                 out_kind="f32", tuning=tuning)
-        tq = spec.tile_q
+        tq = choose_tile_q(qo.lengths, group, (spec.tile_q,))    # the kernel's menu: its one T_q
         # Positions one tile spans: tq/group when tiles start on a position boundary.
         slot_rows = tq // group if tq % group == 0 else tq // group + 2
         p = lpt_plan(qo.lengths, kv_lens, self.num_ctas, tile_q=tq, group=group, alpha=alpha,

@@ -37,6 +37,7 @@ from .tiles import (
     choose_tile_kv,
     choose_tile_q,
     choose_tiles,
+    decode_tiles,
     resident_ctas,
     smem_bytes,
 )
@@ -46,6 +47,6 @@ __all__ = [
     "partial_buffer_bound", "plan", "plan_from_indptr",
     "POLICIES", "WORKLOADS", "CostModel", "Schedule", "SimResult", "Workload",
     "compare_policies", "make_workload", "simulate", "simulate_plan",
-    "KV_TILES", "QUERY_TILES", "choose_tile_kv", "choose_tile_q", "choose_tiles",
+    "KV_TILES", "QUERY_TILES", "choose_tile_kv", "choose_tile_q", "choose_tiles", "decode_tiles",
     "resident_ctas", "smem_bytes",
 ]

@@ -44,6 +44,7 @@ __all__ = [
     "H200_SMEM_PER_BLOCK",
     "H200_RESERVED_PER_BLOCK",
     "choose_tile_q",
+    "decode_tiles",
     "choose_tile_kv",
     "choose_tiles",
     "smem_bytes",
@@ -58,26 +59,48 @@ H200_SMEM_PER_BLOCK = 227 * 1024
 H200_RESERVED_PER_BLOCK = 1024
 
 
-def choose_tile_q(qo_lens, group: int = 1) -> int:
-    """Query tile size for a batch: smallest of ``QUERY_TILES`` >= mean(l_qo * group).
+def choose_tile_q(qo_lens, group: int = 1, tiles=QUERY_TILES) -> int:
+    """Query tile size for a batch: smallest of ``tiles`` >= mean(l_qo * group).
+
+    This is the one tile rule of the package.  ``tiles`` is the menu of query
+    tiles the kernels that will run the step offer, in fused rows:
+
+    * the simulator and :func:`nbattn.sched.plan` default to the paper's menu
+      :data:`QUERY_TILES` (a kernel family with every size);
+    * :class:`~nbattn.cuda.BatchDecodeWithPagedKVCacheWrapper` offers
+      :func:`decode_tiles` (one request's ``group`` fused rows per work item);
+    * :class:`~nbattn.cuda.BatchPrefillWithPagedKVCacheWrapper` offers the
+      ``T_q`` of the prefill kernel it built (:func:`nbattn.cuda.prefill.make_spec`),
+      so the planner cuts query tiles exactly as the kernel runs them.
 
     ``qo_lens`` are query lengths in positions (tokens); ``group`` is
     ``num_qo_heads // num_kv_heads``.  The average is taken over all requests of
     the batch, empty ones included (they are part of the step).  An empty batch
-    gets tile 1.  Averages above 128 get 128.
+    gets the smallest tile; averages above the largest tile get the largest.
     """
     if group < 1:
         raise ValueError(f"group must be >= 1, got {group}")
+    menu = sorted(int(t) for t in tiles)
+    if not menu or menu[0] < 1:
+        raise ValueError(f"tiles must be a non-empty list of positive sizes, got {tuple(tiles)!r}")
     lens = np.asarray(qo_lens, dtype=np.int64).reshape(-1)
     if lens.size == 0:
-        return QUERY_TILES[0]
+        return menu[0]
     if np.any(lens < 0):
         raise ValueError("qo_lens must be non-negative")
     average = float(lens.mean()) * group
-    for tile in QUERY_TILES:
+    for tile in menu:
         if tile >= average:
             return tile
-    return QUERY_TILES[-1]
+    return menu[-1]
+
+
+def decode_tiles(group: int) -> tuple[int]:
+    """The decode kernels' menu for :func:`choose_tile_q`: one tile of ``group``
+    fused rows (a request's query heads of one KV head, at one position)."""
+    if group < 1:
+        raise ValueError(f"group must be >= 1, got {group}")
+    return (int(group),)
 
 
 def smem_bytes(tile_q: int, tile_kv: int, head_dim: int, elem_bytes: int = 2) -> int:

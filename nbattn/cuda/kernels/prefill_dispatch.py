@@ -59,9 +59,11 @@ def tensor_cores_usable(kind: str, head_dim: int, variant: Variant) -> bool:
 
 def kernel_tiles(head_dim: int, kind: str, tensor_cores: bool,
                  tuning: PrefillTuning = PREFILL) -> tuple[int, int, int]:
-    """(T_q, T_k, threads) of a prefill kernel build (the scheduler's tile heuristic
-    is :func:`nbattn.sched.choose_tiles`).  The simulator gets small tiles (each thread is a
-    Python thread); the teaching tile fits its shared memory in 48 KB."""
+    """(T_q, T_k, threads) of a prefill kernel build.  A build offers one query
+    tile, ``T_q``; the planners pick a step's tile with the package's one rule,
+    :func:`nbattn.sched.tiles.choose_tile_q`, over that menu.  The simulator gets
+    small tiles (each thread is a Python thread); the teaching tile fits its
+    shared memory in 48 KB."""
     if tensor_cores:
         return tensor_core_tiles(head_dim)
     cc = CC.cuda_core_tiles(head_dim, kind, tuning)
