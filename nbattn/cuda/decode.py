@@ -42,6 +42,7 @@ from numba import cuda
 from .. import layout as L
 from ..variants import alibi_slopes, check_return_lse
 from .decode_call import fast_decode
+from .fp8 import decode_kv
 from .decode_problem import (KERNELS, MAX_HEAD_DIM, DecodeProblem, aligned_16, check_head_dim, check_out,
                              choose_chunk, decode_arg_index, decode_kernel, decode_launch, launch_for,
                              launches_programmatically, split_rule)
@@ -64,17 +65,17 @@ __all__ = ["batch_decode_paged", "single_decode", "DecodeProblem", "WorkList", "
 
 def prepare_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                    *, kv_layout="NHD", return_lse=False, out=None, lse=None, tuning=None,
-                   **variant) -> DecodeProblem:
+                   k_scale=None, v_scale=None, **variant) -> DecodeProblem:
     """Validate every argument (nothing is launched or modified on error) and
     bring the arrays to the device; ``tuning``: a :class:`~nbattn.cuda.tuning.DecodeTuning`
-    (None: ``DECODE``)."""
+    (None: ``DECODE``); ``k_scale`` / ``v_scale``: an fp8 cache's scales (:mod:`nbattn.cuda.fp8`)."""
     tuning = check_tuning(tuning, DecodeTuning, DECODE)
     var = kernel_variant(dict(variant))
     check_return_lse(var, return_lse)
     L.check_kv_layout(kv_layout)
+    fp8, k_scale, v_scale = decode_kv(q, paged_kv_cache, k_scale, v_scale)
     code = A.dtype_code(q, "q")
-    kv_code = A.dtype_code(paged_kv_cache, "paged_kv_cache")
-    if kv_code != code:
+    if fp8 is None and A.dtype_code(paged_kv_cache, "paged_kv_cache") != code:
         raise L.LayoutError(f"paged_kv_cache: dtype must match q, got q={L.dtype_of(q)}, "
                             f"paged_kv_cache={L.dtype_of(paged_kv_cache)}")
     L.check_same_device(q=q, paged_kv_cache=paged_kv_cache, out=out, lse=lse)
@@ -87,7 +88,7 @@ def prepare_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_k
                                               ("paged_kv_last_page_len", paged_kv_last_page_len))}
     pkv, dims = L.PagedKV.from_cache(paged_kv_cache, host["paged_kv_indptr"], host["paged_kv_indices"],
                                      host["paged_kv_last_page_len"], kv_layout)
-    check_head_dim(dims.head_dim)
+    check_head_dim(dims.head_dim, fp8)
     L.check_q(q, dims.head_dim, rows=pkv.batch_size)
     L.check_heads(int(q.shape[1]), dims.num_kv_heads)
     if var.causal:
@@ -104,7 +105,7 @@ def prepare_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_k
     # -- all checks passed: device arrays (zero-copy for device inputs) --
     stream = A.launch_stream(q, paged_kv_cache, out, lse)
     q_dev = A.to_device(q, "q", stream, code)
-    kv_dev = A.to_device(paged_kv_cache, "paged_kv_cache", stream, code)
+    kv_dev = A.to_device(paged_kv_cache, "paged_kv_cache", stream, fp8 or code)
     meta = [A.device_meta(x, host[n], stream) for n, x in (("paged_kv_indptr", paged_kv_indptr),
                                                            ("paged_kv_indices", paged_kv_indices),
                                                            ("paged_kv_last_page_len", paged_kv_last_page_len))]
@@ -112,11 +113,11 @@ def prepare_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_k
     lse_user, lse_dev = A.output_for("lse", lse, kind, shape[:2], "f32", stream, like=q)
     slopes = alibi_slopes(shape[1]) if var.has_alibi else np.zeros(shape[1], np.float32)
     q_w, kv_w = A.words(q_dev), A.words(kv_dev)
-    return DecodeProblem(code, kind, stream, var, var.scale(dims.head_dim), pkv.batch_size, shape[1],
+    return DecodeProblem(code, kind, stream, var, var.scale(dims.head_dim) * k_scale, pkv.batch_size, shape[1],
                          dims.num_kv_heads, dims.head_dim, dims.page_size, kv_layout,
                          pkv.kv_lens.astype(np.int32), q_w, kv_w, *meta,
                          cuda.to_device(slopes, stream=stream), out_user, out_dev, lse_user, lse_dev,
-                         aligned_16(q_dev, kv_dev), tuning)
+                         aligned_16(q_dev, kv_dev), tuning, fp8, v_scale)
 
 
 # ---------------------------------------------------------------------------
@@ -219,10 +220,16 @@ def finish_decode(p: DecodeProblem, return_lse: bool, out=None, lse=None):
 
 
 def batch_decode_paged(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
-                       *, kv_layout="NHD", return_lse=False, out=None, lse=None, tuning=None, **variant):
+                       *, kv_layout="NHD", return_lse=False, out=None, lse=None, tuning=None,
+                       k_scale=None, v_scale=None, **variant):
     """One query row per request over a paged KV cache; same arguments as
     :func:`nbattn.reference.batch_decode_paged` plus optional ``out=``/``lse=`` and
     ``tuning`` (a :class:`~nbattn.cuda.tuning.DecodeTuning`; None: ``DECODE``).
+
+    The cache may be fp8 (torch ``float8_e4m3fn`` / ``float8_e5m2``, head_dim a
+    multiple of 16) with scalar ``k_scale`` / ``v_scale`` (None: 1.0) and q in
+    float16, bfloat16 or float32: keys read as ``k.float() * k_scale``, values as
+    ``v.float() * v_scale``, dequantized in registers (:mod:`nbattn.cuda.fp8`).
 
     Returns ``o [batch, num_qo_heads, head_dim]`` in q's dtype (and the base-2
     ``lse [batch, num_qo_heads]`` float32 with ``return_lse=True``), of q's kind.
@@ -234,11 +241,12 @@ def batch_decode_paged(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, pag
     tuning = check_tuning(tuning, DecodeTuning, DECODE)
     res = fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                       kv_layout=kv_layout, return_lse=return_lse, out=out, lse=lse, variant=variant,
-                      tuning=tuning)
+                      tuning=tuning, k_scale=k_scale, v_scale=v_scale)
     if res is not NotImplemented:
         return res
     p = prepare_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
-                       kv_layout=kv_layout, return_lse=return_lse, out=out, lse=lse, tuning=tuning, **variant)
+                       kv_layout=kv_layout, return_lse=return_lse, out=out, lse=lse, tuning=tuning,
+                       k_scale=k_scale, v_scale=v_scale, **variant)
     run_split(p, choose_chunk(p))
     return finish_decode(p, return_lse, out, lse)
 

@@ -29,6 +29,7 @@ from ..variants import alibi_slopes, check_return_lse
 from . import decode_problem as DP
 from .blocks.primitives import SIMULATOR
 from .blocks.variants import kernel_variant
+from .fp8 import decode_kv, is_fp8
 from .host import arrays as A
 from .host import hostwork as HW
 from .host.driver import BoundLaunch, Span, StagingRing, data_ptr, stream_handle
@@ -63,10 +64,12 @@ def _alloc(like, kind: str, shape: tuple, code: str):
 
 
 def fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, *,
-                kv_layout: str, return_lse: bool, out, lse, variant: dict, tuning: DecodeTuning = DECODE) -> Any:
+                kv_layout: str, return_lse: bool, out, lse, variant: dict, tuning: DecodeTuning = DECODE,
+                k_scale=None, v_scale=None) -> Any:
     """The call for device ``q`` and cache (see module doc) under ``tuning`` (checked by
-    the caller); ``NotImplemented`` when the inputs are of another kind (the caller
-    then takes the general path)."""
+    the caller), the cache possibly fp8 with ``k_scale`` / ``v_scale`` (:mod:`nbattn.cuda.fp8`);
+    ``NotImplemented`` when the inputs are of another kind (the caller then takes the
+    general path)."""
     kind = A.kind_of(q)
     if kind not in ("torch", "numba") or A.kind_of(paged_kv_cache) != kind:
         return NotImplemented
@@ -74,8 +77,11 @@ def fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_l
         return NotImplemented
     var = _variant(variant)
     check_return_lse(var, return_lse)
+    fp8, ks, vs = None, 1.0, 1.0
+    if k_scale is not None or v_scale is not None or is_fp8(paged_kv_cache) or is_fp8(q):
+        fp8, ks, vs = decode_kv(q, paged_kv_cache, k_scale, v_scale)
     code = A.dtype_code(q, "q")
-    if A.dtype_code(paged_kv_cache, "paged_kv_cache") != code:
+    if fp8 is None and A.dtype_code(paged_kv_cache, "paged_kv_cache") != code:
         raise L.LayoutError(f"paged_kv_cache: dtype must match q, got q={L.dtype_of(q)}, "
                             f"paged_kv_cache={L.dtype_of(paged_kv_cache)}")
     if kind == "torch":
@@ -90,7 +96,7 @@ def fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_l
     pkv = HW.page_table(*meta, dims.page_size, dims.num_pages)
     tables = (pkv.paged_kv_indptr, pkv.paged_kv_indices, pkv.paged_kv_last_page_len)
     B = pkv.batch_size
-    DP.check_head_dim(dims.head_dim)
+    DP.check_head_dim(dims.head_dim, fp8)
     shape = L.check_q(q, dims.head_dim, rows=B)
     group = L.check_heads(shape[1], dims.num_kv_heads)
     for name, x, want, c in (("out", out, shape, code), ("lse", lse, shape[:2], None)):
@@ -103,7 +109,7 @@ def fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_l
 
     # -- all checks passed: work list and metadata in one staging slot, one upload, outputs, launches --
     hq, D = shape[1], shape[2]
-    cfg = make_config(code, D, group, kv_layout, var, True, B * dims.num_kv_heads, tuning)
+    cfg = make_config(code, D, group, kv_layout, var, True, B * dims.num_kv_heads, tuning, fp8)
     rule = DP.split_rule(cfg, B, hq)
     stream = stream_handle(q) if kind == "torch" else 0
     with _RING.lock:                                  # see StagingRing.lock
@@ -127,7 +133,7 @@ def fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_l
         dec, ix = _bound_decode(cfg, kv_layout, var, q, paged_kv_cache, spans, o_dev, l_dev, po, pl, dims, pdl)
         n_hb = hq // cfg.heads_per_cta
         dec.set_grid(n_items * n_hb if cfg.path in ("warp", "tc") else (n_items, n_hb))
-        words = ELEM_WORDS[code]
+        words = ELEM_WORDS[fp8 or code]
         dec.set(ix["q"], q)
         dec.set(ix["kv"], paged_kv_cache, math.prod(paged_kv_cache.shape) // words)
         for name, sp in zip(HW.DECODE_PARTS[:8], spans):
@@ -137,7 +143,9 @@ def fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_l
         dec.set(ix["partial_o"], po)
         dec.set(ix["partial_lse"], pl)
         dec.set(ix["slopes"], _slopes(hq, var.has_alibi))
-        dec.set_scalar(ix["sm_scale"], var.scale(D))
+        dec.set_scalar(ix["sm_scale"], var.scale(D) * ks)     # fp8: k_scale joins the score scale
+        if fp8 is not None:
+            dec.set_scalar(ix["v_scale"], vs)
         dec.set_scalar(ix["sigmoid_bias"], var.sigmoid_bias)
         dec(stream)
         if n_slots:
@@ -157,7 +165,7 @@ def fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_l
     return (o_dev, l_dev) if return_lse else o_dev
 
 
-ELEM_WORDS = {"f16": 2, "bf16": 2, "f32": 1}
+ELEM_WORDS = {"f16": 2, "bf16": 2, "f32": 1, "e4m3": 4, "e5m2": 4}     # elements a 32-bit word
 _UNUSED: dict = {}
 
 
@@ -190,14 +198,14 @@ def _bound_decode(cfg, kv_layout, var, q, cache, spans, o_dev, l_dev, po, pl, di
     views = [sp.view() for sp in spans]
     prob = DP.DecodeProblem(code, "numba", 0, var, var.scale(D), B, hq, dims.num_kv_heads, D, dims.page_size,
                             kv_layout, np.zeros(B, np.int32), A.words(A.to_device(q, "q", 0, code)),
-                            A.words(A.to_device(cache, "paged_kv_cache", 0, code)), *views[:3],
+                            A.words(A.to_device(cache, "paged_kv_cache", 0, cfg.kv)), *views[:3],
                             _slopes(hq, var.has_alibi), None, A.to_device(o_dev, "out", 0, code), None,
                             A.to_device(l_dev, "lse", 0, "f32"), True, cfg.tuning)
     work = WorkList(*views[3:8])
     kern, grid, threads, args = DP.launch_for(prob, cfg, work, A.to_device(po, "po", 0, "f32"),
                                               A.to_device(pl, "pl", 0, "f32"), prefetch=pdl)
     ix = DP.decode_arg_index(cfg)
-    conv = {ix["q"]: _conv(code, "q", True), ix["kv"]: _conv(code, "paged_kv_cache", True),
+    conv = {ix["q"]: _conv(code, "q", True), ix["kv"]: _conv(cfg.kv, "paged_kv_cache", True),
             ix["out"]: _conv(code, "out", False), ix["lse"]: _conv("f32", "lse", False),
             ix["partial_o"]: _conv("f32", "po", False), ix["partial_lse"]: _conv("f32", "pl", False)}
     for name in ("kv_indptr", "kv_indices", "kv_last", "cta_indptr", "request", "kv_start", "kv_end", "out_slot"):

@@ -65,6 +65,8 @@ class DecodeProblem:
     lse_dev: Any
     aligned: bool
     tuning: DecodeTuning = DECODE
+    kv_code: str | None = None    # an fp8 cache ("e4m3" | "e5m2"); sm_scale then holds k_scale too
+    v_scale: float = 1.0          # fp8: the output's factor (docs/concepts/layouts.md, "fp8 KV caches")
 
     @property
     def group(self) -> int:
@@ -72,14 +74,18 @@ class DecodeProblem:
 
     def config(self) -> DecodeConfig:
         return make_config(self.code, self.head_dim, self.group, self.kv_layout, self.variant,
-                           self.aligned, self.batch * self.num_kv_heads, self.tuning)
+                           self.aligned, self.batch * self.num_kv_heads, self.tuning, self.kv_code)
 
 
-def check_head_dim(head_dim: int) -> None:
-    """LayoutError unless head_dim is a multiple of 8 in 8..MAX_HEAD_DIM."""
+def check_head_dim(head_dim: int, kv_code: str | None = None) -> None:
+    """LayoutError unless head_dim is a multiple of 8 in 8..MAX_HEAD_DIM (of 16 for an
+    fp8 cache, ``kv_code``: a 16-byte load holds 16 fp8 values)."""
     if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
         raise L.LayoutError(f"paged_kv_cache: head_dim must be a multiple of 8 in 8..{MAX_HEAD_DIM} "
                             f"(16-byte vector loads), got {head_dim}")
+    if kv_code is not None and head_dim % 16:
+        raise L.LayoutError(f"paged_kv_cache: an fp8 cache needs head_dim a multiple of 16 (16-byte vector "
+                            f"loads of 16 fp8 values), got {head_dim}")
 
 
 def check_out(name: str, x: Any, shape: tuple, code: str | None, kind: str) -> None:
@@ -160,7 +166,7 @@ def launch_for(p: DecodeProblem, cfg: DecodeConfig, work: WorkList, partial_o=No
         partial_lse = cuda.device_array(1, np.float32, stream=p.stream)
     n_hb = p.num_qo_heads // cfg.heads_per_cta
     tail = (A.flat(p.out_dev), A.flat(p.lse_dev), A.flat(partial_o), A.flat(partial_lse),
-            p.slopes, np.float32(p.sm_scale), np.float32(p.variant.sigmoid_bias))
+            p.slopes, np.float32(p.sm_scale), np.float32(p.variant.sigmoid_bias), np.float32(p.v_scale))
     if cfg.path in ("warp", "tc"):
         ps = p.page_size
         shift = ps.bit_length() - 1 if ps & (ps - 1) == 0 else -1
@@ -180,7 +186,8 @@ def decode_arg_index(cfg: DecodeConfig) -> dict:
     idx = dict(zip(names, range(5)))
     idx.update(cta_indptr=first, request=first + 1, kv_start=first + 2, kv_end=first + 3,
                out_slot=first + 4, out=first + 5, lse=first + 6, partial_o=first + 7,
-               partial_lse=first + 8, slopes=first + 9, sm_scale=first + 10, sigmoid_bias=first + 11)
+               partial_lse=first + 8, slopes=first + 9, sm_scale=first + 10, sigmoid_bias=first + 11,
+               v_scale=first + 12)
     return idx
 
 

@@ -124,6 +124,11 @@ class DecodeTuning(_Tuning):
     #: of ``nbattn.sched.plan``). Fitted on the H200: benchmarks/results/sched.json,
     #: record "item_overhead_tokens" (63.7 warp path, 82.4 tensor-core path).
     plan_chunk_overhead: float = 64.0
+    #: Query heads one CTA of the warp path holds when the cache is fp8. A register
+    #: limit, not a measurement: a lane holds 16 fp8 dims (one 16-byte load), so q and
+    #: acc take 2 * heads * 16 floats, and 2 heads take what 4 take with fp16
+    #: (benchmarks/gpu_fp8.py times it).
+    fp8_warp_max_heads: int = 2
     #: How the split partials are merged.
     merge: MergeTuning = field(default_factory=lambda: MERGE)
 
@@ -131,9 +136,9 @@ class DecodeTuning(_Tuning):
         if self.path not in DECODE_PATHS:
             raise ValueError(f"DecodeTuning.path must be one of {DECODE_PATHS}, got {self.path!r}")
         self._nonneg("smem_budget", "warp_max_heads", "warp_warps", "warp_unroll", "tc_min_group",
-                     "prefetch_steps", "prefetch_max_heads")
-        if self.warp_warps < 1 or self.warp_max_heads < 1:
-            raise ValueError("DecodeTuning.warp_warps and warp_max_heads must be >= 1")
+                     "prefetch_steps", "prefetch_max_heads", "fp8_warp_max_heads")
+        if self.warp_warps < 1 or self.warp_max_heads < 1 or self.fp8_warp_max_heads < 1:
+            raise ValueError("DecodeTuning.warp_warps, warp_max_heads and fp8_warp_max_heads must be >= 1")
         for name in ("tc_split_shape", "tc_shape", "tc_shape_wide"):
             self._pair(name)
         if not isinstance(self.merge, MergeTuning):

@@ -48,16 +48,24 @@ __all__ = ["chunk_bad", "poison_kv", "checked", "max_nan", "NAN_F32", "EXP_MASK"
 NAN_F32 = float32(math.nan)
 # Exponent bits (all ones = inf or NaN) of each element in a 32-bit word, and a NaN word.
 EXP_MASK = {"f32": (0x7F800000, 0), "f16": (0x7C00, 0x7C000000), "bf16": (0x7F80, 0x7F800000)}
-NAN_WORD = {"f32": 0x7FC00000, "f16": 0x7E007E00, "bf16": 0x7FC07FC0}
+NAN_WORD = {"f32": 0x7FC00000, "f16": 0x7E007E00, "bf16": 0x7FC07FC0, "e4m3": 0x7F7F7F7F, "e5m2": 0x7F7F7F7F}
+# fp8 (four bytes a word): the magnitude bits that are all ones in a non-finite code
+# (e4m3fn: s1111111, its NaN; e5m2: s11111mm, inf or NaN), and the add that carries
+# such a byte, and no other, into its top bit
+FP8_BAD = {"e4m3": (0x7F7F7F7F, 0x01010101), "e5m2": (0x7C7C7C7C, 0x04040404)}
 
 _cache: dict = {}
 
 
 def chunk_bad(code: str):
     """Device function ``(w0, w1, w2, w3) -> bool`` on the raw uint32 words of a
-    16-byte chunk: True when an element is inf or NaN (all exponent bits set)."""
+    16-byte chunk: True when an element is inf or NaN (all exponent bits set; for the
+    fp8 codes ``"e4m3"`` / ``"e5m2"``, the four bytes of each word are checked)."""
     key = ("bad", code)
     if key in _cache:
+        return _cache[key]
+    if code in FP8_BAD:
+        _cache[key] = _fp8_chunk_bad(*FP8_BAD[code])
         return _cache[key]
     lo_m, hi_m = EXP_MASK[code]
     LO, HI = uint32(lo_m), uint32(hi_m)
@@ -76,6 +84,20 @@ def chunk_bad(code: str):
         return bad(w0) or bad(w1) or bad(w2) or bad(w3)
 
     _cache[key] = chunk
+    return chunk
+
+
+def _fp8_chunk_bad(mask: int, carry: int):
+    M, C, TOP = uint32(mask), uint32(carry), uint32(0x80808080)
+
+    @device_fn
+    def bad(w):
+        # ((w & M) + C) & 0x80808080 != 0  <=>  some byte b has (b & M) == M
+        return (((uint32(w) & M) + C) & TOP) != uint32(0)
+
+    @device_fn
+    def chunk(w0, w1, w2, w3):
+        return bad(w0) or bad(w1) or bad(w2) or bad(w3)
     return chunk
 
 

@@ -353,7 +353,7 @@ else:  # pragma: no cover - needs a GPU
 # Raw arrays: uint16 for 16-bit floats, float32 for fp32; words: uint32.
 # ---------------------------------------------------------------------------
 
-ELEMS_PER_WORD = {"f16": 2, "bf16": 2, "f32": 1}
+ELEMS_PER_WORD = {"f16": 2, "bf16": 2, "f32": 1, "e4m3": 4, "e5m2": 4}   # fp8 K/V: nbattn.cuda.blocks.fp8
 
 _io_cache: dict = {}
 

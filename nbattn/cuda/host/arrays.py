@@ -50,12 +50,13 @@ from numba import cuda
 from ...layout import LayoutError, as_int32, is_torch
 from ..blocks.primitives import SIMULATOR
 
-__all__ = ["dtype_code", "kind_of", "is_torch", "is_device_kind", "launch_stream", "to_device", "flat", "words",
+__all__ = ["FP8", "dtype_code", "kind_of", "is_torch", "is_device_kind", "launch_stream", "to_device", "flat", "words",
            "new_output", "finish", "host_meta", "device_meta", "RAW", "NP_DTYPE",
            "check_contiguous", "copy_into_host", "output_for", "finish_into", "finish_results"]
 
 # Raw element type the kernels see, the NumPy dtype a host result has.
-RAW = {"f16": np.uint16, "bf16": np.uint16, "f32": np.float32}
+RAW = {"f16": np.uint16, "bf16": np.uint16, "f32": np.float32, "e4m3": np.uint8, "e5m2": np.uint8}
+FP8 = ("e4m3", "e5m2")     # fp8 K/V codes (torch float8_e4m3fn / float8_e5m2), read as raw bytes
 NP_DTYPE = {"f16": np.dtype(np.float16), "bf16": np.dtype("V2"), "f32": np.dtype(np.float32)}
 
 
@@ -102,6 +103,10 @@ def _dtype_code(dt: Any, name: str) -> str:
     if text == "bfloat16" or text in ("|V2", "V2") or (isinstance(dt, np.dtype) and dt.kind == "V"
                                                     and dt.itemsize == 2):
         return "bf16"
+    if text.startswith("float8"):
+        raise LayoutError(f"{name}: dtype must be float16, bfloat16 or float32, got {text}: of nbattn.cuda, "
+                          "only batch_decode_paged, BatchDecodeWithPagedKVCacheWrapper and append_paged_kv_cache "
+                          "read fp8 K/V caches (docs/concepts/layouts.md, 'fp8 KV caches')")
     raise LayoutError(f"{name}: dtype must be float16, bfloat16 or float32, got {text}")
 
 
@@ -133,7 +138,10 @@ def _host_raw(x: Any, code: str) -> np.ndarray:
     if is_torch(x):
         import torch
         t = x.detach()
-        arr = t.view(torch.int16).numpy().view(np.uint16) if code == "bf16" else t.numpy()
+        if code in FP8:
+            arr = t.view(torch.uint8).numpy()
+        else:
+            arr = t.view(torch.int16).numpy().view(np.uint16) if code == "bf16" else t.numpy()
     else:
         arr = np.asarray(x)
     return c_strided(np.ascontiguousarray(arr)).view(RAW[code])
@@ -168,7 +176,9 @@ def to_device(x: Any, name: str, stream=0, code: str | None = None, *, strided: 
     if kind == "torch":
         import torch
         t = x.detach()
-        if code != "f32":
+        if code in FP8:
+            t = t.view(torch.uint8)
+        elif code != "f32":
             t = t.view(torch.int16)
         dev = cuda.as_cuda_array(t)
     elif kind == "cai":

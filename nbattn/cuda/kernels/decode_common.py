@@ -60,9 +60,20 @@ class DecodeConfig:
     unroll: int = 1     # warp path: tokens per row per step
     min_blocks: int = 4  # warp and tc paths: CTAs per SM the launch bounds ask for (caps registers)
     tuning: DecodeTuning = DECODE   # what the choice above was made with (kernels read it too)
+    kv_code: str | None = None      # "e4m3" | "e5m2": an fp8 cache (q keeps ``code``); None: K/V are ``code``
+
+    @property
+    def kv(self) -> str:
+        """The dtype code of the K/V cache."""
+        return self.kv_code or self.code
 
     @property
     def words_per_row(self) -> int:
+        """32-bit words of one K (or V) row of one head."""
+        return self.head_dim // ELEMS_PER_WORD[self.kv]
+
+    @property
+    def q_words_per_row(self) -> int:
         return self.head_dim // ELEMS_PER_WORD[self.code]
 
     @property
@@ -103,11 +114,12 @@ def warp_geometry(code: str, head_dim: int, heads: int, nwarps: int, unroll: int
     return nx, tw, nwarps * tw, nwarps * tw * unroll
 
 
-def tc_eligible(code: str, head_dim: int, aligned: bool, variant) -> bool:
+def tc_eligible(code: str, head_dim: int, aligned: bool, variant, kv_code: str | None = None) -> bool:
     """The tensor-core path takes fp16/bf16, head_dim 32..128 in steps of 32 (256
-    spills: ptxas, sm_90) and softmax (not sigmoid) variants, on a GPU."""
+    spills: ptxas, sm_90) and softmax (not sigmoid) variants, on a GPU; not an fp8
+    cache (``kv_code``), which the warp path reads."""
     return (not SIMULATOR and aligned and code in ("f16", "bf16") and head_dim % 32 == 0
-            and head_dim <= 128 and not variant.use_sigmoid)
+            and head_dim <= 128 and not variant.use_sigmoid and kv_code is None)
 
 
 def _use_warp(code: str, head_dim: int, aligned: bool, tuning: DecodeTuning) -> bool:
@@ -116,8 +128,9 @@ def _use_warp(code: str, head_dim: int, aligned: bool, tuning: DecodeTuning) -> 
     return tuning.path == "warp" or not SIMULATOR
 
 
-def _use_tc(code: str, head_dim: int, group: int, aligned: bool, variant: Variant, tuning: DecodeTuning) -> bool:
-    if tuning.path not in ("auto", "tc") or not tc_eligible(code, head_dim, aligned, variant):
+def _use_tc(code: str, head_dim: int, group: int, aligned: bool, variant: Variant, tuning: DecodeTuning,
+            kv_code: str | None = None) -> bool:
+    if tuning.path not in ("auto", "tc") or not tc_eligible(code, head_dim, aligned, variant, kv_code):
         return False
     return tuning.path == "tc" or (tuning.tc_min_group > 0 and group >= tuning.tc_min_group)
 
@@ -127,46 +140,54 @@ _configs: dict = {}
 
 def make_config(code: str, head_dim: int, group: int, kv_layout: str, variant: Variant,
                 aligned: bool = True, batch_kv_heads: int | None = None,
-                tuning: DecodeTuning | None = None) -> DecodeConfig:
+                tuning: DecodeTuning | None = None, kv_code: str | None = None) -> DecodeConfig:
     """The kernel build for a problem under ``tuning`` (default
     :data:`~nbattn.cuda.tuning.DECODE`); ``batch_kv_heads`` (batch x KV heads, when
-    known) picks the tensor-core CTA shape for small batches.  Memoized (a call's
-    hot path asks for it)."""
+    known) picks the tensor-core CTA shape for small batches; ``kv_code`` (``"e4m3"``
+    / ``"e5m2"``) an fp8 cache, which takes the warp path on a GPU (never the
+    tensor-core one) with ``DecodeTuning.fp8_warp_max_heads`` heads a CTA.  Memoized
+    (a call's hot path asks for it)."""
     tuning = DECODE if tuning is None else tuning
-    key = (code, head_dim, group, kv_layout, variant, aligned, batch_kv_heads, tuning)
+    key = (code, head_dim, group, kv_layout, variant, aligned, batch_kv_heads, tuning, kv_code)
     try:
         return _configs[key]
     except KeyError:
         cfg = _configs[key] = _make_config(code, head_dim, group, kv_layout, variant, aligned, batch_kv_heads,
-                                           tuning)
+                                           tuning, kv_code)
         return cfg
     except TypeError:                      # an unhashable variant field
-        return _make_config(code, head_dim, group, kv_layout, variant, aligned, batch_kv_heads, tuning)
+        return _make_config(code, head_dim, group, kv_layout, variant, aligned, batch_kv_heads, tuning, kv_code)
 
 
 def _make_config(code: str, head_dim: int, group: int, kv_layout: str, variant: Variant,
-                 aligned: bool, batch_kv_heads: int | None, tuning: DecodeTuning) -> DecodeConfig:
+                 aligned: bool, batch_kv_heads: int | None, tuning: DecodeTuning,
+                 kv_code: str | None = None) -> DecodeConfig:
     key = kernel_variant_key(variant)
-    if _use_tc(code, head_dim, group, aligned, variant, tuning):
+    kv = kv_code or code
+    if _use_tc(code, head_dim, group, aligned, variant, tuning, kv_code):
         hg = heads_per_cta(group)
         # (warps a CTA, CTAs an SM) by the CTA's heads (DecodeTuning.tc_shape / tc_shape_wide)
         nw, mb = tuning.tc_shape_wide if hg > 4 else tuning.tc_shape
         if batch_kv_heads is not None and 2 * batch_kv_heads * (group // hg) <= sm_count():
             nw, mb = tuning.tc_split_shape      # the unsplit grid fills at most half the SMs
         return DecodeConfig(code, head_dim, hg, kv_layout, key, 32 * nw, 16 * nw, aligned, "tc", 1, mb, tuning)
-    if _use_warp(code, head_dim, aligned, tuning):
-        hg = warp_heads_per_cta(group, tuning.warp_max_heads, warp_geometry(code, head_dim, 1, 1, 1)[0])
+    if _use_warp(kv, head_dim, aligned, tuning):
+        most = tuning.fp8_warp_max_heads if kv_code else tuning.warp_max_heads
+        hg = warp_heads_per_cta(group, most, warp_geometry(kv, head_dim, 1, 1, 1)[0])
         nw = tuning.warp_warps
         # tokens in flight per row: as many as the register cap holds without spills
         # (ptxas, sm_90, 128 registers: HG = 4 fits 3, fewer heads fit 4; HG = 8 needs
         # 168 registers, i.e. 3 CTAs per SM, and fits 2)
         min_blocks = 3 if hg > 4 else 4
-        unroll = 2 if SIMULATOR else (tuning.warp_unroll or (2 if hg > 4 else 3 if hg >= 3 else 4))
-        _, _, _, step = warp_geometry(code, head_dim, hg, nw, unroll)
+        # fp8: a lane holds 16 dims (VEC = 16), so q and acc take twice the registers of
+        # fp16 per head; 2 heads and 2 tokens in flight fit 128 registers (an estimate)
+        auto = (2 if hg >= 2 else 4) if kv_code else (2 if hg > 4 else 3 if hg >= 3 else 4)
+        unroll = 2 if SIMULATOR else (tuning.warp_unroll or auto)
+        _, _, _, step = warp_geometry(kv, head_dim, hg, nw, unroll)
         return DecodeConfig(code, head_dim, hg, kv_layout, key, 32 * nw, step, aligned, "warp", unroll,
-                            min_blocks, tuning)
+                            min_blocks, tuning, kv_code)
     hg = heads_per_cta(group)
-    w = head_dim // ELEMS_PER_WORD[code]
+    w = head_dim // ELEMS_PER_WORD[kv]
     nx = w // 4
     if SIMULATOR:
         ny = 4              # each simulated thread is a Python thread: keep blocks tiny
@@ -182,7 +203,7 @@ def _make_config(code: str, head_dim: int, group: int, kv_layout: str, variant: 
             if smem <= tuning.smem_budget and (hg <= 2 or cand <= 32):
                 t = cand
                 break
-    return DecodeConfig(code, head_dim, hg, kv_layout, key, nx * ny, t, aligned, tuning=tuning)
+    return DecodeConfig(code, head_dim, hg, kv_layout, key, nx * ny, t, aligned, tuning=tuning, kv_code=kv_code)
 
 
 # ---------------------------------------------------------------------------

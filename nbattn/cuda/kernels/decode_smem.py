@@ -40,6 +40,7 @@ import numpy as np
 from numba import cuda, float32, int64
 
 from ..blocks import nanrule as NR
+from ..blocks.fp8 import fp8_unpack4
 from ..blocks.primitives import ELEMS_PER_WORD, SHARED_ALIGN, device_fn, element_io, exp2f, ld_v4, load_v4, st_v4
 from ..blocks.softmax import rescale
 from ..blocks.variants import LOG2E, sigmoid_weight, variant_device_fns
@@ -60,15 +61,21 @@ def build_smem_kernel(cfg):
     NY = NT // NX
     T = cfg.tile_tokens
     TPT = T // NY
-    VEC = 4 * ELEMS_PER_WORD[cfg.code]
+    VEC = 4 * ELEMS_PER_WORD[cfg.kv]      # elements of one 16-byte K/V chunk (16 for fp8)
+    QW = cfg.q_words_per_row
+    QL = VEC // (4 * ELEMS_PER_WORD[cfg.code])   # 16-byte q loads per chunk (2 for fp16 q, fp8 K/V)
+    QE = VEC // QL
     RED = max(HG * T * NX, NY * D)
     TILE_WORDS, P_LEN, HG_VEC = T * W, HG * T, HG * VEC   # shared/local array sizes
     NHD = cfg.kv_layout == "NHD"
     SIGMOID = cfg.variant.use_sigmoid
     ALIGNED = cfg.aligned
-    _, store_elem, unpack4 = element_io(cfg.code)
+    _, store_elem, q_unpack4 = element_io(cfg.code)
+    # K/V: the cache's own unpack (fp8 bytes dequantized in registers, blocks/fp8.py)
+    unpack4 = fp8_unpack4(cfg.kv_code) if cfg.kv_code else q_unpack4
+    SCALE_V = cfg.kv_code is not None    # fp8: o = v_scale * acc / l (k_scale is in sm_scale)
     transform, keep = variant_device_fns(cfg.variant)
-    poison = NR.poison_kv(cfg.code)
+    poison = NR.poison_kv(cfg.kv)
 
     @device_fn
     def read4(arr, i):   # 16-byte global load when the base pointers allow it
@@ -78,7 +85,7 @@ def build_smem_kernel(cfg):
 
     def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, num_kv_heads, num_qo_heads,
                cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
-               out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias):
+               out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias, v_scale):
         k_s = cuda.shared.array(TILE_WORDS, np.uint32, alignment=SHARED_ALIGN)   # the tile's K rows
         v_s = cuda.shared.array(TILE_WORDS, np.uint32, alignment=SHARED_ALIGN)   # and V rows (raw words)
         red = cuda.shared.array(RED, np.float32)      # partial dots, then partial accumulators
@@ -105,8 +112,9 @@ def build_smem_kernel(cfg):
 
             # q chunk of every head of the block, in registers; m = -inf, l = 0, acc = 0
             for g in range(HG):
-                w0, w1, w2, w3 = read4(q_w, (int64(r) * num_qo_heads + h0 + g) * W + tx * 4)
-                unpack4(w0, w1, w2, w3, qv, g * VEC)
+                for c in range(QL):
+                    w0, w1, w2, w3 = read4(q_w, (int64(r) * num_qo_heads + h0 + g) * QW + (tx * QL + c) * 4)
+                    q_unpack4(w0, w1, w2, w3, qv, g * VEC + c * QE)
                 lacc[g] = 0.0
                 for e in range(VEC):
                     acc[g * VEC + e] = 0.0
@@ -216,7 +224,7 @@ def build_smem_kernel(cfg):
                 for y in range(NY):
                     l += p_s[y]
                 if SIGMOID:
-                    inv_l = float32(1.0)
+                    inv_l = v_scale if SCALE_V else float32(1.0)
                     row_lse = float32(math.nan)
                 elif m_s[g] != m_s[g] or l != l:     # a visible key was non-finite
                     inv_l = NR.NAN_F32
@@ -226,6 +234,8 @@ def build_smem_kernel(cfg):
                     row_lse = NEG_INF
                 else:
                     inv_l = float32(1.0) / l
+                    if SCALE_V:
+                        inv_l *= v_scale
                     row_lse = m_s[g] + math.log2(l)
                 for d in range(tid, D, NT):
                     o = float32(0.0)

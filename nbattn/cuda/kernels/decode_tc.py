@@ -137,7 +137,8 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
 
     def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, ps_shift, num_kv_heads,
                num_qo_heads, n_head_blocks, prefetch, cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
-               out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias):
+               out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias, v_scale):
+        # v_scale (fp8 caches) is always 1.0 here: make_config never sends fp8 to this path
         st_acc = cuda.shared.array(ACC_LEN, np.float32)
         st_m = cuda.shared.array(ML_LEN, np.float32)
         st_l = cuda.shared.array(ML_LEN, np.float32)

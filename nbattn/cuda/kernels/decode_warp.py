@@ -49,6 +49,7 @@ import numpy as np
 from numba import cuda, float32, int64, uint32
 
 from ..blocks import nanrule as NR
+from ..blocks.fp8 import fp8_unpack4
 from ..blocks.mma import grid_dependents_launch
 from ..blocks.primitives import (ELEMS_PER_WORD, SHARED_ALIGN, element_io, load_v4, shfl_idx_f32,
                                  shfl_xor_f32, st_v4)
@@ -70,10 +71,13 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
     D = cfg.head_dim
     HG = cfg.heads_per_cta
     HP = 1 << (HG - 1).bit_length()  # heads padded to a power of two (dummies never written)
-    EPW = ELEMS_PER_WORD[cfg.code]
-    VEC = 4 * EPW
+    EPW = ELEMS_PER_WORD[cfg.kv]
+    VEC = 4 * EPW                    # dims of a lane: one 16-byte K/V chunk (16 for fp8)
     W = D // EPW                     # 32-bit words per K/V row
-    NX, TW, R, S = warp_geometry(cfg.code, D, HG, nwarps, unroll)
+    QW = cfg.q_words_per_row         # 32-bit words per q row
+    QL = VEC // (4 * ELEMS_PER_WORD[cfg.code])   # 16-byte q loads per lane (2: fp16 q, fp8 K/V)
+    QE = VEC // QL
+    NX, TW, R, S = warp_geometry(cfg.kv, D, HG, nwarps, unroll)
     assert HP <= NX, "heads per CTA must fit the lanes of a token"
     U = unroll
     NT = 32 * nwarps
@@ -89,15 +93,17 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
     ALIBI = var.has_alibi
     # no logits transform: the score needs no natural-scale value, fold the scale into q
     PLAIN = not SIGMOID and not ALIBI and not var.has_soft_cap and var.score_mod is None
-    _, store_elem, unpack4 = element_io(cfg.code)
+    _, store_elem, q_unpack4 = element_io(cfg.code)
+    unpack4 = fp8_unpack4(cfg.kv_code) if cfg.kv_code else q_unpack4   # K/V words -> VEC floats
+    SCALE_V = cfg.kv_code is not None    # fp8: the accumulators are scaled by v_scale before they meet
     transform, keep = variant_device_fns(var)
-    poison = NR.poison_kv(cfg.code)
+    poison = NR.poison_kv(cfg.kv)
     write_states = make_state_writer(HG, D, NT, R, HG, SIGMOID, store_elem)
     kv_addressing = make_kv_addressing(W, NHD)
 
     def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, ps_shift, num_kv_heads,
                num_qo_heads, n_head_blocks, prefetch, cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
-               out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias):
+               out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias, v_scale):
         st_acc = cuda.shared.array(ACC_LEN, np.float32, alignment=SHARED_ALIGN)
         st_m = cuda.shared.array(ML_LEN, np.float32)
         st_l = cuda.shared.array(ML_LEN, np.float32)
@@ -133,8 +139,9 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
                     qv[g * VEC + e] = 0.0
                     acc[g * VEC + e] = 0.0
                 if g < HG:
-                    w0, w1, w2, w3 = load_v4(q_w, (int64(r) * num_qo_heads + h0 + g) * W + x * 4)
-                    unpack4(w0, w1, w2, w3, qv, g * VEC)
+                    for c in range(QL):
+                        w0, w1, w2, w3 = load_v4(q_w, (int64(r) * num_qo_heads + h0 + g) * QW + (x * QL + c) * 4)
+                        q_unpack4(w0, w1, w2, w3, qv, g * VEC + c * QE)
                     if PLAIN:
                         for e in range(VEC):
                             qv[g * VEC + e] *= qscale
@@ -230,8 +237,12 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
                         for e in range(VEC):
                             acc[g * VEC + e] += p * xf[e]
 
-            # combine the R rows' states (merge rule, docs/concepts/state.md) and write
+            # combine the R rows' states (merge rule, docs/concepts/state.md) and write;
+            # o is linear in acc, so v_scale may join here: o = v_scale * acc / l
             for g in range(HG):
+                if SCALE_V:
+                    for e in range(VEC):
+                        acc[g * VEC + e] *= v_scale
                 o_at = (row * HG + g) * D + x * VEC
                 for e in range(0, VEC, 4):
                     st_v4(st_acc, o_at + e, acc[g * VEC + e], acc[g * VEC + e + 1],

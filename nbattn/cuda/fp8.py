@@ -1,0 +1,105 @@
+"""fp8 KV caches on the kernels: the argument rules, and the forms that refuse them.
+
+What reads fp8 (docs/concepts/layouts.md, "fp8 KV caches"):
+
+* :func:`nbattn.cuda.batch_decode_paged` and
+  :class:`nbattn.cuda.BatchDecodeWithPagedKVCacheWrapper` read a paged
+  ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` cache with scalar
+  ``k_scale`` / ``v_scale`` (None is 1.0) and ``q`` in float16, bfloat16 or
+  float32.  The kernels see the cache as raw bytes and dequantize in registers
+  (:mod:`nbattn.cuda.blocks.fp8`); ``k_scale`` joins ``sm_scale`` (a score is
+  ``q . k * sm_scale * k_scale``) and ``v_scale`` multiplies the output once,
+  when a work item writes its state (``o = v_scale * sum_j p_j v_j / l``; the
+  merge of split states is linear in ``o``, so it commutes).
+* :func:`nbattn.cuda.append_paged_kv_cache` writes into an fp8 cache,
+  quantizing on the host with the golden model's
+  :func:`nbattn.reference.fp8.quantize`.
+
+The checks are the golden model's (:mod:`nbattn.reference.fp8`), so the
+messages are the same.  Every other form refuses fp8 K/V and the scales with
+:class:`Fp8NotSupported` (a ``ValueError`` and a ``NotImplementedError``)
+naming the argument, before anything is launched (:func:`refuse_fp8`).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable
+
+from .. import layout as L
+from ..reference.fp8 import FP8_DTYPES, check_kv_dtypes, fp8_kind, kv_scales, reject_fp8
+from .blocks.fp8 import FP8_CODES
+from .host import arrays as A
+
+__all__ = ["Fp8NotSupported", "FP8_READERS", "decode_kv", "is_fp8", "fp8_data_type", "refuse_fp8"]
+
+FP8_READERS = "nbattn.cuda.batch_decode_paged, BatchDecodeWithPagedKVCacheWrapper and append_paged_kv_cache"
+_TORCH_FP8 = tuple(f"torch.{n}" for n in FP8_DTYPES)
+
+
+class Fp8NotSupported(L.LayoutError, NotImplementedError):
+    """An fp8 K/V argument (or a scale) given to a kernel form that does not read fp8."""
+
+
+def is_fp8(x: Any) -> bool:
+    """Whether ``x`` has an fp8 dtype (a cheap test on the dtype's name)."""
+    return str(getattr(x, "dtype", "")).replace("torch.", "").startswith("float8")
+
+
+def decode_kv(q: Any, paged_kv_cache: Any, k_scale: Any, v_scale: Any) -> tuple[str | None, float, float]:
+    """``(kv_code, k_scale, v_scale)`` of a decode call: the cache's fp8 kernel code
+    (``"e4m3"`` / ``"e5m2"``) and the scales as floats, or ``(None, 1.0, 1.0)`` for a
+    cache that is not fp8 (where a scale other than None is refused).  The golden
+    model's rules and messages (:func:`nbattn.reference.fp8.check_kv_dtypes`,
+    :func:`~nbattn.reference.fp8.kv_scales`)."""
+    if is_fp8(q):
+        reject_fp8("q", q)
+    kind = fp8_kind("paged_kv_cache", paged_kv_cache)
+    if kind is None:
+        kv_scales(k_scale, v_scale, None, "paged_kv_cache", L.dtype_of(paged_kv_cache))
+        return None, 1.0, 1.0
+    check_kv_dtypes(q, paged_kv_cache=paged_kv_cache)
+    ks, vs = kv_scales(k_scale, v_scale, kind, "paged_kv_cache", kind)
+    A.dtype_code(q, "q")                                  # q: float16, bfloat16 or float32
+    return FP8_CODES[kind], ks, vs
+
+
+def fp8_data_type(kv_data_type: Any) -> str | None:
+    """A plan()'s ``kv_data_type`` as an fp8 kernel code, None when it is not fp8
+    (``torch.float8_e4m3fn`` or its name, with or without ``torch.``)."""
+    if kv_data_type is None:
+        return None
+    text = str(kv_data_type).replace("torch.", "")
+    if not text.startswith("float8"):
+        return None
+    if text not in FP8_CODES:
+        raise L.LayoutError(f"kv_data_type: fp8 dtype {text} is not supported; use {' or '.join(_TORCH_FP8)}")
+    return FP8_CODES[text]
+
+
+def refuse_fp8(fn: Callable, form: str, names: tuple = ("k", "v", "paged_kv_cache")) -> Callable:
+    """``fn`` (a kernel form that does not read fp8) refusing fp8 K/V (arguments
+    ``names``) and ``k_scale`` / ``v_scale`` first, with :class:`Fp8NotSupported`."""
+    sig = inspect.signature(fn)
+    pos = [n for n in sig.parameters if n in names]
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            bound = sig.bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            bound = kwargs
+        for name in pos:
+            x = bound.get(name)
+            if x is not None and is_fp8(x):
+                raise Fp8NotSupported(f"{name}: nbattn.cuda.{form} does not read fp8 K/V ({L.dtype_of(x)}); "
+                                      f"of the kernels, {FP8_READERS} do, and nbattn.reference.{form} "
+                                      f"reads it (docs/concepts/layouts.md, 'fp8 KV caches')")
+        for name in ("k_scale", "v_scale"):
+            if kwargs.get(name) is not None:
+                raise Fp8NotSupported(f"{name}: nbattn.cuda.{form} does not read fp8 K/V, so it takes no "
+                                      f"scale; {FP8_READERS} do")
+        kwargs.pop("k_scale", None)
+        kwargs.pop("v_scale", None)
+        return fn(*args, **kwargs)
+    return call
