@@ -13,6 +13,7 @@ Public (the golden model's arguments, plus ``out=``/``lse=`` buffers):
 Building blocks for other kernels and the scheduler's plan()/run():
     nbattn.cuda.host.arrays     input kinds, streams, raw word views
     nbattn.cuda.blocks.primitives  16-byte loads, fp16/bf16 unpack, exp2 (GPU + simulator faces)
+    nbattn.cuda.blocks.fp8         fp8 (e4m3fn / e5m2) bytes to float32 in registers
     nbattn.cuda.blocks.variants    variant_device_fns(variant) -> (transform, keep)
     nbattn.cuda.decode      prepare_decode, WorkList, decode_launch, run_decode_work, split_work
     nbattn.cuda.merge       MergeMap, run_merge_partials
@@ -28,12 +29,18 @@ from .split import split_kv
 from .wrappers import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
 from .page import append_paged_kv_cache
 from .sinks import with_sinks
+from .fp8 import refuse_fp8
 
 __all__ = ["batch_decode_paged", "merge_state", "merge_states", "merge_state_in_place",
            "batch_prefill_paged", "batch_prefill_ragged", "single_prefill", "block_sparse", "cascade",
            "BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
            "append_paged_kv_cache", "single_decode", "split_kv"]
 
+# Forms that do not read fp8 K/V refuse it (and k_scale / v_scale) first, naming the argument
+# (nbattn.cuda.fp8); batch_decode_paged, the decode wrapper and append_paged_kv_cache read it.
+(single_decode, batch_prefill_paged, batch_prefill_ragged, single_prefill, block_sparse, split_kv) = (
+    refuse_fp8(f, f.__name__) for f in (single_decode, batch_prefill_paged, batch_prefill_ragged, single_prefill,
+                                        block_sparse, split_kv))
 # The golden model's dtype= keyword is a documented no-op here (nbattn._diff).
 # Learnable sinks (sinks=) are one more state merged once after the kernels (nbattn.cuda.sinks).
 (batch_decode_paged, single_decode, batch_prefill_paged, batch_prefill_ragged, single_prefill,

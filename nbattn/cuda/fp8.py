@@ -27,7 +27,7 @@ import inspect
 from typing import Any, Callable
 
 from .. import layout as L
-from ..reference.fp8 import FP8_DTYPES, check_kv_dtypes, fp8_kind, kv_scales, reject_fp8
+from ..reference.fp8 import FP8_DTYPES, FP8_FORMS, check_kv_dtypes, fp8_kind, kv_scales, reject_fp8
 from .blocks.fp8 import FP8_CODES
 from .host import arrays as A
 
@@ -82,6 +82,7 @@ def refuse_fp8(fn: Callable, form: str, names: tuple = ("k", "v", "paged_kv_cach
     ``names``) and ``k_scale`` / ``v_scale`` first, with :class:`Fp8NotSupported`."""
     sig = inspect.signature(fn)
     pos = [n for n in sig.parameters if n in names]
+    golden = f", and so does nbattn.reference.{form}" if form in FP8_FORMS else ""
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
@@ -93,8 +94,8 @@ def refuse_fp8(fn: Callable, form: str, names: tuple = ("k", "v", "paged_kv_cach
             x = bound.get(name)
             if x is not None and is_fp8(x):
                 raise Fp8NotSupported(f"{name}: nbattn.cuda.{form} does not read fp8 K/V ({L.dtype_of(x)}); "
-                                      f"of the kernels, {FP8_READERS} do, and nbattn.reference.{form} "
-                                      f"reads it (docs/concepts/layouts.md, 'fp8 KV caches')")
+                                      f"of the kernels, {FP8_READERS} do{golden} "
+                                      f"(docs/concepts/layouts.md, 'fp8 KV caches')")
         for name in ("k_scale", "v_scale"):
             if kwargs.get(name) is not None:
                 raise Fp8NotSupported(f"{name}: nbattn.cuda.{form} does not read fp8 K/V, so it takes no "

@@ -54,9 +54,13 @@ def _write(cache, page, slot, k, v, kv_layout: str) -> None:
         cache[page, 1, :, slot] = v
 
 
-def _append_fp8(append_key, append_value, batch_indices, positions, cache, paged_kv_indptr,
-                paged_kv_indices, paged_kv_last_page_len, kv_layout, fp8, k_scale, v_scale) -> None:
-    import torch
+def fp8_append_data(append_key, append_value, batch_indices, positions, cache, paged_kv_indptr,
+                    paged_kv_indices, paged_kv_last_page_len, kv_layout: str, fp8: str, k_scale, v_scale):
+    """What an append into the fp8 cache ``cache`` (of fp8 dtype name ``fp8``) writes, checked:
+    ``(page, slot, k, v)``, the page and slot of every token (NumPy) and its K and V as
+    torch tensors of the cache's fp8 dtype (K/V already of that dtype as they are, others
+    quantized with :func:`~nbattn.reference.fp8.quantize`).  The kernels'
+    ``append_paged_kv_cache`` writes the same bytes."""
     kinds = (fp8_kind("append_key", append_key), fp8_kind("append_value", append_value))
     if L.dtype_of(append_key) != L.dtype_of(append_value):
         raise L.LayoutError(f"append_value: must have append_key's dtype, got append_key="
@@ -76,13 +80,20 @@ def _append_fp8(append_key, append_value, batch_indices, positions, cache, paged
                                 paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, kv_layout,
                                 check_dtypes=False)
     if ks is None:
-        k, v = append_key.to(cache.device), append_value.to(cache.device)
-    else:
-        k, v = L.to_numpy(append_key), L.to_numpy(append_value)
-        for name, x in (("append_key", k), ("append_value", v)):
-            if x.dtype.kind != "f":
-                raise L.LayoutError(f"{name}: must be a floating-point array or tensor, got {x.dtype}")
-        k, v = quantize(k, ks, fp8).to(cache.device), quantize(v, vs, fp8).to(cache.device)
+        return page, slot, append_key, append_value
+    k, v = L.to_numpy(append_key), L.to_numpy(append_value)
+    for name, x in (("append_key", k), ("append_value", v)):
+        if x.dtype.kind != "f":
+            raise L.LayoutError(f"{name}: must be a floating-point array or tensor, got {x.dtype}")
+    return page, slot, quantize(k, ks, fp8), quantize(v, vs, fp8)
+
+
+def _append_fp8(append_key, append_value, batch_indices, positions, cache, paged_kv_indptr,
+                paged_kv_indices, paged_kv_last_page_len, kv_layout, fp8, k_scale, v_scale) -> None:
+    import torch
+    page, slot, k, v = fp8_append_data(append_key, append_value, batch_indices, positions, cache,
+                                       paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, kv_layout,
+                                       fp8, k_scale, v_scale)
     p = torch.from_numpy(page.astype(np.int64)).to(cache.device)
     t = torch.from_numpy(slot.astype(np.int64)).to(cache.device)
-    _write(cache, p, t, k, v, kv_layout)
+    _write(cache, p, t, k.to(cache.device), v.to(cache.device), kv_layout)
