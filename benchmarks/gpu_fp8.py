@@ -1,0 +1,235 @@
+"""fp16 against fp8 decode through the public API: the decode wrapper planned once,
+then run() eager and run() replayed in a CUDA graph (issue 19, item 5, "fp8 vs fp16
+decode bandwidth").
+
+Cases: batch 64 x {4k, 16k} keys and batch 1 x 32k, 32 query heads, group 4,
+page 16, head_dim 128; for each, the fp16 cache and the same values as
+``float8_e4m3fn`` and ``float8_e5m2`` caches with ``k_scale`` / ``v_scale``.
+Records (suite ``fp8``):
+
+* ``bw_fraction``: the bytes the call reads -- K and V in the cache's own
+  element size (1 byte for fp8), plus q and the output -- over the time, as a
+  fraction of the same run's device-to-device copy bandwidth; ``case.mode`` is
+  ``eager_run`` (CUDA events around 20 back-to-back run() calls) or
+  ``graph_replay`` (a graph of 20 run() calls);
+* ``latency_us``: microseconds of one call, same modes; the fp8 records have the
+  fp16 time of the same case and mode as peer ``fp16`` (the issue's target:
+  fp8 at most 0.6x of it, and at least 0.85 of copy bandwidth at batch 64);
+* ``max_abs_err``: the largest difference between run() and the golden model
+  in float64 (``nbattn.reference.batch_decode_paged``) on a small case
+  (batch 8 x up to 1000 keys), per fp8 format.
+
+    PYTHONPATH=$PWD python3 benchmarks/gpu_fp8.py --commit SHA [--out DIR] [--quick]
+
+writes ``<out>/fp8.json``.  ``--quick`` runs two cases.  Under numba's CUDA
+simulator (no GPU) it is a dry run at tiny shapes, timed with the host clock:
+it checks that the script works, not how fast anything is.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import nbattn  # noqa: E402,F401
+import nbattn.cuda as NC  # noqa: E402
+from nbattn import layout as L  # noqa: E402
+from nbattn import reference as R  # noqa: E402
+from nbattn.cuda.blocks.primitives import SIMULATOR  # noqa: E402
+
+HQ, D, PS, GROUP = (4, 32, 4, 2) if SIMULATOR else (32, 128, 16, 4)
+REPS = 2 if SIMULATOR else 20
+DEV = "cpu" if SIMULATOR else "cuda"
+KV = {"float16": torch.float16, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+K_SCALE, V_SCALE = 1 / 64, 1 / 128          # keys ~ N(0, 1) stored as N(0, 64), values as N(0, 128)
+BUDGET_S = 170.0                             # stop starting new cases after this (the run must end by 200 s)
+
+
+def sync():
+    if not SIMULATOR:
+        torch.cuda.synchronize()
+
+
+def timed_ms(fn, reps: int = REPS) -> float:
+    """Median milliseconds per call of ``reps`` back-to-back calls (CUDA events; host clock
+    under the simulator), over 5 rounds."""
+    for _ in range(1 if SIMULATOR else 3):
+        fn()
+    sync()
+    out = []
+    for _ in range(2 if SIMULATOR else 5):
+        if SIMULATOR:
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            out.append((time.perf_counter() - t0) * 1e3 / reps)
+            continue
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / reps)
+    return statistics.median(out)
+
+
+def graph_replay_ms(fn) -> tuple[float, bool]:
+    if SIMULATOR:
+        return timed_ms(fn), False
+    from _timing import graph_ms
+    return graph_ms(fn, iters=10, rep=REPS)
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 1 GiB device-to-device copy (read + write), plain launches."""
+    n = (16 << 20) if SIMULATOR else (1 << 30)
+    a = torch.empty(n // 4, dtype=torch.float32, device=DEV).uniform_()
+    b = torch.empty_like(a)
+    ms = timed_ms(lambda: b.copy_(a), reps=5)
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+def caches(batch: int, kv_len: int, hkv: int, seed: int):
+    """The page table and the same K/V values as fp16 and as both fp8 caches (fp8 = x / scale)."""
+    lens = np.full(batch, kv_len)
+    pkv = L.PagedKV.allocate(lens, PS, rng=np.random.default_rng(seed))
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    base = torch.randn((pkv.num_pages, 2, PS, hkv, D), dtype=torch.float16, device=DEV, generator=gen)
+    q = torch.randn((batch, HQ, D), dtype=torch.float16, device=DEV, generator=gen)
+    out = {"float16": base}
+    for name in ("float8_e4m3fn", "float8_e5m2"):
+        c = torch.empty(base.shape, dtype=KV[name], device=DEV)
+        c[:, 0] = (base[:, 0] / K_SCALE).to(KV[name])
+        c[:, 1] = (base[:, 1] / V_SCALE).to(KV[name])
+        out[name] = c
+    meta = (pkv.paged_kv_indptr, pkv.paged_kv_indices, pkv.paged_kv_last_page_len)
+    return q, out, meta, lens
+
+
+def wrapper_for(kv: str, meta, hkv: int):
+    ws = torch.empty((8 << 20) if SIMULATOR else (256 << 20), dtype=torch.uint8, device=DEV)
+    w = NC.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", num_ctas=4 if SIMULATOR else None)
+    w.plan(*meta, HQ, hkv, D, PS, q_data_type=torch.float16, kv_data_type=None if kv == "float16" else KV[kv])
+    return w
+
+
+def run_fn(w, q, cache, kv: str):
+    if kv == "float16":
+        return lambda: w.run(q, cache)
+    return lambda: w.run(q, cache, k_scale=K_SCALE, v_scale=V_SCALE)
+
+
+def bench_case(recs, batch, kv_len, copy_bw, seed):
+    hkv = HQ // GROUP
+    q, cs, meta, lens = caches(batch, kv_len, hkv, seed)
+    base = {"op": "decode", "batch": batch, "kv_len": kv_len, "num_qo_heads": HQ, "num_kv_heads": hkv,
+            "group": GROUP, "head_dim": D, "page_size": PS, "q_dtype": "float16"}
+    fp16_us: dict = {}
+    for kv in ("float16", "float8_e4m3fn", "float8_e5m2"):
+        elem = 2 if kv == "float16" else 1
+        nbytes = 2 * int(lens.sum()) * hkv * D * elem + 2 * 2 * batch * HQ * D     # K+V, q+out
+        w = wrapper_for(kv, meta, hkv)
+        fn = run_fn(w, q, cs[kv], kv)
+        fn()
+        sync()
+        case = dict(base, kv_dtype=kv, bytes_read=nbytes, path=w._cfg.path)
+        eager = timed_ms(fn)
+        replay, graphed = graph_replay_ms(fn)
+        for mode, ms in (("eager_run", eager), ("graph_replay", replay)):
+            c = dict(case, mode=mode, graphed=graphed if mode == "graph_replay" else False)
+            peers = {} if kv == "float16" else {"fp16": fp16_us[mode]}
+            if kv == "float16":
+                fp16_us[mode] = ms * 1e3
+            recs.append({"case": c, "metric": "latency_us", "value": ms * 1e3, "unit": "us", "peers": peers})
+            recs.append({"case": c, "metric": "bw_fraction", "value": nbytes / (ms * 1e-3) / 1e9 / copy_bw,
+                         "unit": "of copy bandwidth", "peers": {}})
+        print(f"b{batch} x {kv_len} {kv:14s} path {w._cfg.path}: eager {eager * 1e3:8.1f} us, "
+              f"replay {replay * 1e3:8.1f} us ({'graph' if graphed else 'plain'}), "
+              f"{recs[-1]['value']:.3f} of copy bandwidth", flush=True)
+        del w
+    del cs
+    if not SIMULATOR:
+        torch.cuda.empty_cache()
+
+
+def bench_error(recs, seed: int):
+    """max |run() - golden float64| on a small case, per fp8 format (an empty request, ragged lengths)."""
+    rng = np.random.default_rng(seed)
+    hkv = HQ // GROUP
+    lens = rng.integers(1, 40 if SIMULATOR else 1000, size=4 if SIMULATOR else 8)
+    lens[1] = 0
+    pkv = L.PagedKV.allocate(lens, PS, rng=rng)
+    meta = (pkv.paged_kv_indptr, pkv.paged_kv_indices, pkv.paged_kv_last_page_len)
+    x = torch.from_numpy(rng.standard_normal((pkv.num_pages, 2, PS, hkv, D)).astype(np.float32))
+    q = torch.from_numpy(rng.standard_normal((len(lens), HQ, D)).astype(np.float32)).half()
+    for kv in ("float8_e4m3fn", "float8_e5m2"):
+        cache = torch.empty(x.shape, dtype=KV[kv])
+        cache[:, 0] = (x[:, 0] / K_SCALE).to(KV[kv])
+        cache[:, 1] = (x[:, 1] / V_SCALE).to(KV[kv])
+        want = R.batch_decode_paged(q, cache, *meta, k_scale=K_SCALE, v_scale=V_SCALE, dtype=np.float64)
+        w = wrapper_for(kv, meta, hkv)
+        got = w.run(q.to(DEV), cache.to(DEV), k_scale=K_SCALE, v_scale=V_SCALE)
+        sync()
+        err = float(np.abs(got.detach().cpu().double().numpy() - want.numpy()).max())
+        print(f"max |run - golden float64| {kv}: {err:.2e}", flush=True)
+        recs.append({"case": {"op": "decode", "kv_dtype": kv, "batch": int(len(lens)), "max_kv_len": int(lens.max()),
+                              "num_qo_heads": HQ, "num_kv_heads": hkv, "head_dim": D, "page_size": PS,
+                              "q_dtype": "float16", "reference": "nbattn.reference float64"},
+                     "metric": "max_abs_err", "value": err, "unit": "", "peers": {}})
+
+
+def main(argv=None) -> int:
+    t0 = time.perf_counter()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--commit", required=True, help="the nbattn commit measured (recorded in the file)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/nbattn_out"))
+    ap.add_argument("--quick", action="store_true", help="two cases (b64 x 4k, b1 x 32k)")
+    args = ap.parse_args(argv)
+    copy_bw = copy_bandwidth()
+    print(f"copy bandwidth {copy_bw:.0f} GB/s{' (simulator dry run: host memory)' if SIMULATOR else ''}",
+          flush=True)
+    recs: list = []
+
+    def save():
+        from nbattn.perf import results
+        path = results.write_suite(
+            "fp8", recs, gpu="numba CUDA simulator (dry run)" if SIMULATOR else torch.cuda.get_device_name(),
+            command="PYTHONPATH=$PWD python3 benchmarks/gpu_fp8.py " + " ".join(argv or sys.argv[1:]),
+            versions={"nbattn_commit": args.commit, "torch": torch.__version__, "numpy": np.__version__,
+                      "python": platform.python_version()},
+            date=datetime.date.today().isoformat(), root=Path(args.out), copy_bandwidth_GBps=copy_bw)
+        return path
+
+    bench_error(recs, 19)
+    save()
+    cases = [(64, 4096), (64, 16384), (1, 32768)]
+    if args.quick:
+        cases = [(64, 4096), (1, 32768)]
+    if SIMULATOR:
+        cases = [(2, 24), (1, 40)]
+    for i, (b, k) in enumerate(cases):
+        if time.perf_counter() - t0 > BUDGET_S:
+            print(f"time budget spent: skipping b{b} x {k}", flush=True)
+            continue
+        bench_case(recs, b, k, copy_bw, 100 + i)
+        save()
+    path = save()
+    print(f"wrote {path} ({len(recs)} records) in {time.perf_counter() - t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
