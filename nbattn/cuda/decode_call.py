@@ -28,7 +28,7 @@ from .. import layout as L
 from ..variants import alibi_slopes, check_return_lse
 from . import decode_problem as DP
 from .blocks.primitives import SIMULATOR
-from .blocks.variants import kernel_variant
+from .blocks.variants import cached_variant
 from .fp8 import decode_kv, is_fp8
 from .host import arrays as A
 from .host import hostwork as HW
@@ -39,20 +39,8 @@ from .tuning import DECODE, DecodeTuning
 
 __all__ = ["fast_decode"]
 
-_VARIANTS: dict = {}
 _BOUND: dict = {}
 _RING = StagingRing()
-
-
-def _variant(kwargs: dict):
-    try:
-        key = tuple(sorted(kwargs.items()))
-        hit = _VARIANTS.get(key)
-    except TypeError:                      # an unhashable keyword value: no cache
-        return kernel_variant(dict(kwargs))
-    if hit is None:
-        hit = _VARIANTS[key] = kernel_variant(dict(kwargs))
-    return hit
 
 
 def _alloc(like, kind: str, shape: tuple, code: str):
@@ -75,7 +63,7 @@ def fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_l
         return NotImplemented
     if (out is not None and A.kind_of(out) != kind) or (lse is not None and A.kind_of(lse) != kind):
         return NotImplemented
-    var = _variant(variant)
+    var = cached_variant(variant)
     check_return_lse(var, return_lse)
     fp8, ks, vs = None, 1.0, 1.0
     if k_scale is not None or v_scale is not None or is_fp8(paged_kv_cache) or is_fp8(q):

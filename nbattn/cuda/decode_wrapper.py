@@ -20,8 +20,9 @@ from .. import layout as L
 from ..sched.plan import DIRECT, Plan, plan as lpt_plan
 from ..sched.tiles import choose_tile_q, decode_tiles
 from .decode_problem import DecodeProblem, check_head_dim, decode_arg_index, launch_for
-from .blocks.variants import kernel_variant
+from .blocks.variants import cached_variant
 from .host import arrays as A
+from .host import hostwork as HW
 from .host.driver import BoundLaunch, sm_count
 from .kernels.decode_common import WorkList, make_config
 from .merge import MergeMap, merge_partials_launch, merge_tiles_launch
@@ -101,8 +102,8 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         """
         t0 = time.perf_counter()
         tuning = check_tuning(tuning, DecodeTuning, DECODE)
-        var = kernel_variant(dict(variant, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
-                                       logits_soft_cap=logits_soft_cap, sm_scale=sm_scale))
+        var = cached_variant(dict(variant, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                                  logits_soft_cap=logits_soft_cap, sm_scale=sm_scale))
         code = data_code(q_data_type, kv_data_type)
         group = L.check_heads(int(num_qo_heads), int(num_kv_heads))
         check_head_dim(int(head_dim))
@@ -110,7 +111,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
             raise ValueError(f"schedule: must be 'auto', 'lpt' or 'split', got {schedule!r}")
         pkv = plan_page_table(indptr, indices, last_page_len, page_size)
         batch = pkv.batch_size
-        kv_lens = pkv.kv_lens
+        kv_lens = HW.kv_lengths(pkv.paged_kv_indptr, pkv.paged_kv_last_page_len, pkv.page_size)
         hq, hk, D = int(num_qo_heads), int(num_kv_heads), int(head_dim)
         cfg = make_config(code, D, group, self._kv_layout, var, True, batch * hk, tuning)
         small = cfg.path == "tc" and cfg.min_blocks == 1          # the one-wave small-batch shape
@@ -164,27 +165,22 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         slots = cfg.min_blocks * sm_count()
         splits = max(1, min(slots // max(batch * head_blocks, 1), self.num_ctas // max(batch, 1),
                             cfg.tuning.merge.few_partials))
-        lens = kv_lens.astype(np.int64)
-        chunk = np.maximum(16, -(-(-(-lens // splits)) // 16) * 16)            # per request
-        j = np.tile(np.arange(splits, dtype=np.int64), batch)
-        r = np.repeat(np.arange(batch, dtype=np.int64), splits)
-        start = np.minimum(j * chunk[r], lens[r])
-        end = np.minimum(start + chunk[r], lens[r])
+        request, start, end, largest = HW.split_plan(kv_lens.astype(np.int32), splits)
         n = batch * splits
         direct = splits == 1
-        i32 = lambda x: np.ascontiguousarray(x, np.int32)  # noqa: E731
         cost = (end - start).astype(np.float64)
-        return Plan(num_ctas=n, tile_q=1, group=1, chunk_limit=int(chunk.max(initial=16)), alpha=0.0, beta=1.0,
+        span = float(cost.max(initial=0.0))
+        steps = np.arange(n + 1, dtype=np.int32)
+        merge_indptr = steps[::splits] if not direct else steps[:1]
+        return Plan(num_ctas=n, tile_q=1, group=1, chunk_limit=int(largest), alpha=0.0, beta=1.0,
                     chunk_overhead=0.0, causal=False, qo_lens=np.ones(batch, np.int32),
-                    kv_lens=i32(lens), cta_indptr=i32(np.arange(n + 1)), request=i32(r),
-                    qo_tile=np.zeros(n, np.int32), kv_start=i32(start), kv_end=i32(end),
-                    out_slot=i32(np.full(n, DIRECT) if direct else np.arange(n)),
-                    merge_indptr=i32([0] if direct else np.arange(0, n + 1, splits)),
-                    merge_request=i32([] if direct else np.arange(batch)),
+                    kv_lens=kv_lens.astype(np.int32), cta_indptr=steps, request=request,
+                    qo_tile=np.zeros(n, np.int32), kv_start=start, kv_end=end,
+                    out_slot=np.full(n, DIRECT, np.int32) if direct else steps[:n],
+                    merge_indptr=merge_indptr, merge_request=steps[:0 if direct else batch],
                     merge_qo_tile=np.zeros(0 if direct else batch, np.int32),
-                    merge_slots=i32([] if direct else np.arange(n)),
-                    num_partials=0 if direct else n, cta_cost=cost,
-                    makespan=float(cost.max(initial=0.0)), lower_bound=float(cost.max(initial=0.0)))
+                    merge_slots=steps[:0 if direct else n],
+                    num_partials=0 if direct else n, cta_cost=cost, makespan=span, lower_bound=span)
 
     # -- run ------------------------------------------------------------------
     def run(self, q, paged_kv_cache, out=None, lse=None, return_lse: bool = False):

@@ -238,7 +238,7 @@ class PlanRunWrapper:
         self._h2d = HostToDevice(self.layout.plan_bytes // 4)     # pinned staging image of the plan region
         self._ints_ptr = None
         self._host = self._h2d.host
-        self._dirty: list = []         # element spans of _host that plan() wrote
+        self._dirty: list = []         # (word offset, int32 array) pairs plan() staged
         self._plan: Plan | None = None
         self._slopes = None
         self._slopes_heads = 0
@@ -298,30 +298,25 @@ class PlanRunWrapper:
         return 0 if SIMULATOR else stream_handle(self._ws_user)
 
     def _copy(self, name: str, host: np.ndarray) -> None:
-        """Stage ``host`` (int32) at the front of array ``name``; :meth:`_flush` sends it.
-        Kernels read each array only up to bounds the plan also writes (queue
-        bounds, merge count), so stale entries past the front are never seen."""
-        host = np.ascontiguousarray(host, dtype=np.int32).reshape(-1)
-        off, _ = self.layout.arrays[name]
-        start, end = off // 4, off // 4 + host.size
-        self._host[start:end] = host
-        if end > start:
-            self._dirty.append((start, end))
+        """Stage ``host`` (int32) at the front of array ``name``; :meth:`_flush` writes
+        and sends it.  Kernels read each array only up to bounds the plan also writes
+        (queue bounds, merge count), so stale entries past the front are never seen."""
+        if not (type(host) is np.ndarray and host.dtype == np.int32 and host.ndim == 1
+                and host.flags.c_contiguous and host.flags.writeable and host.flags.aligned):
+            host = np.array(host, dtype=np.int32).reshape(-1)      # one array type for the compiled writer
+        self._dirty.append((self.layout.arrays[name][0] // 4, host))
 
     def _flush(self, stream) -> None:
-        """Copy the staged spans to the workspace, neighbours merged into one copy
-        when the gap between them is small (the small arrays sit together)."""
-        spans = sorted(self._dirty)
+        """Write the staged arrays into the pinned image and copy them to the workspace
+        (one compiled call, :func:`nbattn.cuda.host.hostwork.stage_arrays`): arrays
+        closer than 4096 words go in one copy, and the small ones sit together."""
+        staged = sorted(self._dirty, key=lambda x: x[0])
         self._dirty = []
-        merged: list = []
-        for a, b in spans:
-            if merged and a - merged[-1][1] <= 4096:
-                merged[-1][1] = max(merged[-1][1], b)
-            else:
-                merged.append([a, b])
+        spans = HW.stage_arrays(self._host, np.array([o for o, _ in staged], np.int64),
+                                tuple(a for _, a in staged), 4096)
         if self._ints_ptr is None and not SIMULATOR:
             self._ints_ptr = data_ptr(self._ints)
-        for a, b in merged:
+        for a, b in spans.tolist():
             self._h2d.copy(self._ints, a, b, stream, self._ints_ptr)
         self._h2d.end(stream)
 

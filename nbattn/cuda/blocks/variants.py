@@ -36,7 +36,7 @@ from numba import cuda, float32
 
 from ...variants import Variant, variant_from_kwargs
 
-__all__ = ["kernel_variant", "variant_device_fns", "kernel_variant_key", "compile_user_fn", "LOG2E", "sigmoid_weight"]
+__all__ = ["kernel_variant", "cached_variant", "variant_device_fns", "kernel_variant_key", "compile_user_fn", "LOG2E", "sigmoid_weight"]
 
 LOG2E = 1.4426950408889634  # natural-exp scores -> base-2 exponent
 
@@ -53,6 +53,25 @@ def kernel_variant(kwargs: dict) -> Variant:
             "rotate them first (nbattn.reference.apply_rope_pos_ids) and pass pos_encoding_mode='NONE', "
             "or run the golden model (nbattn.reference)")
     return var
+
+
+_VARIANTS: dict = {}
+
+
+def cached_variant(kwargs: dict) -> Variant:
+    """:func:`kernel_variant` remembered per keyword set (a Variant is immutable), so a
+    call that repeats its keywords does not rebuild it; unhashable values (a
+    ``score_mod`` closure over a list, say) are not remembered."""
+    try:
+        key = tuple(sorted(kwargs.items()))
+        hit = _VARIANTS.get(key)
+    except TypeError:
+        return kernel_variant(dict(kwargs))
+    if hit is None:
+        if len(_VARIANTS) > 4096:
+            _VARIANTS.clear()
+        hit = _VARIANTS[key] = kernel_variant(dict(kwargs))
+    return hit
 
 
 def kernel_variant_key(variant: Variant) -> Variant:

@@ -490,7 +490,7 @@ class StagingRing:
     def __init__(self, most: int = 32):
         self.most = most
         self._slots: list[Staged] = []
-        self._next = 0
+        self._last = -1                 # the slot taken last
         # A call holds this from take() to done(): the slot, and the shared bound
         # launches it patches, are then its own even when threads call at once.
         self.lock = threading.Lock()
@@ -513,15 +513,21 @@ class StagingRing:
                       for a, o in zip(arrays, offs[:-1])]
 
     def take(self, n_words: int) -> Staged:
-        for slot in self._slots:
+        # Look at the slots oldest-first (from the one after the last taken): in a loop
+        # of calls the oldest is the one most likely done, so one event query is the rule.
+        n = len(self._slots)
+        for k in range(n):
+            i = (self._last + 1 + k) % n
+            slot = self._slots[i]
             if slot.host.host.size >= n_words and not slot.busy():
+                self._last = i
                 return slot
-        if len(self._slots) < self.most:
+        if n < self.most:
             size = max(n_words, 1 << 14, max((x.host.host.size for x in self._slots), default=0))
             self._slots.append(Staged(size))
+            self._last = n
             return self._slots[-1]
-        i = self._next % len(self._slots)                  # every slot in flight: wait for one
-        self._next += 1
+        i = self._last = (self._last + 1) % n             # every slot in flight: wait for the oldest
         slot = self._slots[i]
         slot.host.begin()
         if slot.host.host.size < n_words:

@@ -23,7 +23,7 @@ from numba import njit
 
 from ... import layout as L
 
-__all__ = ["page_table", "page_table_ok", "decode_work", "DECODE_PARTS"]
+__all__ = ["page_table", "page_table_ok", "decode_work", "DECODE_PARTS", "stage_arrays", "split_plan", "kv_lengths"]
 
 #: The arrays :func:`decode_work` writes, in order, each at a 16-byte aligned offset.
 DECODE_PARTS = ("kv_indptr", "kv_indices", "kv_last", "cta_indptr", "request", "kv_start", "kv_end",
@@ -164,3 +164,64 @@ def decode_work(indptr, indices, last, page_size, ctas, slots, grain, floor, buf
             m += 1
     buf[o[3] + n_items] = n_items
     return info
+
+
+@njit(cache=True)
+def stage_arrays(host, offsets, arrays, gap):
+    """Write ``arrays[i]`` (int32) into ``host`` at word ``offsets[i]`` and return the
+    spans to copy, ``[first, last)`` word pairs in increasing order (int64
+    ``[k, 2]``): the written ranges, neighbours closer than ``gap`` words joined
+    into one so a plan is a few copies.  ``offsets`` must increase."""
+    n = len(arrays)
+    spans = np.empty((n, 2), np.int64)
+    k = 0
+    for i in range(n):
+        a = arrays[i]
+        first = offsets[i]
+        last = first + a.shape[0]
+        host[first:last] = a
+        if last == first:
+            continue
+        if k > 0 and first - spans[k - 1, 1] <= gap:
+            spans[k - 1, 1] = max(spans[k - 1, 1], last)
+        else:
+            spans[k, 0] = first
+            spans[k, 1] = last
+            k += 1
+    return spans[:k]
+
+
+@njit(cache=True)
+def split_plan(kv_lens, splits):
+    """The decode wrapper's ``"split"`` plan: request ``r`` cut into ``splits`` chunks of
+    ``chunk_r = roundup(max(ceil(len_r / splits), 1), 16)`` keys, chunk ``j`` being keys
+    ``[min(j*chunk_r, len_r), min((j+1)*chunk_r, len_r))`` (empty past the end).
+    Returns (request, kv_start, kv_end, the largest chunk), item ``r*splits + j``."""
+    batch = kv_lens.shape[0]
+    n = batch * splits
+    request = np.empty(n, np.int32)
+    start = np.empty(n, np.int32)
+    end = np.empty(n, np.int32)
+    largest = 16
+    for r in range(batch):
+        length = kv_lens[r]
+        chunk = max(16, ((length + splits - 1) // splits + 15) // 16 * 16)
+        largest = max(largest, chunk)
+        for j in range(splits):
+            i = r * splits + j
+            request[i] = r
+            start[i] = min(j * chunk, length)
+            end[i] = min(start[i] + chunk, length)
+    return request, start, end, largest
+
+
+@njit(cache=True)
+def kv_lengths(indptr, last, page_size):
+    """``page_size*(pages-1) + last`` per request, 0 for a request without pages
+    (:func:`nbattn.layout.kv_lengths`, compiled)."""
+    batch = indptr.shape[0] - 1
+    out = np.empty(batch, np.int32)
+    for r in range(batch):
+        n = indptr[r + 1] - indptr[r]
+        out[r] = (n - 1) * page_size + last[r] if n > 0 else 0
+    return out
