@@ -31,6 +31,11 @@ The math, per query head, in base 2 (``log2(e)`` folded into the score)::
     o     = acc / l,   lse = m + log2(l)                     after the last tile
 
 Sigmoid attention has no max: ``p_j = sigmoid(s_j + bias)``, ``o = sum_j p_j v_j``.
+
+An fp8 cache (``cfg.kv_code``): the tiles hold raw fp8 bytes, a lane's chunk is
+16 values (``VEC = 16``, its q chunk two 16-byte loads), the bytes become float32
+when a chunk is unpacked (:mod:`nbattn.cuda.blocks.fp8`), ``sm_scale`` arrives with
+``k_scale`` folded in, and ``o = v_scale * acc / l``.
 """
 from __future__ import annotations
 

@@ -42,6 +42,11 @@ K/V at the same time, so the second read is an L2 hit); ``NW`` warps per CTA
 combine: ``R = NW * TW`` rows x ``HG`` heads x ``D`` floats (16 KB for HG = 4)
 plus their ``m``/``l``.  Under the simulator the shuffles are emulated
 block-wide (tests force this path there with ``DECODE.replace(path="warp")``).
+
+An fp8 cache (``cfg.kv_code``) changes the widths only: a lane's 16-byte load holds
+16 fp8 values (``VEC = 16``, ``NX = D / 16`` lanes a token, q read with two loads),
+unpacked to float32 by :mod:`nbattn.cuda.blocks.fp8`; ``sm_scale`` carries
+``k_scale`` and the accumulators are scaled by ``v_scale`` before the rows meet.
 """
 from __future__ import annotations
 
