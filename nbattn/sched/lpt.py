@@ -7,7 +7,9 @@ numba (``njit``), and shared with the simulator (:mod:`nbattn.sched.simulate`):
 * :func:`lpt_assign` hands items, in a given order, to the least-loaded CTA
   (longest processing time first when the order is by decreasing cost);
 * :func:`chunk_costs` and :func:`lpt_makespan` price a chunk limit;
-* :func:`auto_limit` picks the limit of ``chunk_limit="auto"``.
+* :func:`auto_limit` picks the limit of ``chunk_limit="auto"``;
+* :func:`plan_span` and :func:`choose_plan` price whole plans under a
+  :class:`nbattn.sched.cost.CostModel` (merge and wave included) and pick one.
 
 Choosing the chunk limit
 ------------------------
@@ -21,13 +23,46 @@ tile cut in 2, 3 or 4 -- by the LPT makespan they produce under the full cost,
 and keeps the best (on ties, the largest limit, i.e. the fewest partial
 states).  ``chunk_limit=<int>`` forces a limit; ``None`` (default) is the base
 rule.
+
+Choosing the plan (``search="plans"`` cost models)
+--------------------------------------------------
+With a cost model whose ``search`` is ``"plans"``, ``chunk_limit="auto"`` ranks
+whole plans by their predicted makespan, merge pass included
+(:mod:`nbattn.sched.cost`), instead of chunk limits by LPT makespan alone.  A
+candidate is a chunk limit and a placement:
+
+* limits: the base rule's ``ceil(W/C)`` and twice it, the longest tile and the
+  longest cut in 2, 3, 4 or 8, and the fixed-split chunk sizes 512, 1024, 2048
+  and 4096 (:func:`candidate_limits`);
+* placements: LPT (largest first onto the least-loaded CTA) at every limit and,
+  at the fixed-split sizes and the longest tile, also *request order* onto the
+  least-loaded CTA, which is what a FlashDecoding-style grid of one CTA per chunk
+  does when the hardware hands chunks to free slots in launch order.
+
+So every fixed-split policy with one of those chunk sizes, and one request per
+CTA (the longest tile as the limit), is itself a candidate: under the model, the
+chosen plan is never predicted slower than any of them.  (Request order is left
+out at the other limits to keep the search within its time budget: at batch
+1024 a candidate costs about 30 us on one core.)  Candidates whose partial slots
+or merges exceed the workspace bound (``2*C`` slots, ``C`` merges) are skipped;
+the unsplit candidate always fits.  A candidate whose lower bound (streaming at
+the full wave's aggregate rate, or its largest chunk alone at ``solo_speedup``)
+already loses is not placed.  Ties keep the larger limit (fewer partial
+states), then LPT.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
-__all__ = ["query_tiles", "lpt_assign", "lpt_makespan", "chunk_costs", "auto_limit"]
+__all__ = ["query_tiles", "lpt_assign", "lpt_makespan", "chunk_costs", "auto_limit", "plan_span",
+           "choose_plan", "candidate_limits", "slot_finish", "work_clock", "merge_span",
+           "LPT_ORDER", "REQUEST_ORDER"]
+
+LPT_ORDER = 0
+"""Placement: items largest first onto the least-loaded CTA."""
+REQUEST_ORDER = 1
+"""Placement: items in (request, tile, chunk) order onto the least-loaded CTA."""
 
 
 @njit(cache=True)
@@ -153,3 +188,187 @@ def auto_limit(tile_rows, tile_kv, num_ctas, alpha, beta, overhead, spec_limit):
         if span < best or (span == best and cand > best_limit):
             best, best_limit = span, cand
     return best_limit
+
+
+# ---------------------------------------------------------------------------
+
+@njit(cache=True)
+def work_clock(work, slots, solo):
+    """Breakpoints of ``T``, the time at which a slot that streamed ``w`` units is done:
+    sorted work levels and the time each is reached (:mod:`nbattn.sched.cost`).  ``work``:
+    each used slot's total streaming work."""
+    n = work.shape[0]
+    order = np.argsort(work)
+    levels = np.empty(n + 1, np.float64)
+    times = np.empty(n + 1, np.float64)
+    levels[0] = 0.0
+    times[0] = 0.0
+    active = 0
+    for s in range(n):
+        if work[s] > 0.0:
+            active += 1
+    t = 0.0
+    prev = 0.0
+    for k in range(n):
+        w = work[order[k]]
+        if w > prev:
+            rate = min(solo, slots / max(active, 1))
+            if rate < 1.0:
+                rate = 1.0
+            t += (w - prev) / rate
+            prev = w
+        levels[k + 1] = w
+        times[k + 1] = t
+        if w > 0.0:
+            active -= 1
+    return levels, times
+
+
+@njit(cache=True)
+def slot_finish(lat, work, slots, solo):
+    """Finish time of each slot with latency ``lat[s]`` and streaming work ``work[s]``
+    when ``slots`` slots make a full wave (``lat + T(work)``)."""
+    n = lat.shape[0]
+    fin = np.empty(n, np.float64)
+    if solo <= 1.0:
+        for s in range(n):
+            fin[s] = lat[s] + work[s]
+        return fin
+    levels, times = work_clock(work, slots, solo)
+    fin[:] = lat + np.interp(work, levels, times)
+    return fin
+
+
+@njit(cache=True)
+def merge_span(rows, partials, num_ctas, merge_cost, merge_row):
+    """Merge-pass time (without its launch): split tiles' jobs ``rows*(merge_cost*partials
+    + merge_row)`` in tile order on the least-loaded of ``num_ctas`` CTAs."""
+    m = rows.shape[0]
+    if m == 0:
+        return 0.0
+    cost = np.empty(m, np.float64)
+    for i in range(m):
+        cost[i] = rows[i] * (merge_cost * partials[i] + merge_row)
+    _, load = lpt_assign(cost, np.arange(m), num_ctas)
+    return load.max()
+
+
+@njit(cache=True)
+def _chunk_items(tile_rows, tile_kv, limit):
+    """Rows, keys and tile of every chunk at ``limit``, in (tile, chunk) order, and the
+    chunk count of each tile (a tile with no keys still has one, empty, chunk)."""
+    n = 0
+    for t in range(tile_kv.shape[0]):
+        n += max(1, (tile_kv[t] + limit - 1) // limit)
+    rows = np.empty(n, np.float64)
+    keys = np.empty(n, np.float64)
+    count = np.empty(tile_kv.shape[0], np.int64)
+    i = 0
+    for t in range(tile_kv.shape[0]):
+        k = max(1, (tile_kv[t] + limit - 1) // limit)
+        count[t] = k
+        for c in range(k):
+            rows[i] = tile_rows[t]
+            keys[i] = max(0, min(limit, tile_kv[t] - c * limit))
+            i += 1
+    return rows, keys, count
+
+
+@njit(cache=True)
+def plan_span(tile_rows, tile_kv, limit, mode, num_ctas, alpha, beta, overhead, merge_cost, merge_row,
+              merge_launch, launch, solo):
+    """Predicted makespan of the plan with chunk ``limit`` and placement ``mode``
+    (:data:`LPT_ORDER` or :data:`REQUEST_ORDER`) under the cost model of
+    :mod:`nbattn.sched.cost`, merge pass included."""
+    rows, keys, count = _chunk_items(tile_rows, tile_kv, limit)
+    work = alpha * rows + beta * keys
+    total = work + overhead
+    if mode == LPT_ORDER:
+        order = np.argsort(-total, kind="mergesort")
+    else:
+        order = np.arange(total.shape[0])
+    assigned, _ = lpt_assign(total, order, num_ctas)
+    lat = np.zeros(num_ctas, np.float64)
+    cta_work = np.zeros(num_ctas, np.float64)
+    for j in range(order.shape[0]):
+        lat[assigned[j]] += overhead
+        cta_work[assigned[j]] += work[order[j]]
+    span = launch + slot_finish(lat, cta_work, num_ctas, solo).max() if total.shape[0] else 0.0
+    m = 0
+    for t in range(count.shape[0]):
+        if count[t] > 1:
+            m += 1
+    if m:
+        m_rows = np.empty(m, np.float64)
+        m_parts = np.empty(m, np.float64)
+        i = 0
+        for t in range(count.shape[0]):
+            if count[t] > 1:
+                m_rows[i] = tile_rows[t]
+                m_parts[i] = count[t]
+                i += 1
+        span += merge_launch + merge_span(m_rows, m_parts, num_ctas, merge_cost, merge_row)
+    return span
+
+
+@njit(cache=True)
+def candidate_limits(tile_kv, spec_limit):
+    """The chunk limits ``choose_plan`` tries (module doc), largest first, without repeats."""
+    longest = 1
+    for t in range(tile_kv.shape[0]):
+        longest = max(longest, tile_kv[t])
+    raw = np.array([longest, (longest + 1) // 2, (longest + 2) // 3, (longest + 3) // 4, (longest + 7) // 8,
+                    2 * spec_limit, spec_limit, 4096, 2048, 1024, 512], np.int64)
+    raw = np.maximum(np.minimum(raw, longest), 1)
+    raw = np.sort(raw)[::-1]
+    out = np.empty(raw.shape[0], np.int64)
+    n = 0
+    for x in raw:
+        if n == 0 or out[n - 1] != x:
+            out[n] = x
+            n += 1
+    return out[:n]
+
+
+@njit(cache=True)
+def choose_plan(tile_rows, tile_kv, num_ctas, alpha, beta, overhead, merge_cost, merge_row, merge_launch,
+                launch, solo, spec_limit):
+    """(limit, placement, predicted makespan) of the best candidate plan (module doc)."""
+    limits = candidate_limits(tile_kv, spec_limit)
+    best = np.inf
+    best_limit = limits[0]
+    best_mode = LPT_ORDER
+    for li in range(limits.shape[0]):
+        limit = limits[li]
+        # Partial slots and merges this limit makes, and a lower bound on its makespan.
+        partials = 0
+        merges = 0
+        sum_work = 0.0
+        largest = 0.0
+        merge_floor = 0.0
+        for t in range(tile_kv.shape[0]):
+            k = max(1, (tile_kv[t] + limit - 1) // limit)
+            if k > 1:
+                partials += k
+                merges += 1
+                merge_floor = max(merge_floor, tile_rows[t] * (merge_cost * k + merge_row))
+            w = alpha * tile_rows[t] * k + beta * tile_kv[t]
+            sum_work += w
+            largest = max(largest, overhead + (alpha * tile_rows[t] + beta * min(limit, tile_kv[t])) / solo)
+        if partials > 2 * num_ctas or merges > num_ctas:
+            continue
+        floor = launch + max(sum_work / num_ctas, largest)
+        if merges:
+            floor += merge_launch + merge_floor
+        if floor > best:
+            continue
+        fixed = limit == limits[0] or limit == 512 or limit == 1024 or limit == 2048 or limit == 4096
+        for mode in (LPT_ORDER, REQUEST_ORDER):
+            if mode == REQUEST_ORDER and not fixed:
+                continue
+            span = plan_span(tile_rows, tile_kv, limit, mode, num_ctas, alpha, beta, overhead, merge_cost,
+                             merge_row, merge_launch, launch, solo)
+            # Limits come largest first and LPT before request order: a tie keeps the earlier.
+            if span < best * (1.0 - 1e-12):
+                best, best_limit, best_mode = span, limit, mode
+    return best_limit, best_mode, best

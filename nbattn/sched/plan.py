@@ -99,7 +99,8 @@ import numpy as np
 from numba import njit
 
 from .._checks import count_arg, int_arg
-from .lpt import auto_limit, lpt_assign, query_tiles
+from .cost import CostModel
+from .lpt import LPT_ORDER, auto_limit, choose_plan, lpt_assign, plan_span, query_tiles
 from .tiles import choose_tile_q
 
 __all__ = [
@@ -161,6 +162,12 @@ class Plan:
     cta_cost: np.ndarray
     makespan: float
     lower_bound: float
+    #: How items were placed: ``"lpt"`` (largest first) or ``"request"`` (request order).
+    placement: str = "lpt"
+    #: The cost model the plan was made with (``plan(cost=...)``), else None.
+    cost_model: CostModel | None = None
+    #: Its predicted makespan under ``cost_model`` (merge pass included), else NaN.
+    predicted_makespan: float = float("nan")
 
     @property
     def num_items(self) -> int:
@@ -236,8 +243,9 @@ def check_partial_capacity(p: Plan, num_qo_heads: int, head_dim: int, capacity: 
 
 
 @njit(cache=True)
-def _plan_core(qo_lens, kv_lens, group, tile_q, num_ctas, alpha, beta, overhead, causal, limit):
-    """``limit``: 0 = base rule, -1 = auto, > 0 = forced chunk limit."""
+def _plan_core(qo_lens, kv_lens, group, tile_q, num_ctas, alpha, beta, overhead, causal, limit, mode):
+    """``limit``: 0 = base rule, -1 = auto, > 0 = forced chunk limit; ``mode``: the
+    placement (``LPT_ORDER`` or ``REQUEST_ORDER``)."""
     tile_request, tile_index, tile_rows, tile_kv = query_tiles(qo_lens, kv_lens, group, tile_q, causal)
     num_tiles = tile_request.shape[0]
     total_work = 0
@@ -301,7 +309,10 @@ def _plan_core(qo_lens, kv_lens, group, tile_q, num_ctas, alpha, beta, overhead,
             m += 1
 
     # LPT: largest cost first; the stable sort keeps (request, tile, chunk) order on ties.
-    order = np.argsort(-cost, kind="mergesort")
+    if mode == LPT_ORDER:
+        order = np.argsort(-cost, kind="mergesort")
+    else:
+        order = np.arange(num_items)
 
     assigned, _ = lpt_assign(cost, order, num_ctas)
 
@@ -374,6 +385,7 @@ def plan(
     num_qo_heads: int | None = None,
     head_dim: int | None = None,
     partial_capacity: int | None = None,
+    cost: CostModel | None = None,
 ) -> Plan:
     """Plan one generation step with the LPT algorithm (docs/concepts/scheduler.md).
 
@@ -402,6 +414,14 @@ def plan(
     num_qo_heads, head_dim, partial_capacity:
         If ``partial_capacity`` is given, the plan is checked against it with
         :func:`check_partial_capacity` (both head parameters then required).
+    cost:
+        A :class:`nbattn.sched.cost.CostModel`.  When given, its ``alpha``,
+        ``beta`` and ``chunk_overhead`` are the chunk cost (the three arguments
+        above are then not used), the plan records the model and its predicted
+        makespan, and with ``search="plans"`` ``chunk_limit="auto"`` picks the
+        plan (limit and placement) with the smallest predicted makespan, merge
+        included (:mod:`nbattn.sched.lpt`, "Choosing the plan").  A model with
+        ``search="limits"`` plans exactly as the three numbers alone would.
     """
     qo = _lengths(qo_lens, "qo_lens")
     kv = _lengths(kv_lens, "kv_lens")
@@ -412,6 +432,10 @@ def plan(
     if tile_q is None:
         tile_q = choose_tile_q(qo, group)
     tile_q = count_arg("tile_q", tile_q)
+    if cost is not None:
+        if not isinstance(cost, CostModel):
+            raise TypeError(f"cost: must be a nbattn.sched.cost.CostModel, got {type(cost).__name__}")
+        alpha, beta, chunk_overhead = cost.alpha, cost.beta, cost.chunk_overhead
     alpha = float(alpha)
     beta = float(beta)
     overhead = float(chunk_overhead)
@@ -432,10 +456,22 @@ def plan(
     if qo.size and int(qo.max()) * group > np.iinfo(np.int32).max:
         raise ValueError("qo_lens * group must fit in int32")
 
+    mode, predicted = LPT_ORDER, float("nan")
+    if cost is not None:
+        _, _, t_rows, t_kv = query_tiles(qo, kv, group, tile_q, bool(causal))
+        _, _, _, mc, mr, ml, launch, solo = cost.params()
+        if limit == -1 and cost.search == "plans":
+            spec = max(1, -(-int(t_kv.sum()) // num_ctas))
+            limit, mode, predicted = choose_plan(t_rows, t_kv, num_ctas, alpha, beta, overhead, mc, mr, ml,
+                                                 launch, solo, spec)
+            limit = int(limit)
     (chunk_limit, cta_indptr, request, qo_tile, kv_start, kv_end, out_slot, merge_indptr,
      merge_request, merge_qo_tile, merge_slots, num_partials, cta_cost,
      lower_bound) = _plan_core(qo, kv, group, tile_q, num_ctas, alpha, beta, overhead, bool(causal),
-                               limit)
+                               limit, mode)
+    if cost is not None and not np.isfinite(predicted):
+        predicted = float(plan_span(t_rows, t_kv, int(chunk_limit), mode, num_ctas, alpha, beta, overhead,
+                                    mc, mr, ml, launch, solo))
 
     arrays = dict(qo_lens=qo.astype(np.int32), kv_lens=kv.astype(np.int32), cta_indptr=cta_indptr,
                   request=request, qo_tile=qo_tile, kv_start=kv_start, kv_end=kv_end, out_slot=out_slot,
@@ -455,6 +491,9 @@ def plan(
         num_partials=int(num_partials),
         makespan=float(cta_cost.max()),
         lower_bound=float(lower_bound),
+        placement="lpt" if mode == LPT_ORDER else "request",
+        cost_model=cost,
+        predicted_makespan=float(predicted),
         **arrays,
     )
     if partial_capacity is not None:

@@ -5,18 +5,21 @@ turns the step into *chunks* (a query tile against a KV range), places the
 chunks on CTAs, and the simulator adds up time under a cost model.  No GPU is
 involved; the point is to see how much of the machine each policy leaves idle.
 
-Cost model (:class:`CostModel`), in abstract time units (one unit ~ the time to
-stream one KV token of one KV head)::
+Cost model (:class:`nbattn.sched.cost.CostModel`, the planner's too), in abstract
+time units by default (one unit ~ the time to stream one KV token of one KV head)::
 
-    chunk time = chunk_overhead + alpha*l_q + beta*l_kv
-    merge time = merge_cost * l_q * (number of partials of the split tile)
+    chunk time = chunk_overhead + alpha*l_q + beta*l_kv      (in a full wave)
+    merge time = l_q * (merge_cost * partials + merge_row)    (per split tile)
 
 ``l_q`` is the query tile's fused row count and ``l_kv`` the chunk's key count.
 ``chunk_overhead`` stands for the fixed price of any work item: reading the
 plan entry, the prologue that loads the Q tile and fills the pipeline, the
 epilogue.  ``merge_cost * l_q`` is the price of reading one partial state of a
 tile (``l_q`` rows) and folding it into the running merge (the merge operator of
-docs/concepts/state.md).
+docs/concepts/state.md).  A model with ``solo_speedup > 1`` lets the streaming
+part run faster once slots fall idle, ``launch`` and ``merge_launch`` add the
+fixed price of the two passes (:mod:`nbattn.sched.cost`); the defaults leave
+them out.
 
 Execution model:
 
@@ -25,7 +28,7 @@ Execution model:
   tile's merge is one job, placed greedily on the least-loaded CTA, in tile
   order.  Unsplit tiles wrote their output in phase 1 and need no merge.
 * ``busy[c]`` is the time CTA ``c`` spends working in both phases, and
-  ``makespan = max(phase-1 finish) + max(phase-2 finish)``.
+  ``makespan = launch + max(phase-1 finish) + [merges] (merge_launch + max(phase-2 finish))``.
   ``utilization = sum(busy) / (num_ctas * makespan)``; an empty step (no work)
   has makespan 0 and utilization defined as 1.
 
@@ -39,10 +42,11 @@ Policies:
   larger than the resident capacity (greedy list scheduling, no sorting).
 * ``fixed_split``: FlashDecoding.  Every tile's KV range is cut into the same
   number of equal chunks, ``num_splits`` (default: just enough that
-  ``num_tiles * num_splits >= num_ctas``; never more chunks than keys), and the
+  ``num_tiles * num_splits >= num_ctas``; never more chunks than keys), or, with
+  ``chunk_size``, into chunks of that many keys (the last one shorter), and the
   chunks are dispatched in (request, tile, chunk) order like ``one_per_cta``.
 * ``lpt``: the planner of :mod:`nbattn.sched.plan` as the plan/run wrappers
-  call it: the simulator's cost (``chunk_overhead`` included) and
+  call it: the simulator's cost model (``plan(cost=...)``) and
   ``chunk_limit="auto"``; CTA queues run in plan order.  Without the overhead
   LPT would treat a 30-key tail chunk as nearly free and pile dozens of them
   onto one CTA.
@@ -72,7 +76,8 @@ import numpy as np
 
 from .._checks import count_arg, int_arg
 
-from .lpt import query_tiles
+from .cost import CostModel
+from .lpt import query_tiles, work_clock
 from .plan import Plan, plan
 from .tiles import choose_tile_q
 
@@ -91,34 +96,6 @@ __all__ = [
 
 POLICIES = ("one_per_cta", "fixed_split", "lpt")
 WORKLOADS = ("constant", "variable", "skewed", "zipf")
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Chunk time ``chunk_overhead + alpha*l_q + beta*l_kv``; merge ``merge_cost*l_q`` per partial.
-
-    Units: the time to stream one KV token of one KV head (K and V, fp16,
-    ``4*head_dim`` bytes; ~14 ns for head_dim 128 at an H200 SM's share of
-    4.8 TB/s).  Defaults:
-
-    * ``alpha = beta = 1`` as in the planner (memory-traffic model, see
-      :mod:`nbattn.sched.plan`): a fused query row (read Q, write O) moves about
-      as many bytes as a KV token.
-    * ``chunk_overhead = 32`` (~0.5 us): reading the work item, issuing the
-      first loads and waiting for them before the pipeline is full.
-    * ``merge_cost = 1``: a partial row is ``head_dim + 1`` fp32 values, about
-      the bytes of one KV token, so folding one partial of an ``l_q``-row tile
-      costs ``l_q`` units.
-    """
-
-    alpha: float = 1.0
-    beta: float = 1.0
-    chunk_overhead: float = 32.0
-    merge_cost: float = 1.0
-
-    def chunk_time(self, l_q, l_kv):
-        return self.chunk_overhead + self.alpha * np.asarray(l_q, dtype=np.float64) \
-            + self.beta * np.asarray(l_kv, dtype=np.float64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -194,7 +171,7 @@ class SimResult:
 def make_workload(name: str, batch: int = 64, *, seed: int = 0, qo_len: int = 1, group: int = 1,
                   kv_len: int = 1024, low: int = 512, high: int = 2048, long_len: int = 32768,
                   short_len: int = 512, zipf_a: float = 1.5, zipf_scale: int = 256,
-                  max_len: int = 32768) -> Workload:
+                  max_len: int = 32768, prefill_len: int = 256, prefill_every: int = 8) -> Workload:
     """Build one of :data:`WORKLOADS` with ``batch`` requests of ``qo_len`` queries each.
 
     * ``constant``: every KV length ``kv_len``.
@@ -202,6 +179,10 @@ def make_workload(name: str, batch: int = 64, *, seed: int = 0, qo_len: int = 1,
     * ``skewed``: one request of ``long_len`` keys, ``batch - 1`` of ``short_len``.
     * ``zipf``: ``zipf_scale * Zipf(zipf_a)`` keys, capped at ``max_len``: most
       requests short, a few very long.
+    * ``mixed`` (not one of :data:`WORKLOADS`, the paper's four): a continuous-batching
+      step, decode requests with histories uniform in ``[low, high]`` and, every
+      ``prefill_every``-th request, a prefill (append) chunk of ``prefill_len``
+      queries on top of its history (``qo_len`` is ignored).
     """
     rng = np.random.default_rng(seed)
     count_arg("batch", batch)
@@ -221,8 +202,15 @@ def make_workload(name: str, batch: int = 64, *, seed: int = 0, qo_len: int = 1,
         kv[0] = long_len
     elif name == "zipf":
         kv = np.minimum(zipf_scale * rng.zipf(zipf_a, size=batch), max_len)
+    elif name == "mixed":
+        count_arg("prefill_len", prefill_len)
+        count_arg("prefill_every", prefill_every)
+        qo = np.ones(batch, dtype=np.int32)
+        qo[::prefill_every] = prefill_len
+        kv = rng.integers(low, high + 1, size=batch) + np.where(qo > 1, qo, 0)
+        return Workload(name=name, qo_lens=qo, kv_lens=np.maximum(kv, qo).astype(np.int32), group=group)
     else:
-        raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
+        raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS + ('mixed',)}")
     kv = np.maximum(kv, qo_len).astype(np.int32)
     qo = np.full(batch, qo_len, dtype=np.int32)
     return Workload(name=name, qo_lens=qo, kv_lens=kv, group=group)
@@ -248,17 +236,50 @@ def _greedy(times, num_ctas, start_loads=None):
     return cta, start, loads
 
 
+def _real_times(cta, start, lat, work, num_ctas, cost):
+    """Real start and end of every chunk under the cost model's wave speed-up.
+
+    ``start`` is each chunk's start in the additive model (the sum of the full
+    times of the chunks before it on its CTA); the latency part of a chunk takes
+    its own time, the streaming part runs on the clock ``T`` of
+    :func:`nbattn.sched.cost.work_clock`."""
+    end_add = start + lat + work
+    if cost.solo_speedup <= 1.0 or cta.size == 0:
+        return start, end_add
+    order = np.lexsort((start, cta))
+    c = cta[order]
+    first = np.r_[True, c[1:] != c[:-1]]
+    group_start = np.maximum.accumulate(np.where(first, np.arange(c.size), 0))
+    def before(x):
+        cum = np.cumsum(x[order])
+        return cum - x[order] - (cum - x[order])[group_start]
+    lat_before, work_before = before(lat), before(work)
+    slot_work = np.bincount(cta, weights=work, minlength=num_ctas).astype(np.float64)
+    levels, times = work_clock(slot_work, float(num_ctas), float(cost.solo_speedup))
+    r_start = np.empty(c.size)
+    r_end = np.empty(c.size)
+    r_start[order] = lat_before + np.interp(work_before, levels, times)
+    r_end[order] = lat_before + lat[order] + np.interp(work_before + work[order], levels, times)
+    return r_start, r_end
+
+
 def _finish(policy, workload_name, num_ctas, tile_q, cost, chunks, tiles):
-    """Common tail: merge phase, busy time, bounds.
+    """Common tail: wave timing, merge phase, busy time, bounds.
 
     ``chunks``: dict of per-chunk arrays (request, qo_tile, kv_start, kv_end, rows,
-    cta, start) for phase 1.  ``tiles``: (request, tile, rows, kv) of all tiles.
+    cta, start) for phase 1, ``start`` in the additive model.  ``tiles``:
+    (request, tile, rows, kv) of all tiles.
     """
     rows = chunks["rows"]
     kv = chunks["kv_end"] - chunks["kv_start"]
     times = cost.chunk_time(rows, kv)
-    end = chunks["start"] + times
-    busy = np.bincount(chunks["cta"], weights=times, minlength=num_ctas).astype(np.float64)
+    work = cost.work_time(rows, kv)
+    lat = np.full(kv.shape, float(cost.chunk_overhead))
+    start, end = _real_times(np.asarray(chunks["cta"]), np.asarray(chunks["start"], np.float64), lat, work,
+                             num_ctas, cost)
+    launch = float(cost.launch)
+    start, end = start + launch, end + launch
+    busy = np.bincount(chunks["cta"], weights=end - start, minlength=num_ctas).astype(np.float64)
     phase1 = float(end.max()) if end.size else 0.0
 
     # Tiles with more than one chunk need a merge; one job per tile, in tile order.
@@ -268,29 +289,33 @@ def _finish(policy, workload_name, num_ctas, tile_q, cost, chunks, tiles):
     merge_request = chunks["request"][first[split]]
     merge_tile = chunks["qo_tile"][first[split]]
     merge_rows = chunks["rows"][first[split]].astype(np.float64)
-    merge_times = cost.merge_cost * merge_rows * counts[split]
+    merge_times = cost.merge_time(merge_rows, counts[split])
     order = np.lexsort((merge_tile, merge_request))
     merge_request, merge_tile, merge_times = merge_request[order], merge_tile[order], merge_times[order]
     m_cta, m_start, m_loads = _greedy(merge_times, num_ctas)
+    m_base = phase1 + (float(cost.merge_launch) if merge_times.size else 0.0)
     phase2 = float(m_loads.max()) if merge_times.size else 0.0
     busy += m_loads
 
-    makespan = phase1 + phase2
+    makespan = (m_base + phase2) if merge_times.size else phase1
     utilization = float(busy.sum() / (num_ctas * makespan)) if makespan > 0 else 1.0
 
     t_request, t_tile, t_rows, t_kv = tiles
-    tile_min = cost.chunk_time(t_rows, t_kv)
-    lower_bound = max(
-        float(tile_min.sum()) / num_ctas if tile_min.size else 0.0,
-        float(cost.chunk_time(t_rows, 0).max()) if t_rows.size else 0.0,
-    )
+    solo = float(cost.solo_speedup)
+    tile_work = cost.work_time(t_rows, t_kv)
+    head = cost.chunk_overhead + cost.work_time(t_rows, 0) / solo
+    lower_bound = launch + max(
+        float((cost.chunk_overhead + tile_work / solo).sum()) / num_ctas if t_rows.size else 0.0,
+        float(tile_work.sum()) / num_ctas if t_rows.size else 0.0,
+        float(head.max()) if t_rows.size else 0.0,
+    ) if t_rows.size else 0.0
     chunk_bound = max(float(times.sum()) / num_ctas, float(times.max())) if times.size else 0.0
 
     n_merge = merge_times.size
     schedule = Schedule(
         cta=np.concatenate([chunks["cta"], m_cta]).astype(np.int32),
-        start=np.concatenate([chunks["start"], phase1 + m_start]),
-        end=np.concatenate([end, phase1 + m_start + merge_times]),
+        start=np.concatenate([start, m_base + m_start]),
+        end=np.concatenate([end, m_base + m_start + merge_times]),
         request=np.concatenate([chunks["request"], merge_request]).astype(np.int32),
         qo_tile=np.concatenate([chunks["qo_tile"], merge_tile]).astype(np.int32),
         kv_start=np.concatenate([chunks["kv_start"], np.zeros(n_merge)]).astype(np.int32),
@@ -315,8 +340,13 @@ def _finish(policy, workload_name, num_ctas, tile_q, cost, chunks, tiles):
 
 
 def simulate_plan(p: Plan, cost: CostModel | None = None, workload: str = "") -> SimResult:
-    """Time a :class:`~nbattn.sched.plan.Plan` under ``cost``; each CTA runs its queue in order."""
-    cost = cost or CostModel(alpha=p.alpha, beta=p.beta)
+    """Time a :class:`~nbattn.sched.plan.Plan` under ``cost``; each CTA runs its queue in order.
+
+    ``cost`` None: the model the plan was made with (``p.cost_model``), else the
+    default model with the plan's ``alpha`` and ``beta``.  Under the plan's own
+    model the makespan equals ``p.predicted_makespan``."""
+    if cost is None:
+        cost = p.cost_model if p.cost_model is not None else CostModel(alpha=p.alpha, beta=p.beta)
     rows = p.item_rows()
     times = cost.chunk_time(rows, p.kv_end - p.kv_start)
     cta = p.item_cta()
@@ -337,9 +367,15 @@ def simulate_plan(p: Plan, cost: CostModel | None = None, workload: str = "") ->
     return result
 
 
-def _split_chunks(tiles, num_splits):
-    """Cut every tile's KV range into ``num_splits`` near-equal chunks (at least one key each)."""
+def _split_chunks(tiles, num_splits, chunk_size=None):
+    """Cut every tile's KV range into ``num_splits`` near-equal chunks (at least one key
+    each), or with ``chunk_size`` into ``[k*chunk_size, (k+1)*chunk_size)`` pieces."""
     t_request, t_tile, t_rows, t_kv = tiles
+    if chunk_size is not None:
+        n = np.maximum(1, -(-t_kv // chunk_size))
+        request, tile, rows, kv = (np.repeat(x, n) for x in (t_request, t_tile, t_rows, t_kv))
+        k = np.arange(request.size) - np.repeat(np.cumsum(n) - n, n)
+        return request, tile, rows, np.minimum(k * chunk_size, kv), np.minimum((k + 1) * chunk_size, kv)
     n = np.clip(np.minimum(num_splits, t_kv), 1, None)
     request = np.repeat(t_request, n)
     tile = np.repeat(t_tile, n)
@@ -362,9 +398,12 @@ def simulate(
     tile_q: int | None = None,
     cost: CostModel | None = None,
     num_splits: int | None = None,
+    chunk_size: int | None = None,
     workload: str = "",
 ) -> SimResult:
-    """Simulate one step under ``policy`` (one of :data:`POLICIES`)."""
+    """Simulate one step under ``policy`` (one of :data:`POLICIES`) on ``num_ctas`` CTA
+    slots (one wave).  ``fixed_split`` cuts ``num_splits`` equal chunks per tile or,
+    with ``chunk_size``, chunks of that many keys."""
     cost = cost or CostModel()
     num_ctas = count_arg("num_ctas", num_ctas)
     group = count_arg("group", group)
@@ -372,6 +411,10 @@ def simulate(
         count_arg("tile_q", tile_q)
     if num_splits is not None:
         count_arg("num_splits", num_splits)
+    if chunk_size is not None:
+        count_arg("chunk_size", chunk_size)
+        if policy != "fixed_split":
+            raise ValueError(f"chunk_size: only for policy 'fixed_split', got policy {policy!r}")
     qo = np.asarray(qo_lens, dtype=np.int64).reshape(-1)
     kv = np.asarray(kv_lens, dtype=np.int64).reshape(-1)
     if qo.shape != kv.shape:
@@ -384,8 +427,7 @@ def simulate(
     if policy == "lpt":
         # The planner prices a chunk exactly as the simulator does and picks its
         # chunk limit under that price, as the plan/run wrappers ask it to.
-        p = plan(qo, kv, num_ctas, tile_q, group=group, alpha=cost.alpha, beta=cost.beta,
-                 chunk_overhead=cost.chunk_overhead, chunk_limit="auto")
+        p = plan(qo, kv, num_ctas, tile_q, group=group, cost=cost, chunk_limit="auto")
         return simulate_plan(p, cost, workload)
     tiles = query_tiles(qo, kv, group, tile_q, False)
     if policy == "one_per_cta":
@@ -395,7 +437,7 @@ def simulate(
         splits = num_splits if num_splits is not None else max(1, -(-num_ctas // max(num_tiles, 1)))
     else:
         raise ValueError(f"unknown policy {policy!r}; choose from {POLICIES}")
-    request, tile, rows, kv_start, kv_end = _split_chunks(tiles, splits)
+    request, tile, rows, kv_start, kv_end = _split_chunks(tiles, splits, chunk_size)
     times = cost.chunk_time(rows, kv_end - kv_start)
     cta, start, _ = _greedy(times, num_ctas)
     chunks = {"request": request, "qo_tile": tile, "kv_start": kv_start, "kv_end": kv_end,
