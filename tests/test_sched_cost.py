@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 
 from nbattn.sched import CostModel, make_workload, plan, simulate, simulate_plan
 from nbattn.sched.cost import DEFAULT_FIT, CostFit, load_cost_fit
-    simulate_plan
 from nbattn.sched.cost import slot_finish
 
 FIXED_CHUNKS = (512, 1024, 2048, 4096)
