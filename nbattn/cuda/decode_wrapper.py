@@ -70,7 +70,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
              kv_data_type: Any = None, sm_scale: float | None = None, *, alpha: float = 1.0,
              beta: float = 1.0, chunk_overhead: float | None = None,
              chunk_limit: int | str | None = "auto", num_ctas: int | None = None,
-             schedule: str = "auto", tuning: DecodeTuning | None = None, **variant) -> None:
+             schedule: str = "auto", tuning: DecodeTuning | None = None, cost=None, **variant) -> None:
         """Plan a decode step and copy the plan into the workspace.
 
         Arguments are FlashInfer's; other variant keywords of
@@ -94,6 +94,10 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
           This is the standalone decode's split for small batches.
         * ``"auto"`` (default): ``"split"`` where the batch alone leaves the SMs
           idle (the small-batch kernel shape applies), else ``"lpt"``.
+
+        ``cost`` (an ``"lpt"`` plan; a :class:`nbattn.sched.cost.CostModel`, e.g. a GPU
+        fit's ``load_cost_fit(path).for_path("tc")``; None: the numbers above) is the
+        planner's cost model (``nbattn.sched.plan(cost=...)``).
 
         ``tuning`` (a :class:`~nbattn.cuda.tuning.DecodeTuning`; None: ``DECODE``) shapes
         the kernels every run() of this plan launches.
@@ -134,7 +138,8 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
             qo_lens = np.ones(batch, np.int64)
             p = lpt_plan(qo_lens, kv_lens, int(num_ctas), tile_q=choose_tile_q(qo_lens, group, decode_tiles(group)),
                          group=group,
-                         alpha=alpha, beta=beta, chunk_overhead=overhead, chunk_limit=chunk_limit)
+                         alpha=alpha, beta=beta, chunk_overhead=overhead, chunk_limit=chunk_limit,
+                         cost=cost)
             self._check_bound(p)
         self._check_fits(batch, int(pkv.paged_kv_indices.size), p.num_items, hq, D, 1, group)
         stream = self._begin_plan()
