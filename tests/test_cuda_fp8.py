@@ -245,7 +245,7 @@ def test_a_non_finite_fp8_code_poisons_the_rows_that_see_it(path, fmt, where):
 def test_wrapper_runs_and_replans(path):
     rng, seed = fresh()
     tuning = DECODE.replace(path=path)
-    w = C.BatchDecodeWithPagedKVCacheWrapper(np.zeros(8 << 20, np.uint8), "NHD", num_ctas=3)
+    w = C.BatchDecodeWithPagedKVCacheWrapper(cuda.device_array(8 << 20, np.uint8), "NHD", num_ctas=3)
     b = fp8_batch(rng, "e4m3", "bf16", [30, 0, 5, 12], page_size=4, group=4, hkv=1)
     w.plan(b["indptr"], b["indices"], b["last"], 4, 1, 32, 4, q_data_type=torch.bfloat16,
            kv_data_type=torch.float8_e4m3fn, chunk_limit=8, tuning=tuning)
@@ -275,7 +275,7 @@ def test_wrapper_runs_and_replans(path):
 
 
 def test_wrapper_plan_refuses_what_fp8_cannot_do():
-    w = C.BatchDecodeWithPagedKVCacheWrapper(np.zeros(1 << 20, np.uint8), "NHD", num_ctas=2)
+    w = C.BatchDecodeWithPagedKVCacheWrapper(cuda.device_array(1 << 20, np.uint8), "NHD", num_ctas=2)
     args = (np.array([0, 1], np.int32), np.array([0], np.int32), np.array([3], np.int32), 4, 2)
     with pytest.raises(ValueError, match=r"^paged_kv_cache: an fp8 cache needs head_dim a multiple of 16"):
         w.plan(*args, 24, 4, kv_data_type=torch.float8_e4m3fn)
