@@ -21,6 +21,7 @@ scale or an fp8 cache given to run() is refused, naming it.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from .. import layout as L
@@ -40,7 +41,9 @@ from .tuning import DECODE, DecodeTuning, check_tuning
 
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper"]
 
-_PLAN_ONLY = ("alpha", "beta", "chunk_overhead", "chunk_limit", "num_ctas", "schedule")
+# the plain plan()'s own keyword-only arguments (alpha, beta, schedule, ...): not variant keywords
+_PLAN_ONLY = frozenset(n for n, p in inspect.signature(_PlainDecodeWrapper.plan).parameters.items()
+                       if p.kind is inspect.Parameter.KEYWORD_ONLY)
 _NAME = {code: name for name, code in FP8_CODES.items()}
 
 
