@@ -133,6 +133,15 @@ def _sched_policy_utilization(fn: Builder) -> Builder:
     return builder
 
 
+def _sched_measured(fn: Builder) -> Builder:
+    def builder(path: Path, results_root: Path) -> None:
+        from .perf.results import load_suite
+
+        fn(load_suite("sched", results_root), path)
+
+    return builder
+
+
 _BUILTIN: list[tuple] = [
     ("nbattn.plots.roofline", "build_roofline", "roofline",
      "Attention roofline of H200, H100 SXM and A100 SXM 80GB (datasheet peaks; the H200 "
@@ -212,6 +221,25 @@ _BUILTIN: list[tuple] = [
      "SM utilization and makespan of one-request-per-CTA, fixed-split (FlashDecoding) and "
      "LPT policies on constant, Variable (512-2048) and skewed workloads.",
      "model: nbattn.sched simulator", _sched_policy_utilization),
+    ("nbattn.plots.sched", "measured_utilization", "sched_measured_utilization",
+     "The paper's Figure 8 counterpart, measured: decode bandwidth utilization (bytes over the "
+     "same-run copy bandwidth) or TFLOP/s (mixed prefill + decode) per workload and scheduling "
+     "policy (one request per CTA, fixed splits, LPT with the fitted cost model, the wrapper's "
+     "default plan, the paper's rule), one panel per batch size; hatched: SDPA flash / cuDNN on "
+     "the padded dense batch in the same run (timing peers). Policies a file lacks read "
+     f"\"not measured\". Values: {_RESULTS}/sched.json.",
+     f"measured: {_RESULTS}/sched.json (GPU named in the file)", _sched_measured),
+    ("nbattn.plots.sched", "ablation_table", "sched_ablation",
+     "The paper's load-balancing ablation, measured: each fixed policy's kernel time over LPT's "
+     "per workload and batch (above 1: LPT faster; amber: LPT within 3%, issue 21's target). "
+     f"Values: {_RESULTS}/sched.json (latency_us).",
+     f"measured: {_RESULTS}/sched.json (GPU named in the file)", _sched_measured),
+    ("nbattn.plots.sched", "prediction_vs_measured", "sched_prediction",
+     "The simulator beside the measurement: the kernel time the simulator predicts under the "
+     "fitted cost model (nbattn.sched.cost, benchmarks/results/cost_fit.json) against the "
+     "measured one, and the relative error per workload (shaded: within 15%). Values: "
+     f"{_RESULTS}/sched.json (predicted_us).",
+     f"model fitted to the GPU + measured: {_RESULTS}/sched.json, cost_fit.json", _sched_measured),
     # Written by the layout engineer (nbattn.plots.layout); data from nbattn.layout.
     ("nbattn.plots.layout", "page_table_bsr", "layout_page_table_bsr",
      "Paper Figure 2: a paged KV table seen as a block-sparse (BSR) matrix with "

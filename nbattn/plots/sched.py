@@ -17,7 +17,8 @@ from matplotlib.patches import Patch
 from ..sched.plan import DIRECT, Plan
 from ..sched.simulate import CostModel, SimResult, simulate_plan
 
-__all__ = ["gantt", "reduction_map", "policy_utilization"]
+__all__ = ["gantt", "reduction_map", "policy_utilization", "measured_utilization", "ablation_table",
+           "prediction_vs_measured"]
 
 _CMAP = "tab20"
 
@@ -226,4 +227,178 @@ def policy_utilization(results, path, *, title: str | None = None) -> Figure:
         ax.set_xticks(x, workloads)
         ax.legend(fontsize=8, ncol=len(policies), loc="upper center")
     fig.suptitle(title or "scheduling policies (simulated)", fontsize=11)
+    return _save(fig, path)
+
+
+# ---------------------------------------------------------------------------
+# Measured: benchmarks/results/sched.json (benchmarks/gpu_sched.py)
+# ---------------------------------------------------------------------------
+
+_POLICY_ORDER = ("one_per_cta", "split_512", "split_1024", "split_2048", "split_4096", "split_auto", "lpt",
+                 "lpt_default", "lpt_spec", "lpt_spec_resident")
+
+
+def _records(suite, metric: str) -> list:
+    return [] if suite is None else [r for r in suite.records if r.metric == metric]
+
+
+def _ordered(names) -> list:
+    names = list(dict.fromkeys(names))
+    known = [p for p in _POLICY_ORDER if p in names]
+    return known + sorted(n for n in names if n not in known)
+
+
+def _batch(r) -> int | None:
+    b = r.case.get("batch")
+    return int(b) if b is not None else None
+
+
+def measured_utilization(suite, path, *, title: str | None = None) -> Figure:
+    """The paper's Figure 8 counterpart, measured: bandwidth utilization (decode,
+    ``bw_fraction``) or TFLOP/s (mixed prefill + decode, ``tflops``) per workload and
+    policy, one panel per batch size, with the same-run SDPA peers on the padded batch
+    hatched beside.  ``suite``: the ``sched`` result suite (:func:`nbattn.perf.results.load_suite`)
+    or None; a missing suite or metric is drawn as "no measured data yet", never invented."""
+    from . import style
+
+    bw, tf = _records(suite, "bw_fraction"), _records(suite, "tflops")
+    panels = [("bw_fraction", b, [r for r in bw if _batch(r) == b]) for b in sorted({_batch(r) for r in bw}
+                                                                                    - {None})]
+    panels += [("tflops", b, [r for r in tf if _batch(r) == b]) for b in sorted({_batch(r) for r in tf} - {None})]
+    fig = _new_figure(max(6.0, 4.2 * max(len(panels), 1)), 4.2)
+    if not panels:
+        ax = fig.add_subplot()
+        ax.set_axis_off()
+        style.note_no_measured(ax, "bw_fraction / tflops records would come from sched.json "
+                                   "(benchmarks/gpu_sched.py)", loc="upper center")
+        return _save(fig, path)
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (metric, batch, recs) in zip(axes, panels):
+        workloads = list(dict.fromkeys(r.case.get("workload") for r in recs))
+        policies = _ordered(r.case.get("policy") for r in recs)
+        peers = sorted({k for r in recs for k, v in r.peers.items() if k.startswith("sdpa") and v is not None})
+        table = {(r.case.get("workload"), r.case.get("policy")): r for r in recs}
+        names = policies + peers
+        width = 0.84 / len(names)
+        x = np.arange(len(workloads))
+        for k, name in enumerate(names):
+            vals = []
+            for w in workloads:
+                if name in policies:
+                    r = table.get((w, name))
+                    vals.append(r.value if r is not None else np.nan)
+                else:
+                    got = [r.peers.get(name) for (ww, _), r in table.items() if ww == w and r.peers.get(name)]
+                    vals.append(got[0] if got else np.nan)
+            off = (k - (len(names) - 1) / 2) * width
+            peer = name not in policies
+            ax.bar(x + off, vals, width, label=name + (" (padded)" if peer and "padded" not in name else ""),
+                   color=style.impl_color(name) if peer else None, hatch="//" if peer else None,
+                   edgecolor="black" if peer else None, linewidth=0.3)
+            for xi, v in zip(x + off, vals):
+                if np.isnan(v):
+                    ax.text(xi, 0.01, "not measured", rotation=90, fontsize=5, ha="center", va="bottom")
+        ax.set_xticks(x, workloads, fontsize=8)
+        ax.set_ylabel("fraction of copy bandwidth" if metric == "bw_fraction" else "TFLOP/s")
+        ax.set_title(f"batch {batch}" + ("" if metric == "bw_fraction" else ", mixed prefill + decode"))
+        if metric == "bw_fraction":
+            ax.set_ylim(0, 1.15)
+    axes[-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    gpu = getattr(suite, "gpu", "")
+    fig.suptitle(title or f"scheduling policies, measured ({gpu}, sched.json)\nhatched: SDPA on the padded "
+                          f"batch, same run", fontsize=9)
+    return _save(fig, path)
+
+
+def ablation_table(suite, path, *, title: str | None = None) -> Figure:
+    """The paper's load-balancing ablation, measured: for every workload and batch, each
+    fixed policy's kernel time over LPT's (``> 1``: LPT is faster), from the
+    ``latency_us`` records; cells without both numbers say "not measured"."""
+    from . import style
+
+    lat = [r for r in _records(suite, "latency_us") if r.case.get("policy")]
+    by_case: dict = {}
+    for r in lat:
+        by_case.setdefault((r.case.get("workload"), _batch(r)), {})[r.case["policy"]] = r.value
+    fixed = _ordered(p for d in by_case.values() for p in d
+                     if p == "one_per_cta" or str(p).startswith("split_"))
+    others = _ordered(p for d in by_case.values() for p in d if str(p).startswith("lpt") and p != "lpt")
+    cols = fixed + others
+    rows = [k for k in by_case if "lpt" in by_case[k]]
+    fig = _new_figure(max(6.0, 1.1 * len(cols) + 2.5), 0.35 * max(len(rows), 1) + 1.6)
+    ax = fig.add_subplot()
+    ax.set_axis_off()
+    if not rows or not cols:
+        style.note_no_measured(ax, "latency_us records of lpt and fixed policies would come from sched.json",
+                               loc="upper center")
+        return _save(fig, path)
+    text, colors = [], []
+    for k in rows:
+        d = by_case[k]
+        line, cl = [], []
+        for c in cols:
+            if c in d:
+                ratio = d[c] / d["lpt"]
+                line.append(f"{ratio:.2f}x")
+                cl.append("#c9e7c9" if ratio >= 1.0 else ("#fbe3b6" if ratio >= 1 / 1.03 else "#f4c2c2"))
+            else:
+                line.append("not measured")
+                cl.append("white")
+        text.append(line)
+        colors.append(cl)
+    tab = ax.table(cellText=text, cellColours=colors, colLabels=cols,
+                   rowLabels=[f"{w} b{b}" if b is not None else str(w) for w, b in rows], loc="center")
+    tab.auto_set_font_size(False)
+    tab.set_fontsize(7)
+    ax.set_title(title or "policy time / LPT time, measured (>1: LPT faster; green LPT wins, amber within 3%, "
+                          "red LPT slower)", fontsize=9)
+    return _save(fig, path)
+
+
+def prediction_vs_measured(suite, path, *, title: str | None = None) -> Figure:
+    """The simulator beside the measurement: the fitted model's predicted kernel time
+    (``predicted_us`` records, whose peer ``measured`` is the same-run time) against the
+    measured one, per workload, with the relative error; the 15% band of issue 21 is
+    shaded.  Without predictions it says so ("no measured data yet")."""
+    from . import style
+
+    recs = [r for r in _records(suite, "predicted_us") if r.peers.get("measured")]
+    fig = _new_figure(11, 4.2)
+    axes = fig.subplots(1, 2)
+    if not recs:
+        for ax in axes:
+            ax.set_axis_off()
+        style.note_no_measured(axes[0], "predicted_us records (simulator under the fitted cost model) would "
+                                        "come from sched.json", loc="upper center")
+        return _save(fig, path)
+    meas = np.array([r.peers["measured"] for r in recs])
+    pred = np.array([r.value for r in recs])
+    wl = [r.case.get("workload") for r in recs]
+    names = list(dict.fromkeys(wl))
+    ax = axes[0]
+    lo, hi = min(meas.min(), pred.min()) * 0.8, max(meas.max(), pred.max()) * 1.25
+    line = np.array([lo, hi])
+    ax.fill_between(line, line / 1.15, line * 1.15, color="#dddddd", label="within 15%")
+    ax.plot(line, line, color="black", linewidth=0.8)
+    for n in names:
+        m = np.array([w == n for w in wl])
+        ax.scatter(meas[m], pred[m], s=14, label=n)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured kernel time (us)")
+    ax.set_ylabel("simulator, fitted model (us)")
+    ax.legend(fontsize=7)
+    err = pred / meas - 1
+    ax = axes[1]
+    ax.axhspan(-0.15, 0.15, color="#dddddd")
+    for k, n in enumerate(names):
+        m = np.array([w == n for w in wl])
+        ax.scatter(np.full(m.sum(), k) + np.linspace(-0.25, 0.25, m.sum()), err[m] * 100, s=12)
+        worst = err[m][np.argmax(np.abs(err[m]))]
+        ax.text(k, 100 * worst, f"{100 * worst:+.0f}%", fontsize=7, ha="center", va="bottom")
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("prediction error (%)")
+    ax.axhline(0, color="black", linewidth=0.8)
+    fig.suptitle(title or f"simulator vs measured ({getattr(suite, 'gpu', '')}, sched.json): largest |error| "
+                          f"{100 * np.max(np.abs(err)):.0f}%", fontsize=10)
     return _save(fig, path)
