@@ -66,7 +66,7 @@ def timed(func, module):
 def report(name, call, func, module, setattr_on, n, out):
     """Time ``call()`` with ``func`` replaced by its stamped copy on every object of
     ``setattr_on`` (a module that imported it by name holds its own reference)."""
-    f, T, lines, first = timed(func, module)
+    f, T, lines, first = timed(func, sys.modules[func.__module__])
     targets = setattr_on if isinstance(setattr_on, (list, tuple)) else [setattr_on]
     origs = [getattr(t, func.__name__) for t in targets]
     for t in targets:
