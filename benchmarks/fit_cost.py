@@ -26,7 +26,9 @@ Probes (all through the public decode wrapper, ``gpu_sched.py``):
   ``solo_speedup`` by a grid search given the stream fit.
 * *merge*: requests cut into ``P`` chunks (forced limits), so the decode part
   is known from the two fits above; the rest is ``merge_launch + rows *
-  merge_cost * P`` (the largest merge's partials), linear least squares.
+  merge_cost * P_max + merge_total * P_all`` (the largest merge's partials, and
+  all of the plan's), linear least squares.  One request in 2, 8 or 32 pieces
+  and ``C`` requests in 2 pieces each tell the two prices apart.
 
 Decode items all have ``group`` query rows, so ``alpha`` (per row) cannot be
 told apart from the item overhead: a decode fit sets ``alpha = 0`` and the
@@ -93,14 +95,17 @@ def fit_solo(points, slots, launch, beta, overhead):
 
 
 def fit_merge(points):
-    """``points``: (rows * partials of the largest merge, measured us, predicted decode us).
-    Returns merge_launch and merge_cost (per partial row)."""
+    """``points``: (rows * partials of the largest merge, partial slots of the plan, measured us,
+    predicted decode us).  Returns merge_launch, merge_cost (per partial row of the largest
+    merge: merges side by side) and merge_total (per partial slot of the plan: a price the
+    merges do not share out); which one the probes support is the fit's answer."""
     pts = np.asarray(points, np.float64)
-    rest = pts[:, 1] - pts[:, 2]
-    A = np.c_[np.ones(len(pts)), pts[:, 0]]
-    ml, mc = _nonneg_lstsq(A, rest, 1.0 / pts[:, 1])
-    pred = pts[:, 2] + A @ np.array([ml, mc])
-    return dict(merge_launch=float(ml), merge_cost=float(mc), rel_residuals=(pred / pts[:, 1] - 1).tolist())
+    rest = pts[:, 2] - pts[:, 3]
+    A = np.c_[np.ones(len(pts)), pts[:, 0], pts[:, 1]]
+    sol = _nonneg_lstsq(A, rest, 1.0 / pts[:, 2])
+    pred = pts[:, 3] + A @ sol
+    return dict(merge_launch=float(sol[0]), merge_cost=float(sol[1]), merge_total=float(sol[2]),
+                rel_residuals=(pred / pts[:, 2] - 1).tolist())
 
 
 def fit_decode(stream, solo, merge_of, slots, ctas_per_sm, sm_count):
@@ -113,8 +118,9 @@ def fit_decode(stream, solo, merge_of, slots, ctas_per_sm, sm_count):
     partial = dict(alpha=0.0, beta=s["beta"], chunk_overhead=s["chunk_overhead"], launch=s["launch"],
                    solo_speedup=o["solo_speedup"])
     m = fit_merge(merge_of(partial)) if merge_of is not None else dict(merge_launch=0.0, merge_cost=0.0,
-                                                                        rel_residuals=[])
+                                                                        merge_total=0.0, rel_residuals=[])
     model = dict(partial, merge_cost=m["merge_cost"], merge_row=0.0, merge_launch=m["merge_launch"],
+                 merge_total=m["merge_total"],
                  ctas_per_sm=int(ctas_per_sm), sm_count=int(sm_count), search="plans", unit="us")
     return model, dict(stream=s["rel_residuals"], solo=o["rel_residuals"], merge=m["rel_residuals"])
 

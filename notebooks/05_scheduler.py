@@ -321,6 +321,38 @@ assert worst is not None and 0 < worst <= 1.0, f"worst fraction {worst} should b
 print(f"✓ the fullest plan used {worst:.0%} of the bound")
 
 # %% [markdown]
+# ### What was measured, and the cost model fitted to it
+#
+# The numbers below are read from `benchmarks/results/sched.json` (and
+# `benchmarks/results/cost_fit.json` once a GPU run has written one): for every measured
+# step, LPT's kernel time over the best fixed policy of the same run (above 1: LPT was
+# slower). The planner can also take a cost model fitted on the GPU
+# (`sched.plan(..., cost=model)`, `nbattn.sched.cost`): it then prices the merge pass and
+# the tail of the wave, and picks among its own plans and the fixed splits it can express
+# the one the model predicts fastest. Whether that wins on the GPU is for the file to say.
+
+# %%
+from pathlib import Path
+from nbattn.perf.results import load_suite
+from nbattn.sched.cost import DEFAULT_FIT, load_cost_fit
+
+suite = load_suite("sched")
+rows = {}
+for r in (suite.records if suite else []):
+    if r.metric == "latency_us" and r.case.get("policy"):
+        rows.setdefault((r.case["workload"], r.case.get("batch")), {})[r.case["policy"]] = r.value
+for (w, b), t in rows.items():
+    fixed = {k: v for k, v in t.items() if k == "one_per_cta" or k.startswith("split_")}
+    if "lpt" in t and fixed:
+        best = min(fixed, key=fixed.get)
+        print(f"{w:14s} batch {b}: lpt {t['lpt']:8.1f} us, best fixed {best} {fixed[best]:8.1f} us, "
+              f"lpt / best = {t['lpt'] / fixed[best]:.3f}")
+fit_file = Path(suite.path).parent / "cost_fit.json" if suite and suite.path else None
+fit = load_cost_fit(fit_file) if fit_file and fit_file.is_file() else DEFAULT_FIT
+print("cost model:", "fitted on " + fit.gpu + " at " + fit.commit if fit.measured else
+      "defaults (no GPU fit committed yet)", "\n", fit.decode_tc)
+
+# %% [markdown]
 # ## Summary
 #
 # * The plan is computed once per step on the CPU and reused by every layer.

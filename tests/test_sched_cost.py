@@ -80,7 +80,7 @@ def reference_span(tiles, limit, order_kind, slots, m: CostModel):
         for j in jobs:
             load, c = heapq.heappop(heap)
             heapq.heappush(heap, (load + j, c))
-        span += m.merge_launch + max(load for load, _ in heap)
+        span += m.merge_launch + m.merge_total * sum(k for _, k in counts if k > 1) + max(load for load, _ in heap)
     partials = sum(k for _, k in counts if k > 1)
     merges = sum(1 for _, k in counts if k > 1)
     return span, partials <= 2 * slots and merges <= slots
@@ -103,6 +103,7 @@ models = st.builds(
     merge_cost=st.sampled_from([0.0, 1.0, 20.0]),
     merge_row=st.sampled_from([0.0, 5.0]),
     merge_launch=st.sampled_from([0.0, 100.0]),
+    merge_total=st.sampled_from([0.0, 7.0]),
     launch=st.sampled_from([0.0, 50.0]),
     solo_speedup=st.sampled_from([1.0, 1.7, 3.0]),
     search=st.just("plans"),
@@ -131,7 +132,8 @@ def test_slot_finish_matches_an_event_simulation(work, slots, solo, lat):
 def test_cost_model_checks_and_defaults():
     m = CostModel()
     assert (m.alpha, m.beta, m.chunk_overhead, m.merge_cost) == (1.0, 1.0, 32.0, 1.0)
-    assert (m.merge_row, m.merge_launch, m.launch, m.solo_speedup, m.search) == (0, 0, 0, 1.0, "limits")
+    assert (m.merge_row, m.merge_launch, m.merge_total, m.launch, m.solo_speedup, m.search) == \
+        (0, 0, 0, 0, 1.0, "limits")
     for bad in (dict(beta=-1.0), dict(solo_speedup=0.5), dict(search="best"), dict(ctas_per_sm=1.5),
                 dict(merge_launch=float("nan"))):
         with pytest.raises(ValueError, match=next(iter(bad))):

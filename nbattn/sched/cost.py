@@ -29,10 +29,14 @@ does not compete for bandwidth and every slot starts at once, and a first-order
 approximation otherwise.
 
 A split tile's merge job costs ``l_q * (merge_cost * partials + merge_row)``;
-the merge pass (a second kernel) adds ``merge_launch`` when there is at least one
-merge, and the attention pass ``launch``.  The predicted makespan is::
+the jobs run side by side on the merge pass's CTAs.  The pass (a second kernel)
+adds ``merge_launch`` when there is at least one merge, plus ``merge_total`` per
+partial slot of the whole plan (a price the merges do not share out, if the
+kernel has one), and the attention pass adds ``launch``.  The predicted makespan
+is::
 
-    launch + max_slot(lat + T(w)) + [merges] * (merge_launch + max merge CTA load)
+    launch + max_slot(lat + T(w))
+           + [merges] * (merge_launch + merge_total * partials + max merge CTA load)
 
 "What a wave means": the planner balances over ``num_ctas`` CTAs per KV head,
 the slots resident at once.  ``ctas_per_sm`` and ``sm_count`` say how that
@@ -87,6 +91,7 @@ class CostModel:
     merge_cost: float = 1.0
     merge_row: float = 0.0
     merge_launch: float = 0.0
+    merge_total: float = 0.0
     launch: float = 0.0
     solo_speedup: float = 1.0
     ctas_per_sm: int = 0
@@ -95,7 +100,8 @@ class CostModel:
     unit: str = "KV tokens"
 
     def __post_init__(self):
-        for f in ("alpha", "beta", "chunk_overhead", "merge_cost", "merge_row", "merge_launch", "launch"):
+        for f in ("alpha", "beta", "chunk_overhead", "merge_cost", "merge_row", "merge_launch", "merge_total",
+                  "launch"):
             v = getattr(self, f)
             if not (isinstance(v, (int, float)) and np.isfinite(v) and v >= 0):
                 raise ValueError(f"CostModel.{f}: must be a finite number >= 0, got {v!r}")
@@ -135,7 +141,8 @@ class CostModel:
     def params(self) -> tuple:
         """The numbers the compiled planner takes, in its argument order."""
         return (float(self.alpha), float(self.beta), float(self.chunk_overhead), float(self.merge_cost),
-                float(self.merge_row), float(self.merge_launch), float(self.launch), float(self.solo_speedup))
+                float(self.merge_row), float(self.merge_launch), float(self.merge_total), float(self.launch),
+                float(self.solo_speedup))
 
 
 @dataclass(frozen=True)

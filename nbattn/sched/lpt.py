@@ -276,7 +276,7 @@ def _chunk_items(tile_rows, tile_kv, limit):
 
 @njit(cache=True)
 def plan_span(tile_rows, tile_kv, limit, mode, num_ctas, alpha, beta, overhead, merge_cost, merge_row,
-              merge_launch, launch, solo):
+              merge_launch, merge_total, launch, solo):
     """Predicted makespan of the plan with chunk ``limit`` and placement ``mode``
     (:data:`LPT_ORDER` or :data:`REQUEST_ORDER`) under the cost model of
     :mod:`nbattn.sched.cost`, merge pass included."""
@@ -307,7 +307,8 @@ def plan_span(tile_rows, tile_kv, limit, mode, num_ctas, alpha, beta, overhead, 
                 m_rows[i] = tile_rows[t]
                 m_parts[i] = count[t]
                 i += 1
-        span += merge_launch + merge_span(m_rows, m_parts, num_ctas, merge_cost, merge_row)
+        span += merge_launch + merge_total * m_parts.sum() + merge_span(m_rows, m_parts, num_ctas, merge_cost,
+                                                                         merge_row)
     return span
 
 
@@ -332,7 +333,7 @@ def candidate_limits(tile_kv, spec_limit):
 
 @njit(cache=True)
 def choose_plan(tile_rows, tile_kv, num_ctas, alpha, beta, overhead, merge_cost, merge_row, merge_launch,
-                launch, solo, spec_limit):
+                merge_total, launch, solo, spec_limit):
     """(limit, placement, predicted makespan) of the best candidate plan (module doc)."""
     limits = candidate_limits(tile_kv, spec_limit)
     best = np.inf
@@ -359,7 +360,7 @@ def choose_plan(tile_rows, tile_kv, num_ctas, alpha, beta, overhead, merge_cost,
             continue
         floor = launch + max(sum_work / num_ctas, largest)
         if merges:
-            floor += merge_launch + merge_floor
+            floor += merge_launch + merge_total * partials + merge_floor
         if floor > best:
             continue
         fixed = limit == limits[0] or limit == 512 or limit == 1024 or limit == 2048 or limit == 4096
@@ -367,7 +368,7 @@ def choose_plan(tile_rows, tile_kv, num_ctas, alpha, beta, overhead, merge_cost,
             if mode == REQUEST_ORDER and not fixed:
                 continue
             span = plan_span(tile_rows, tile_kv, limit, mode, num_ctas, alpha, beta, overhead, merge_cost,
-                             merge_row, merge_launch, launch, solo)
+                             merge_row, merge_launch, merge_total, launch, solo)
             # Limits come largest first and LPT before request order: a tie keeps the earlier.
             if span < best * (1.0 - 1e-12):
                 best, best_limit, best_mode = span, limit, mode

@@ -293,7 +293,8 @@ def _finish(policy, workload_name, num_ctas, tile_q, cost, chunks, tiles):
     order = np.lexsort((merge_tile, merge_request))
     merge_request, merge_tile, merge_times = merge_request[order], merge_tile[order], merge_times[order]
     m_cta, m_start, m_loads = _greedy(merge_times, num_ctas)
-    m_base = phase1 + (float(cost.merge_launch) if merge_times.size else 0.0)
+    m_base = phase1 + (float(cost.merge_launch) + float(cost.merge_total) * float(counts[split].sum())
+                       if merge_times.size else 0.0)
     phase2 = float(m_loads.max()) if merge_times.size else 0.0
     busy += m_loads
 
