@@ -191,3 +191,51 @@ def test_threads_calling_at_once_each_get_their_own_answer(form, monkeypatch):
         t.join()
     for i, b in enumerate(batches):
         np.testing.assert_allclose(got[i].astype(np.float64), gold(b), atol=1e-4, rtol=1e-4)
+
+
+def test_a_repeated_signature_skips_the_checks_but_never_the_page_table(monkeypatch):
+    """A call whose inputs look as an earlier call's did reuses its checks' decisions
+    (one _checked_call for many calls), yet every call's page table is checked: a bad
+    page id or a batch that no longer matches q is refused with the rule's message
+    before any launch, and other variants or scales on the same shapes get their own answers."""
+    from nbattn import layout as L
+    from nbattn.cuda.host import driver as D
+    checked, launches = [], []
+    real_checked, real_call = DC._checked_call, D.BoundLaunch.__call__
+    monkeypatch.setattr(DC, "_checked_call", lambda *a, **k: checked.append(1) or real_checked(*a, **k))
+    monkeypatch.setattr(D.BoundLaunch, "__call__", lambda self, s=0: launches.append(1) or real_call(self, s))
+    DC._CALLS.clear()
+    rng = np.random.default_rng(20261204)
+    P, page, hk, group, d = 96, 4, 2, 2, 16
+    cache_h = rng.standard_normal((P, 2, page, hk, d)).astype(np.float16)
+    cache = cuda.to_device(cache_h)                   # one cache for every call, as a server has
+
+    def table(lens):
+        n = [-(-x // page) for x in lens]
+        ids = rng.choice(P, sum(n), replace=False).astype(np.int32)
+        last = np.array([x - page * (k - 1) if k else 0 for x, k in zip(lens, n)], np.int32)
+        return np.concatenate([[0], np.cumsum(n)]).astype(np.int32), ids, last
+
+    for kw in ({}, {}, dict(sm_scale=0.3), {}, dict(logits_soft_cap=3.0)):
+        indptr, ids, last = table(list(rng.integers(0, 120, 3)))
+        qh = rng.standard_normal((3, hk * group, d)).astype(np.float16)
+        o, lse = batch_decode_paged(cuda.to_device(qh), cache, indptr, ids, last, return_lse=True, **kw)
+        ro, rlse = R.batch_decode_paged(qh, cache_h, indptr, ids, last, return_lse=True, dtype=np.float64, **kw)
+        o = o.copy_to_host().view(np.float16).astype(np.float64)
+        np.testing.assert_allclose(o, ro, atol=4e-3 * (1 + np.abs(ro).max()), rtol=4e-3)
+        assert np.array_equal(np.isneginf(lse.copy_to_host()), np.isneginf(rlse))
+    assert len(checked) == 3            # {}, sm_scale and soft cap: the repeats skip the checks
+    q = cuda.to_device(qh)
+    b = dict(zip(("indptr", "indices", "last"), table([9, 30, 4])))
+    batch_decode_paged(q, cache, b["indptr"], b["indices"], b["last"])
+    n_checked, n_launches = len(checked), len(launches)
+    bad = b["indices"].copy()
+    bad[-1] = P                                        # one page past the cache
+    with pytest.raises(L.LayoutError) as got:
+        batch_decode_paged(q, cache, b["indptr"], bad, b["last"])
+    with pytest.raises(L.LayoutError) as want:
+        L.PagedKV.validate(b["indptr"], bad, b["last"], page, P)
+    assert str(got.value) == str(want.value) and "paged_kv_indices" in str(got.value)
+    with pytest.raises(L.LayoutError, match="q: has 3 rows"):         # four requests for q's three rows
+        batch_decode_paged(q, cache, *table([5, 6, 7, 8]))
+    assert len(launches) == n_launches and len(checked) == n_checked

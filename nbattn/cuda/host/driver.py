@@ -344,14 +344,14 @@ class BoundLaunch:
         self._cfg_addr = ctypes.addressof(self._cfg)
 
     def set(self, i: int, x, size: int | None = None, rows: int | None = None) -> None:
-        """Array argument ``i`` now reads ``x``'s memory (same element type and
-        layout; it may take another ``size`` in elements, and an argument of more
+        """Array argument ``i`` now reads ``x``'s memory (``x`` an array or, on a GPU,
+        a device address as an int; same element type and layout; it may take another ``size`` in elements, and an argument of more
         than one dimension another number of ``rows``, its first extent)."""
         if SIMULATOR:
             conv = self._convert.get(i)
             self._args[i] = conv(x) if conv is not None else x
             return
-        self._data[i].value = data_ptr(x)
+        self._data[i].value = x if type(x) is int else data_ptr(x)      # an int is an address
         if size is not None:
             nitems, dim0 = self._sizes[i]
             nitems.value = size

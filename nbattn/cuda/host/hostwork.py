@@ -23,7 +23,8 @@ from numba import njit
 
 from ... import layout as L
 
-__all__ = ["page_table", "page_table_ok", "decode_work", "DECODE_PARTS", "stage_arrays", "split_plan", "kv_lengths"]
+__all__ = ["page_table", "page_table_ok", "decode_work", "DECODE_PARTS", "stage_arrays", "split_plan", "kv_lengths",
+           "int32_tables", "decode_call_work"]
 
 #: The arrays :func:`decode_work` writes, in order, each at a 16-byte aligned offset.
 DECODE_PARTS = ("kv_indptr", "kv_indices", "kv_last", "cta_indptr", "request", "kv_start", "kv_end",
@@ -45,6 +46,19 @@ def page_table(indptr, indices, last, page_size: int, num_pages: int) -> L.Paged
         L.PagedKV.validate(indptr, indices, last, page_size, num_pages)
         raise AssertionError("nbattn: hostwork.page_table_ok and PagedKV.validate disagree")
     return L.PagedKV(*tables, int(page_size), int(num_pages))
+
+
+def int32_tables(indptr, indices, last) -> tuple:
+    """The three page-table arrays as C-contiguous int32 NumPy arrays (converted only
+    where they are not already), each checked by :func:`nbattn.layout.as_int32`."""
+    out = []
+    for name, x in zip(_NAMES, (indptr, indices, last)):
+        if not (type(x) is np.ndarray and x.dtype == np.int32 and x.ndim == 1 and x.flags.c_contiguous):
+            x = L.as_int32(name, x)
+            if not x.flags.c_contiguous:
+                x = np.ascontiguousarray(x)
+        out.append(x)
+    return tuple(out)
 
 
 @njit(cache=True)
@@ -164,6 +178,18 @@ def decode_work(indptr, indices, last, page_size, ctas, slots, grain, floor, buf
             m += 1
     buf[o[3] + n_items] = n_items
     return info
+
+
+@njit(cache=True)
+def decode_call_work(indptr, indices, last, page_size, num_pages, ctas, slots, grain, floor, buf):
+    """A plain call's compiled host work: :func:`page_table_ok`, then, when the table
+    obeys every rule, :func:`decode_work` into ``buf``; ``info[0] = -1`` (and nothing
+    written) when it does not."""
+    if not page_table_ok(indptr, indices, last, page_size, num_pages):
+        info = np.zeros(6 + 2 * 11, np.int64)
+        info[0] = -1
+        return info
+    return decode_work(indptr, indices, last, page_size, ctas, slots, grain, floor, buf)
 
 
 @njit(cache=True)
