@@ -20,6 +20,7 @@ from numba import cuda  # noqa: E402
 import nbattn.cuda as C
 from nbattn import layout as L
 from nbattn import reference as R
+from nbattn.reference.fp8 import quantize
 from nbattn.cuda import decode as DEC
 from nbattn.cuda import decode_problem as DP
 from nbattn.cuda.blocks import nanrule as NR
@@ -32,6 +33,8 @@ from nbattn.variants import Variant
 from brute import assert_refused, bytes_of, fresh, indptr_of, shuffled_pages
 
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+NAME = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+FP8_BAD = {"e4m3": 0x7F, "e5m2": 0x7C}                  # magnitude bits all ones: NaN (e4m3fn), inf/NaN (e5m2)
 QDT = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 TOL = {"f16": 5e-3, "bf16": 3e-2, "f32": 1e-4}
 PATHS = ["smem", "warp"]
@@ -43,7 +46,9 @@ PATHS = ["smem", "warp"]
 
 def fp8_batch(rng, fmt, qdt, kv_lens, *, page_size, hkv=2, group=2, d=32, layout="NHD", ks=0.05, vs=0.01,
               share=False):
-    """Shuffled pages of a larger pool; K ~ N(0, 1) and V ~ N(0, 4) stored as fp8 of ``x / scale``.
+    """Shuffled pages of a larger pool; K ~ N(0, 1) and V ~ N(0, 4) stored as fp8 of ``x / scale``,
+    quantized by the golden model (saturating: every code finite, whatever torch's own cast does
+    with values beyond the fp8 maximum -- some torch versions make them NaN).
     ``share``: every request with two pages or more starts with request 0's first page."""
     pool, indptr, indices, last = shuffled_pages(rng, kv_lens, page_size)
     if share:
@@ -53,9 +58,9 @@ def fp8_batch(rng, fmt, qdt, kv_lens, *, page_size, hkv=2, group=2, d=32, layout
                 indices[indptr[r]] = first
     shape = (pool, 2, page_size, hkv, d) if layout == "NHD" else (pool, 2, hkv, page_size, d)
     x = rng.standard_normal(shape)
-    x[:, 0] /= ks
-    x[:, 1] *= 2.0 / vs
-    cache = torch.from_numpy(x.astype(np.float32)).to(FP8[fmt])
+    x[:, 1] *= 2.0
+    cache = quantize(x / np.array([ks, vs]).reshape((1, 2) + (1,) * (len(shape) - 2)), 1.0, NAME[fmt])
+    assert not ((cache.view(torch.uint8) & FP8_BAD[fmt]) == FP8_BAD[fmt]).any(), "test data: finite codes only"
     q = torch.from_numpy(rng.standard_normal((len(kv_lens), hkv * group, d)).astype(np.float32)).to(QDT[qdt])
     return dict(q=q, cache=cache, indptr=indptr, indices=indices, last=last, ks=ks, vs=vs, layout=layout)
 
@@ -108,16 +113,18 @@ def _unpack_kernel(fmt):
 
 @pytest.mark.parametrize("fmt", list(FP8))
 def test_every_fp8_code_converts_exactly(fmt):
+    """All 256 codes at each of the four byte positions of a word (column p of the
+    256 x 4 bytes is a fresh permutation), against torch's fp8 -> float32."""
     rng, seed = fresh()
-    codes = rng.permutation(256).astype(np.uint8)        # every code once, in a fresh order
-    out = np.full(256, -1.0, np.float32)
-    _unpack_kernel(fmt)[1, 32](codes.view(np.uint32), out)
-    want = torch.from_numpy(codes).view(FP8[fmt]).to(torch.float32).numpy()
+    codes = np.stack([rng.permutation(256) for _ in range(4)], axis=1).astype(np.uint8)
+    out = np.full(codes.size, -1.0, np.float32)
+    _unpack_kernel(fmt)[2, 32](codes.reshape(-1).view(np.uint32), out)
+    want = torch.from_numpy(codes.reshape(-1).copy()).view(FP8[fmt]).to(torch.float32).numpy()
     nan = np.isnan(want)
     assert np.array_equal(np.isnan(out), nan), f"NaN codes (seed={seed})"
     assert np.array_equal(out[~nan], want[~nan]), f"values (seed={seed})"
     assert np.array_equal(np.signbit(out[~nan]), np.signbit(want[~nan])), f"signs of zero (seed={seed})"
-    assert nan.sum() == (2 if fmt == "e4m3" else 6) and np.isinf(want).sum() == (0 if fmt == "e4m3" else 2)
+    assert nan.sum() == 4 * (2 if fmt == "e4m3" else 6) and np.isinf(want).sum() == 4 * (0 if fmt == "e4m3" else 2)
 
 
 @pytest.mark.parametrize("fmt", list(FP8))
@@ -310,7 +317,7 @@ def test_append_writes_the_golden_bytes_then_decodes(fmt, layout, adt):
     if adt == "numpy":
         ak, av = key.astype(np.float32), val.astype(np.float32)
     elif adt == "fp8":                                     # already quantized: copied as it is, no scales
-        ak, av = (torch.from_numpy((x / s).astype(np.float32)).to(FP8[fmt]) for x, s in ((key, ks), (val, vs)))
+        ak, av = (quantize(x, s, NAME[fmt]) for x, s in ((key, ks), (val, vs)))
         scales = {}
     else:
         ak, av = (torch.from_numpy(x).to(getattr(torch, adt)) for x in (key, val))
@@ -450,10 +457,13 @@ def test_gpu_decode_realistic_shapes(fmt, batch, kv_len):
 @pytest.mark.parametrize("fmt", list(FP8))
 def test_gpu_wrapper_realistic_shapes(fmt):
     b, dev, want = _gpu_batch([72], fmt, 64, 4096)
+    # plan() with the batch's own shape (it had 32 / 8 heads for a batch of 8 / 2: refused by run())
+    hq, hkv, page_size, d = b["q"].shape[1], b["cache"].shape[3], b["cache"].shape[2], b["cache"].shape[4]
+    assert (hq, hkv, page_size, d) == (8, 2, 16, 128)
     ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     w = C.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
-    w.plan(torch.from_numpy(b["indptr"]), torch.from_numpy(b["indices"]), torch.from_numpy(b["last"]), 32, 8,
-           128, 16, q_data_type=torch.float16, kv_data_type=FP8[fmt])
+    w.plan(torch.from_numpy(b["indptr"]), torch.from_numpy(b["indices"]), torch.from_numpy(b["last"]), hq, hkv,
+           d, page_size, q_data_type=torch.float16, kv_data_type=FP8[fmt])
     got = w.run(dev["q"], dev["cache"], k_scale=b["ks"], v_scale=b["vs"], return_lse=True)
     torch.cuda.synchronize()
     check(got, want, "f16", "fixed", f"wrapper {fmt}")

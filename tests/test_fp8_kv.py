@@ -354,9 +354,14 @@ def test_quantize_keeps_non_finite_values_non_finite(fmt):
         assert y[1] == np.inf and y[2] == -np.inf
     else:
         assert np.isnan(y[1]) and np.isnan(y[2])          # e4m3fn has no infinity
-    # torch's plain cast, for the record: e4m3fn saturates even infinities, e5m2 overflows to inf
+    # torch's plain cast, for the record, differs between torch versions for e4m3fn: 2.13 saturates
+    # (even infinities), c10's older conversion gives NaN for everything from 464 up; e5m2 overflows to inf.
+    # quantize gives the same bytes under either (its clip comes first).
     plain = torch.tensor([np.inf, FMAX[fmt] * 1.2]).to(FP8[fmt]).to(torch.float32).tolist()
-    assert plain == ([448.0, 448.0] if fmt == "e4m3fn" else [math.inf, math.inf])
+    if fmt == "e4m3fn":
+        assert plain == [448.0, 448.0] or all(math.isnan(v) for v in plain), plain
+    else:
+        assert plain == [math.inf, math.inf], plain
 
 
 @pytest.mark.parametrize("fmt", list(FP8))

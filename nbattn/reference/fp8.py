@@ -169,7 +169,7 @@ def quantize(x: np.ndarray, scale: float, dtype: str):
     two roundings make one).  A finite ``x`` stays finite: quotients beyond the
     fp8 maximum (448 for e4m3fn, 57344 for e5m2) saturate to it.  A NaN stays
     NaN; an infinity is an infinity in e5m2 and NaN in e4m3fn, which has no
-    infinity (torch's plain cast would give +-448 there, hiding it).
+    infinity (torch's plain cast gives +-448 or NaN there, by version).
     """
     import torch
     fp8 = getattr(torch, dtype)
