@@ -7,6 +7,14 @@ Decode runs one persistent launch of ``num_ctas`` CTAs per KV-head block; CTA
 (:func:`nbattn.cuda.decode.run_decode_work`), reading the queue bounds from the
 workspace; the merge is :func:`nbattn.cuda.merge.merge_tiles_launch`'s fixed
 grid (an LPT plan) or the one-round merge (a ``"split"`` plan).
+
+fp8 caches (docs/concepts/layouts.md, "fp8 in the kernels"): ``plan(...,
+kv_data_type=torch.float8_e4m3fn)`` (or ``float8_e5m2``, or their names; q stays
+float16, bfloat16 or float32) builds the fp8 kernel configuration and plans the
+work for its shape (path and heads a CTA); ``run(..., k_scale=, v_scale=)`` then
+takes the fp8 cache, and sets the scales in the bound launch at every call, so a
+new scale needs no new plan.  After a plain plan a scale or an fp8 cache is
+refused, naming it.  The checks are :mod:`nbattn.cuda.fp8`'s.
 """
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ from .. import layout as L
 from ..sched.plan import DIRECT, Plan, plan as lpt_plan
 from ..sched.tiles import choose_tile_q, decode_tiles
 from .decode_problem import DecodeProblem, check_head_dim, decode_arg_index, launch_for
+from .fp8 import check_run_dtypes, is_fp8, plan_kv_code, run_scales
 from .blocks.variants import cached_variant
 from .host import arrays as A
 from .host import hostwork as HW
@@ -60,9 +69,14 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
     ``num_ctas`` is the fixed grid per KV head (the planner's C); the decode
     kernel runs ``num_ctas * num_qo_heads // heads_per_cta`` CTAs (see
     :func:`nbattn.cuda.decode.run_decode_work`).
+
+    An fp8 cache: ``plan(..., q_data_type=torch.float16, kv_data_type=torch.float8_e4m3fn)``
+    (or ``float8_e5m2``; head_dim a multiple of 16), then ``run(q, cache, k_scale=...,
+    v_scale=...)`` (module doc).
     """
 
     _decode = True
+    _fp8: str | None = None     # plan()'s fp8 kernel code ("e4m3" / "e5m2"), None for a plain plan
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads: int, num_kv_heads: int,
              head_dim: int, page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
@@ -102,22 +116,27 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         ``tuning`` (a :class:`~nbattn.cuda.tuning.DecodeTuning`; None: ``DECODE``) shapes
         the kernels every run() of this plan launches.
 
+        ``kv_data_type`` may name an fp8 dtype (``torch.float8_e4m3fn`` /
+        ``torch.float8_e5m2``, or the names), with ``q_data_type`` float16, bfloat16 or
+        float32: the plan is then for the fp8 kernel (module doc).
+
         Raises before touching the workspace when the plan would not fit it.
         """
         t0 = time.perf_counter()
         tuning = check_tuning(tuning, DecodeTuning, DECODE)
         var = cached_variant(dict(variant, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
                                   logits_soft_cap=logits_soft_cap, sm_scale=sm_scale))
-        code = data_code(q_data_type, kv_data_type)
+        fp8 = plan_kv_code(q_data_type, kv_data_type)
+        code = data_code(q_data_type, None if fp8 else kv_data_type)
         group = L.check_heads(int(num_qo_heads), int(num_kv_heads))
-        check_head_dim(int(head_dim))
+        check_head_dim(int(head_dim), fp8)
         if schedule not in ("auto", "lpt", "split"):
             raise ValueError(f"schedule: must be 'auto', 'lpt' or 'split', got {schedule!r}")
         pkv = plan_page_table(indptr, indices, last_page_len, page_size)
         batch = pkv.batch_size
         kv_lens = HW.kv_lengths(pkv.paged_kv_indptr, pkv.paged_kv_last_page_len, pkv.page_size)
         hq, hk, D = int(num_qo_heads), int(num_kv_heads), int(head_dim)
-        cfg = make_config(code, D, group, self._kv_layout, var, True, batch * hk, tuning)
+        cfg = make_config(code, D, group, self._kv_layout, var, True, batch * hk, tuning, fp8)
         small = cfg.path == "tc" and cfg.min_blocks == 1          # the one-wave small-batch shape
         mode = ("split" if small and batch <= self.num_ctas else "lpt") if schedule == "auto" else schedule
         if mode == "split" and batch > self.num_ctas:
@@ -152,6 +171,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         self._flush(stream)
         self._slopes_for(hq, stream)
         self._plan, self._variant, self._code, self._cfg, self._mode = p, var, code, cfg, mode
+        self._fp8, self._kv_code, self._sm_scale = fp8, fp8, var.scale(D)
         self._num_qo_heads, self._num_kv_heads, self._group = hq, hk, group
         self._head_dim, self._page_size, self._batch = D, int(page_size), batch
         self._kv_lens = kv_lens
@@ -188,16 +208,22 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
                     num_partials=0 if direct else n, cta_cost=cost, makespan=span, lower_bound=span)
 
     # -- run ------------------------------------------------------------------
-    def run(self, q, paged_kv_cache, out=None, lse=None, return_lse: bool = False):
+    def run(self, q, paged_kv_cache, out=None, lse=None, return_lse: bool = False, *, k_scale=None,
+            v_scale=None):
         """Attention of ``q [batch, num_qo_heads, head_dim]`` against the planned
         pages of ``paged_kv_cache``; returns ``o`` (and the base-2 ``lse``).
 
         Checks only what can change between calls (shapes, dtypes and devices of
         ``q``, the cache, ``out`` and ``lse``) and launches the kernels bound at
         the first run of this plan's configuration; with torch CUDA tensors it
-        launches on torch's current stream and returns torch tensors."""
+        launches on torch's current stream and returns torch tensors.  After an fp8
+        plan the cache has plan()'s fp8 dtype and ``k_scale`` / ``v_scale`` (floats,
+        None: 1.0) are its scales; a plain plan refuses them."""
         kind, code, stream, q_dev, kv_dev, kv_words, out_user, out_dev, lse_user, lse_dev = self._run_inputs(
             q, paged_kv_cache, out, lse, return_lse)
+        fp8 = self._fp8 is not None or k_scale is not None or v_scale is not None     # the fp16 path's one check
+        if fp8:
+            ks, vs = run_scales(self._fp8, paged_kv_cache, k_scale, v_scale)
         bound = self._bound_now               # this plan's launches, found once (not hashed per call)
         if bound is None:
             bound = self._bound_now = self._bound_launches(q_dev, kv_dev)
@@ -206,6 +232,9 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         dec.set(ix["kv"], kv_dev, kv_words)
         dec.set(ix["out"], out_dev)
         dec.set(ix["lse"], lse_dev)
+        if fp8:
+            dec.set_scalar(ix["sm_scale"], self._sm_scale * ks)       # k_scale joins the score scale
+            dec.set_scalar(ix["v_scale"], vs)
         dec(stream)
         if merge is not None:
             merge.set(ix["merge_out"], out_dev)
@@ -215,6 +244,11 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
 
     forward = run
 
+    def _check_dtypes(self, q, cache) -> tuple[str, str]:
+        if self._fp8 is None and not is_fp8(cache):
+            return super()._check_dtypes(q, cache)
+        return self._code, check_run_dtypes(q, cache, self._code, self._fp8)
+
     def _bound_launches(self, q_dev, kv_dev):
         """(decode, merge or None, argument indices): bound once per configuration."""
         key = self._bound_key
@@ -222,14 +256,14 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         if hit is not None:
             return hit
         cfg, code, D, hq = self._cfg, self._code, self._head_dim, self._num_qo_heads
-        var = self._variant
-        q_w, kv_w = A.words(A.to_device(q_dev, "q", 0, code)), A.words(A.to_device(kv_dev, "paged_kv_cache", 0, code))
+        var, kvc = self._variant, self._kv_code or code
+        q_w, kv_w = A.words(A.to_device(q_dev, "q", 0, code)), A.words(A.to_device(kv_dev, "paged_kv_cache", 0, kvc))
         out0 = cuda.device_array((self._batch, hq, D), A.RAW[code])
         lse0 = cuda.device_array((self._batch, hq), np.float32)
         prob = DecodeProblem(code, "numba", 0, var, var.scale(D), self._batch, hq, self._num_kv_heads, D,
                              self._page_size, self._kv_layout, self._kv_lens, q_w, kv_w,
                              self._view("kv_indptr"), self._view("kv_indices"), self._view("kv_last"),
-                             self._slopes, out0, out0, lse0, lse0, True, cfg.tuning)
+                             self._slopes, out0, out0, lse0, lse0, True, cfg.tuning, self._fp8)
         work = WorkList(self._view("cta_indptr"), self._view("request"), self._view("kv_start"),
                         self._view("kv_end"), self._view("out_slot"))
         po, pl = self._partials(1, hq, D)
@@ -240,7 +274,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         kern, grid, threads, args = launch_for(prob, cfg, work, po, pl, prefetch=pdl)
         ix = decode_arg_index(cfg)
         conv = {ix["q"]: lambda x: A.words(A.to_device(x, "q", 0, code)),
-                ix["kv"]: lambda x: A.words(A.to_device(x, "paged_kv_cache", 0, code)),
+                ix["kv"]: lambda x: A.words(A.to_device(x, "paged_kv_cache", 0, kvc)),
                 ix["out"]: lambda x: A.flat(A.to_device(x, "out", 0, code)),
                 ix["lse"]: lambda x: A.flat(A.to_device(x, "lse", 0, "f32"))}
         dec = BoundLaunch(kern, grid, threads, args, convert=conv,

@@ -3,7 +3,10 @@
 What reads fp8 (docs/concepts/layouts.md, "fp8 KV caches"):
 
 * :func:`nbattn.cuda.batch_decode_paged` and
-  :class:`nbattn.cuda.BatchDecodeWithPagedKVCacheWrapper` read a paged
+  :class:`nbattn.cuda.BatchDecodeWithPagedKVCacheWrapper` (``plan(...,
+  kv_data_type=torch.float8_e4m3fn)``, then ``run(..., k_scale=, v_scale=)``; the
+  plan/run checks are :func:`plan_kv_code`, :func:`check_run_dtypes` and
+  :func:`run_scales`) read a paged
   ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` cache with scalar
   ``k_scale`` / ``v_scale`` (None is 1.0) and ``q`` in float16, bfloat16 or
   float32.  The kernels see the cache as raw bytes and dequantize in registers
@@ -27,14 +30,16 @@ import inspect
 from typing import Any, Callable
 
 from .. import layout as L
-from ..reference.fp8 import FP8_DTYPES, FP8_FORMS, check_kv_dtypes, fp8_kind, kv_scales, reject_fp8
+from ..reference.fp8 import FP8_DTYPES, FP8_FORMS, check_kv_dtypes, check_scale, fp8_kind, kv_scales, reject_fp8
 from .blocks.fp8 import FP8_CODES
 from .host import arrays as A
 
-__all__ = ["Fp8NotSupported", "FP8_READERS", "decode_kv", "is_fp8", "fp8_data_type", "refuse_fp8"]
+__all__ = ["Fp8NotSupported", "FP8_READERS", "decode_kv", "is_fp8", "fp8_data_type", "plan_kv_code",
+           "check_run_dtypes", "run_scales", "refuse_fp8"]
 
 FP8_READERS = "nbattn.cuda.batch_decode_paged, BatchDecodeWithPagedKVCacheWrapper and append_paged_kv_cache"
 _TORCH_FP8 = tuple(f"torch.{n}" for n in FP8_DTYPES)
+_NAMES = {code: name for name, code in FP8_CODES.items()}
 
 
 class Fp8NotSupported(L.LayoutError, NotImplementedError):
@@ -75,6 +80,44 @@ def fp8_data_type(kv_data_type: Any) -> str | None:
     if text not in FP8_CODES:
         raise L.LayoutError(f"kv_data_type: fp8 dtype {text} is not supported; use {' or '.join(_TORCH_FP8)}")
     return FP8_CODES[text]
+
+
+def plan_kv_code(q_data_type: Any, kv_data_type: Any) -> str | None:
+    """The decode wrapper's plan(): the fp8 kernel code of ``kv_data_type`` (None when
+    it is not fp8); an fp8 ``q_data_type`` is refused (fp8 is for K/V only)."""
+    if str(q_data_type).replace("torch.", "").startswith("float8"):
+        raise L.LayoutError(f"q_data_type: fp8 queries are not supported (q stays float16, bfloat16 or "
+                            f"float32; fp8 is for K/V), got {q_data_type}")
+    return fp8_data_type(kv_data_type)
+
+
+def check_run_dtypes(q: Any, cache: Any, code: str, fp8: str | None) -> str:
+    """The decode wrapper's run() dtype checks where fp8 is involved (a plan of q type
+    ``code`` with fp8 kernel code ``fp8``, or a plain plan, ``fp8=None``, given an fp8
+    cache): returns the cache's kernel code (``fp8``), else raises naming the argument."""
+    if is_fp8(q):
+        reject_fp8("q", q)
+    if A.dtype_code(q, "q") != code:
+        raise L.LayoutError(f"q: dtype {L.dtype_of(q)} differs from plan()'s q_data_type ({code})")
+    kind = fp8_kind("paged_kv_cache", cache)
+    if fp8 is None:
+        raise L.LayoutError(f"paged_kv_cache: dtype {kind} differs from plan()'s kv_data_type ({code}); plan "
+                            f"with kv_data_type=torch.{kind} to read an fp8 cache")
+    want = _NAMES[fp8]
+    if kind != want:
+        raise L.LayoutError(f"paged_kv_cache: dtype {L.dtype_of(cache)} differs from plan()'s kv_data_type "
+                            f"({want}); give {want} data, or plan with kv_data_type=torch.{L.dtype_of(cache)}"
+                            if kind else f"paged_kv_cache: must be a torch {want} tensor, as plan()'s "
+                            f"kv_data_type says, got {L.dtype_of(cache)}")
+    return fp8
+
+
+def run_scales(fp8: str | None, cache: Any, k_scale: Any, v_scale: Any) -> tuple[float, float]:
+    """The decode wrapper's run() scales as floats (None: 1.0), checked as the golden
+    model checks them; after a plain plan (``fp8=None``) a scale is refused."""
+    if fp8 is None:
+        return kv_scales(k_scale, v_scale, None, "paged_kv_cache", L.dtype_of(cache))
+    return check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
 
 
 def refuse_fp8(fn: Callable, form: str, names: tuple = ("k", "v", "paged_kv_cache")) -> Callable:

@@ -76,7 +76,7 @@ __all__ = ["PlanRunWrapper", "WorkspaceLayout", "default_num_ctas", "data_code",
 ALIGN = 256                 # byte alignment of every workspace array (16-byte loads need 16)
 HEADER = 8                  # int32 header words
 H_NUM_ITEMS, H_NUM_MERGES, H_NUM_PARTIALS, H_BATCH = 0, 1, 2, 3
-ELEM_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
+ELEM_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "e4m3": 1, "e5m2": 1}
 _Q_TYPES = {"float16": "f16", "half": "f16", "bfloat16": "bf16", "float32": "f32", "float": "f32",
             "f16": "f16", "bf16": "bf16", "f32": "f32"}
 
@@ -240,6 +240,7 @@ class PlanRunWrapper:
         self._host = self._h2d.host
         self._dirty: list = []         # (word offset, int32 array) pairs plan() staged
         self._plan: Plan | None = None
+        self._kv_code = None           # the cache's element code when it differs from q's (fp8 decode)
         self._slopes = None
         self._slopes_heads = 0
         self._bound: dict = {}          # bound launches of run(), by configuration
@@ -368,14 +369,20 @@ class PlanRunWrapper:
         if self._plan is None:
             raise RuntimeError("run() called before plan()")
 
-    def _check_run(self, q, cache, out, lse):
-        """The per-call checks of run(): (kind, dtype code, cache size in 32-bit words)."""
-        kind = A.kind_of(q)
+    def _check_dtypes(self, q, cache) -> tuple[str, str]:
+        """run()'s dtype checks: (q's element code, the cache's); the decode wrapper's
+        fp8 plans override this."""
         code = A.dtype_code(q, "q")
         if code != self._code:
             raise L.LayoutError(f"q: dtype {L.dtype_of(q)} differs from plan()'s q_data_type ({self._code})")
         if A.dtype_code(cache, "paged_kv_cache") != code:
             raise L.LayoutError(f"paged_kv_cache: dtype must match q, got {L.dtype_of(cache)}")
+        return code, code
+
+    def _check_run(self, q, cache, out, lse):
+        """The per-call checks of run(): (kind, dtype code, cache size in 32-bit words)."""
+        kind = A.kind_of(q)
+        code, kv_code = self._check_dtypes(q, cache)
         shape = self._q_shape
         if q.shape != shape:
             raise L.LayoutError(f"q: must have shape {shape} for this plan, got {tuple(int(x) for x in q.shape)}")
@@ -410,7 +417,7 @@ class PlanRunWrapper:
         n = 1
         for v in cshape:
             n *= int(v)
-        return kind, code, n * ELEM_BYTES[code] // 4
+        return kind, code, n * ELEM_BYTES[kv_code] // 4
 
     def _run_inputs(self, q, paged_kv_cache, out, lse, return_lse: bool):
         """What every run() does before it launches: the per-call checks (:meth:`_check_run`),
@@ -431,7 +438,7 @@ class PlanRunWrapper:
                 self._run_seen = (type(q), kind, _run_signature(kind, q, paged_kv_cache), kv_words)
         dev = kind in ("torch", "numba", "cai")
         q_dev = q if dev else A.to_device(q, "q", 0, code)
-        kv_dev = paged_kv_cache if dev else A.to_device(paged_kv_cache, "paged_kv_cache", 0, code)
+        kv_dev = paged_kv_cache if dev else A.to_device(paged_kv_cache, "paged_kv_cache", 0, self._kv_code or code)
         if not SIMULATOR and (data_ptr(q_dev) | data_ptr(kv_dev)) % 16:
             raise L.LayoutError("q, paged_kv_cache: must start at 16-byte aligned addresses (the kernels "
                                 "read 16 bytes at a time)")

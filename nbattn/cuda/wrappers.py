@@ -4,14 +4,13 @@ FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` and
 
 * :mod:`nbattn.cuda.plan_run`: what both share (the workspace and its layout, the
   staging of a plan, run()'s checks), and why plan and run are two steps;
-* :mod:`nbattn.cuda.decode_wrapper`: the decode wrapper, and :mod:`nbattn.cuda.fp8_wrapper`,
-  the same with fp8 caches (``kv_data_type=``, ``run(k_scale=, v_scale=)``), exported here;
+* :mod:`nbattn.cuda.decode_wrapper`: the decode wrapper, fp8 caches included
+  (``plan(kv_data_type=torch.float8_e4m3fn)``, ``run(k_scale=, v_scale=)``);
 * :mod:`nbattn.cuda.prefill_wrapper`: the prefill wrapper.
 """
 from __future__ import annotations
 
-from .decode_wrapper import decode_plan_ctas
-from .fp8_wrapper import BatchDecodeWithPagedKVCacheWrapper      # the decode wrapper, fp8 caches included
+from .decode_wrapper import BatchDecodeWithPagedKVCacheWrapper, decode_plan_ctas
 from .plan_run import PlanRunWrapper, WorkspaceLayout, default_num_ctas
 from .prefill_wrapper import BatchPrefillWithPagedKVCacheWrapper
 
