@@ -439,9 +439,14 @@ def write_fit(out_dir, model, records, meta, commit):
 # Stage 4: the sweep
 # ---------------------------------------------------------------------------
 
+def padding_factor(lens) -> float:
+    """Keys of the padded dense batch over the keys of the ragged one."""
+    return float(len(lens) * int(np.max(lens)) / max(int(np.sum(lens)), 1))
+
+
 def sdpa_peers(lens, qo_lens=None) -> dict:
     """SDPA flash and cuDNN on the padded dense batch (timing peers, padding not masked)."""
-    res = {"padding_factor": float(len(lens) * int(np.max(lens)) / max(int(np.sum(lens)), 1))}
+    res = {"padding_factor": padding_factor(lens)}
     if SIMULATOR or QUICK:
         return res
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -510,7 +515,7 @@ def decode_case(name, batch, w, slots, model, bw, records, checks):
                          chunk_limit=p.chunk_limit, placement=p.placement, chunk_overhead=p.chunk_overhead,
                          graphed=graphed, plan_us=w.plan_seconds * 1e6,
                          predicted_us=simulate_plan(p, model).makespan if model else None)
-    peers_sdpa = sdpa_peers(lens) if left() > 25 else {"skipped": "time"}
+    peers_sdpa = sdpa_peers(lens) if left() > 25 else {"skipped": "time", "padding_factor": padding_factor(lens)}
     sdpa = {k: v for k, v in peers_sdpa.items() if k.startswith("sdpa") and not k.endswith("error")}
     for key, us in times.items():
         extra = {k: v for k, v in info.get(key, {}).items() if v is not None and not isinstance(v, dict)}
@@ -584,7 +589,7 @@ def mixed_case(batch, records, checks, capacity, bw):
         except Exception as exc:  # noqa: BLE001
             log("mixed", key, "failed", repr(exc)[:200])
             checks.setdefault("mixed_errors", {})[f"{key}_b{batch}"] = repr(exc)[:300]
-    peers_sdpa = sdpa_peers(kv, qo) if left() > 25 else {"skipped": "time"}
+    peers_sdpa = sdpa_peers(kv, qo) if left() > 25 else {"skipped": "time", "padding_factor": padding_factor(kv)}
     sdpa = {k: v for k, v in peers_sdpa.items() if k.startswith("sdpa") and not k.endswith("error")}
     for key, us in times.items():
         peers = dict({k: v for k, v in times.items() if k != key}, **sdpa)
