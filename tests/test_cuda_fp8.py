@@ -281,6 +281,25 @@ def test_wrapper_runs_and_replans(path):
         w.run(b2["q"], b2["cache"])
 
 
+def test_one_decode_wrapper_class_reads_fp8():
+    """fp8 is the decode wrapper's own (no subclass): the exported class is decode_wrapper's;
+    an fp8 plan of it reads a torch CPU fp8 cache, and refuses the same bytes as a plain
+    device array (fp8 data is a torch tensor)."""
+    import importlib.util
+    from nbattn.cuda import decode_wrapper as DW
+    assert C.BatchDecodeWithPagedKVCacheWrapper is DW.BatchDecodeWithPagedKVCacheWrapper
+    assert importlib.util.find_spec("nbattn.cuda.fp8_wrapper") is None
+    rng, seed = fresh()
+    b = fp8_batch(rng, "e5m2", "f16", [6, 11], page_size=4, group=2, hkv=2)
+    w = DW.BatchDecodeWithPagedKVCacheWrapper(cuda.device_array(4 << 20, np.uint8), "NHD", num_ctas=2)
+    w.plan(b["indptr"], b["indices"], b["last"], 4, 2, 32, 4, kv_data_type=torch.float8_e5m2)
+    check(w.run(b["q"], b["cache"], k_scale=b["ks"], v_scale=b["vs"], return_lse=True), golden(b), "f16", seed,
+          "host")
+    dev_q = cuda.to_device(b["q"].view(torch.int16).numpy().view(np.float16))
+    with pytest.raises(ValueError, match=r"^paged_kv_cache: must be a torch float8_e5m2 tensor"):
+        w.run(dev_q, cuda.to_device(b["cache"].view(torch.uint8).numpy()), k_scale=b["ks"], v_scale=b["vs"])
+
+
 def test_wrapper_plan_refuses_what_fp8_cannot_do():
     w = C.BatchDecodeWithPagedKVCacheWrapper(cuda.device_array(1 << 20, np.uint8), "NHD", num_ctas=2)
     args = (np.array([0, 1], np.int32), np.array([0], np.int32), np.array([3], np.int32), 4, 2)

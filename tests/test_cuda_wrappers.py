@@ -497,6 +497,8 @@ def test_decode_run_python_work_is_constant(monkeypatch):
                          "check_causal_lengths", "kv_lens", "_page_table"}
         assert not [n for n in names if n.rsplit(".", 1)[-1] in metadata_work], names
         assert "_check_run" not in [n.rsplit(".", 1)[-1] for n in names], names   # accepted last time
+        fp8_work = {"run_scales", "check_run_dtypes", "is_fp8", "check_scale", "kv_scales", "set_scalar"}
+        assert not [n for n in names if n.rsplit(".", 1)[-1] in fp8_work], names   # the fp16 path: no fp8 work
         counts.append(len(names))
     assert counts[0] == counts[1], counts
 
