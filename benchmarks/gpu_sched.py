@@ -183,25 +183,6 @@ def make_batch(lens, seed, pool=None):
     return q, cache, indptr, indices, last
 
 
-def golden(q, cache, indptr, indices, last):
-    return R.batch_decode_paged(q.cpu().numpy(), cache.cpu().numpy(), indptr, indices, last,
-                                return_lse=True)
-
-
-def compare(o, lse, ref, tol=3e-3) -> dict:
-    o = o.float().cpu().numpy()
-    lse = lse.cpu().numpy()
-    ro, rl = ref
-    fin = np.isfinite(rl)
-    err_o = float(np.abs(o - ro).max())
-    err_l = float(np.abs(lse[fin] - rl[fin]).max()) if fin.any() else 0.0
-    ok = (not np.isnan(o).any() and not np.isnan(lse).any() and np.allclose(o, ro, atol=tol, rtol=tol)
-          and np.array_equal(np.isneginf(lse), np.isneginf(rl)) and err_l < tol)
-    return dict(ok=bool(ok), max_abs_err_o=err_o, max_abs_err_lse=err_l,
-                unwritten=int(np.isnan(o).sum()))
-
-
-
 def copy_bandwidth() -> float | None:
     """Device-to-device copy of 1 GiB (bytes read + written), as gpu_decode.py
     measures it: the best of a plain memcpy and an SM copy kernel (a graph's
