@@ -287,6 +287,10 @@ def figure(recs, path):
     ax.set_title("decode through the public API (measured, same run)")
     ax.legend(fontsize=7, ncol=3)
     host = [r for r in recs if r["metric"] == "host_us" and r["case"]["op"] == "decode"]
+    if not host:                      # a run of the plan() part alone: no per-call host records
+        fig.tight_layout()
+        fig.savefig(path, dpi=130)
+        return
     labs = [f"b{r['case']['batch']}x{r['case']['kv_len'] // 1024}k g{r['case']['group']} {r['case']['call']}"
             for r in host]
     ax2.barh(np.arange(len(host)), [r["value"] for r in host], color="#4477aa")
@@ -341,6 +345,7 @@ def main(argv=None) -> int:
             save(recs)
     if "plan" not in args.skip:
         bench_plan(recs)
+        save(recs)
     if "first" not in args.skip:
         bench_first_call(recs, args.quick)
     save(recs)
