@@ -76,7 +76,6 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
     """
 
     _decode = True
-    _fp8: str | None = None     # plan()'s fp8 kernel code ("e4m3" / "e5m2"), None for a plain plan
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads: int, num_kv_heads: int,
              head_dim: int, page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
@@ -171,7 +170,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         self._flush(stream)
         self._slopes_for(hq, stream)
         self._plan, self._variant, self._code, self._cfg, self._mode = p, var, code, cfg, mode
-        self._fp8, self._kv_code, self._sm_scale = fp8, fp8, var.scale(D)
+        self._kv_code, self._sm_scale = fp8, var.scale(D)
         self._num_qo_heads, self._num_kv_heads, self._group = hq, hk, group
         self._head_dim, self._page_size, self._batch = D, int(page_size), batch
         self._kv_lens = kv_lens
@@ -221,9 +220,9 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         None: 1.0) are its scales; a plain plan refuses them."""
         kind, code, stream, q_dev, kv_dev, kv_words, out_user, out_dev, lse_user, lse_dev = self._run_inputs(
             q, paged_kv_cache, out, lse, return_lse)
-        fp8 = self._fp8 is not None or k_scale is not None or v_scale is not None     # the fp16 path's one check
+        fp8 = self._kv_code is not None or k_scale is not None or v_scale is not None     # the fp16 path's one check
         if fp8:
-            ks, vs = run_scales(self._fp8, paged_kv_cache, k_scale, v_scale)
+            ks, vs = run_scales(self._kv_code, paged_kv_cache, k_scale, v_scale)
         bound = self._bound_now               # this plan's launches, found once (not hashed per call)
         if bound is None:
             bound = self._bound_now = self._bound_launches(q_dev, kv_dev)
@@ -245,9 +244,9 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
     forward = run
 
     def _check_dtypes(self, q, cache) -> tuple[str, str]:
-        if self._fp8 is None and not is_fp8(cache):
+        if self._kv_code is None and not is_fp8(cache):
             return super()._check_dtypes(q, cache)
-        return self._code, check_run_dtypes(q, cache, self._code, self._fp8)
+        return self._code, check_run_dtypes(q, cache, self._code, self._kv_code)
 
     def _bound_launches(self, q_dev, kv_dev):
         """(decode, merge or None, argument indices): bound once per configuration."""
@@ -263,7 +262,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         prob = DecodeProblem(code, "numba", 0, var, var.scale(D), self._batch, hq, self._num_kv_heads, D,
                              self._page_size, self._kv_layout, self._kv_lens, q_w, kv_w,
                              self._view("kv_indptr"), self._view("kv_indices"), self._view("kv_last"),
-                             self._slopes, out0, out0, lse0, lse0, True, cfg.tuning, self._fp8)
+                             self._slopes, out0, out0, lse0, lse0, True, cfg.tuning, self._kv_code)
         work = WorkList(self._view("cta_indptr"), self._view("request"), self._view("kv_start"),
                         self._view("kv_end"), self._view("out_slot"))
         po, pl = self._partials(1, hq, D)

@@ -240,7 +240,7 @@ class PlanRunWrapper:
         self._host = self._h2d.host
         self._dirty: list = []         # (word offset, int32 array) pairs plan() staged
         self._plan: Plan | None = None
-        self._kv_code = None           # the cache's element code when it differs from q's (fp8 decode)
+        self._kv_code = None           # the cache's fp8 code ("e4m3" / "e5m2") after an fp8 decode plan, else None
         self._slopes = None
         self._slopes_heads = 0
         self._bound: dict = {}          # bound launches of run(), by configuration

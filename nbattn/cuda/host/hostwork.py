@@ -38,10 +38,7 @@ def page_table(indptr, indices, last, page_size: int, num_pages: int) -> L.Paged
     """:meth:`nbattn.layout.PagedKV.validate` with the rules checked by the compiled
     :func:`page_table_ok`; only a table that breaks one goes through ``validate``,
     which raises the message naming the argument and the rule."""
-    tables = []
-    for name, x in zip(_NAMES, (indptr, indices, last)):
-        t = L.as_int32(name, x)
-        tables.append(t if t.flags.c_contiguous else np.ascontiguousarray(t))
+    tables = int32_tables(indptr, indices, last)
     if not page_table_ok(*tables, page_size, num_pages):
         L.PagedKV.validate(indptr, indices, last, page_size, num_pages)
         raise AssertionError("nbattn: hostwork.page_table_ok and PagedKV.validate disagree")
