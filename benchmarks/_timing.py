@@ -34,6 +34,24 @@ def events_ms(fn, reps: int, warm: int = 2) -> float:
     return float(statistics.median(times))
 
 
+def back_to_back_ms(fn, reps: int, rounds: int = 5, warm: int = 3) -> float:
+    """Median milliseconds per call of ``reps`` calls issued back to back (eager: the
+    host may run ahead of the GPU), CUDA events around each round of ``rounds``."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / reps)
+    return float(statistics.median(out))
+
+
 def graph_ms(fn, iters: int = 15, rep: int = 10, graph: bool = True, log=print) -> tuple[float, bool]:
     """(median milliseconds per call, graphed).  ``graph=False`` times plain
     launches of ``rep`` calls (a graph's memcpy node can run on a copy engine,

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import nbattn  # noqa: E402,F401
 import nbattn.cuda as NC  # noqa: E402
 from nbattn import layout as L  # noqa: E402
-from _timing import graph_ms  # noqa: E402
+from _timing import back_to_back_ms, graph_ms  # noqa: E402
 
 HQ, D, PS = 32, 128, 16
 REPS = 20
@@ -59,19 +59,7 @@ def copy_bandwidth() -> float:
 
 def eager_ms(fn, reps: int = REPS) -> float:
     """Events around ``reps`` back-to-back calls; median per call over 5 rounds."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / reps)
-    return statistics.median(out)
+    return back_to_back_ms(fn, reps)
 
 
 def host_us(fn, n: int = 200, batch: int = 20) -> float:

@@ -68,26 +68,18 @@ def sync():
 
 
 def timed_ms(fn, reps: int = REPS) -> float:
-    """Median milliseconds per call of ``reps`` back-to-back calls (CUDA events; host clock
-    under the simulator), over 5 rounds."""
-    for _ in range(1 if SIMULATOR else 3):
-        fn()
-    sync()
+    """Median milliseconds per call of ``reps`` back-to-back calls (CUDA events,
+    ``_timing.back_to_back_ms``; the host clock under the simulator)."""
+    if not SIMULATOR:
+        from _timing import back_to_back_ms
+        return back_to_back_ms(fn, reps)
+    fn()
     out = []
-    for _ in range(2 if SIMULATOR else 5):
-        if SIMULATOR:
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            out.append((time.perf_counter() - t0) * 1e3 / reps)
-            continue
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+    for _ in range(2):
+        t0 = time.perf_counter()
         for _ in range(reps):
             fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / reps)
+        out.append((time.perf_counter() - t0) * 1e3 / reps)
     return statistics.median(out)
 
 

@@ -285,20 +285,26 @@ def graph_check(w, q, cache, indptr, indices, last, lens) -> dict:
 
 
 
-def prefill_check() -> dict:
-    res = {}
-    qo = np.array([100, 1, 37, 300]) if not SIMULATOR else np.array([3, 1, 5])
-    kv = np.array([2000, 5000, 37, 300]) if not SIMULATOR else np.array([20, 9, 5])
+def prefill_batch(qo, kv, seed: int, spare_pages: int):
+    """A paged prefill batch: shuffled pages of a pool with ``spare_pages`` unused ones, fp16
+    NHD cache and q on the device; (q, cache, qo_indptr, indptr, indices, last)."""
     n_pages = -(-kv // PAGE)
-    pool = int(n_pages.sum()) + 3
-    rng = np.random.default_rng(9)
-    indices = rng.permutation(pool)[:int(n_pages.sum())].astype(np.int32)
+    pool = int(n_pages.sum()) + spare_pages
+    indices = np.random.default_rng(seed).permutation(pool)[:int(n_pages.sum())].astype(np.int32)
     indptr = np.concatenate([[0], np.cumsum(n_pages)]).astype(np.int32)
     last = (kv - (n_pages - 1) * PAGE).astype(np.int32)
     qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
     gen = torch.Generator(device=DEV).manual_seed(9)
     cache = torch.randn((pool, 2, PAGE, HK, D), generator=gen, device=DEV, dtype=torch.float16)
     q = torch.randn((int(qo.sum()), HQ, D), generator=gen, device=DEV, dtype=torch.float16)
+    return q, cache, qo_indptr, indptr, indices, last
+
+
+def prefill_check() -> dict:
+    res = {}
+    qo = np.array([100, 1, 37, 300]) if not SIMULATOR else np.array([3, 1, 5])
+    kv = np.array([2000, 5000, 37, 300]) if not SIMULATOR else np.array([20, 9, 5])
+    q, cache, qo_indptr, indptr, indices, last = prefill_batch(qo, kv, seed=9, spare_pages=3)
     ws = torch.empty(WS_BYTES, dtype=torch.uint8, device=DEV)
     w = BatchPrefillWithPagedKVCacheWrapper(ws.numpy() if SIMULATOR else ws, "NHD",
                                             num_ctas=4 if SIMULATOR else 32)
@@ -538,16 +544,7 @@ def causal_flops(qo, kv) -> float:
 def mixed_case(batch, records, checks, capacity, bw):
     """Mixed prefill + decode through the prefill wrapper (causal append)."""
     qo, kv = mixed_lens(batch, seed=200 + batch)
-    n_pages = -(-kv // PAGE)
-    pool = int(n_pages.sum())
-    rng = np.random.default_rng(9 + batch)
-    indices = rng.permutation(pool).astype(np.int32)
-    indptr = np.concatenate([[0], np.cumsum(n_pages)]).astype(np.int32)
-    last = (kv - (n_pages - 1) * PAGE).astype(np.int32)
-    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
-    gen = torch.Generator(device=DEV).manual_seed(9)
-    cache = torch.randn((pool, 2, PAGE, HK, D), generator=gen, device=DEV, dtype=torch.float16)
-    q = torch.randn((int(qo.sum()), HQ, D), generator=gen, device=DEV, dtype=torch.float16)
+    q, cache, qo_indptr, indptr, indices, last = prefill_batch(qo, kv, seed=9 + batch, spare_pages=0)
     ws = torch.empty(WS_BYTES, dtype=torch.uint8, device=DEV)
     w = BatchPrefillWithPagedKVCacheWrapper(ws.numpy() if SIMULATOR else ws, "NHD", num_ctas=capacity)
     flops = causal_flops(qo, kv)

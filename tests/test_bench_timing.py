@@ -102,3 +102,17 @@ def test_graph_ms_falls_back_to_plain_launches(monkeypatch):
     assert said and "plain launches" in said[0]
     ms, graphed = mod.graph_ms(fn, iters=3, rep=4, graph=False, log=said.append)
     assert not graphed and len(said) == 1            # asked for plain launches: nothing to report
+
+
+def test_back_to_back_ms_is_the_median_round_per_call(monkeypatch):
+    """Rounds of ``reps`` calls issued back to back: each round's time over reps, the
+    median round kept; the warm-up calls are not timed."""
+    mod, fake = load(monkeypatch, True)
+    rounds = iter([0.0] * 3 + [1.0] * 4 + [5.0] * 4 + [2.0] * 4)   # warm-up, then per-call ms by round
+    calls = []
+
+    def fn():
+        calls.append(1)
+        fake.now += next(rounds)
+    ms = mod.back_to_back_ms(fn, reps=4, rounds=3, warm=3)
+    assert ms == pytest.approx(2.0) and len(calls) == 3 + 12
