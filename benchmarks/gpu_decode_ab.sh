@@ -18,8 +18,9 @@ for t in "$@"; do
     continue
   fi
   mkdir -p "$OUT/$t"
-  (cd "$d" && PYTHONPATH=$d PYTHONUNBUFFERED=1 timeout 60 python3 benchmarks/gpu_decode_b1.py --out "$OUT/$t" \
+  # trees from before the benchmark options (argparse) read OUT and NBATTN_QUICK instead; both are set
+  (cd "$d" && OUT="$OUT/$t" NBATTN_QUICK=1 PYTHONPATH=$d PYTHONUNBUFFERED=1 timeout 60 python3 benchmarks/gpu_decode_b1.py --out "$OUT/$t" \
       > "$OUT/$t/b1.log" 2>&1; echo "$t decode_b1 rc=$?")
-  (cd "$d" && PYTHONPATH=$d PYTHONUNBUFFERED=1 timeout 100 python3 benchmarks/gpu_decode.py bench --quick \
+  (cd "$d" && OUT="$OUT/$t" NBATTN_QUICK=1 PYTHONPATH=$d PYTHONUNBUFFERED=1 timeout 100 python3 benchmarks/gpu_decode.py bench --quick \
       --out "$OUT/$t" > "$OUT/$t/decode.log" 2>&1; echo "$t decode rc=$?")
 done
