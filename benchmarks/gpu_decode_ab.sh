@@ -8,13 +8,21 @@
 # Each tree runs benchmarks/gpu_decode_b1.py and benchmarks/gpu_decode.py bench --quick with its own
 # code (PYTHONPATH=the tree) and writes $OUT/<SHA>/; about 75 s a tree on an H200.
 set -u
-what=${1:?prepare or run}; shift
+#   bash benchmarks/gpu_decode_ab.sh case SHA [SHA ...]      # on the GPU: one case per tree
+#                                                             # (benchmarks/decode_ab_case.py), ~25 s a tree
+what=${1:?prepare, run or case}; shift
 OUT=${OUT:-/tmp/nbattn_out}
+here=$(cd "$(dirname "$0")" && pwd)
 for t in "$@"; do
   d=$PWD/_ab/$t; [ "$t" = HEAD ] && d=$PWD
   if [ "$what" = prepare ]; then
     [ "$t" = HEAD ] && continue
     mkdir -p "$d" && git archive "$t" | tar -x -C "$d" && echo "prepared $d"
+    continue
+  fi
+  if [ "$what" = case ]; then
+    (cd "$d" && PYTHONPATH=$d PYTHONUNBUFFERED=1 timeout 120 python3 "$here/decode_ab_case.py" "$OUT/case_$t.json" \
+        ${CASE:-64 4096 8} 2>&1 | tail -2)
     continue
   fi
   mkdir -p "$OUT/$t"
