@@ -2,6 +2,7 @@
 scheduler figures draw what a result file has and say "not measured" otherwise."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -101,16 +102,32 @@ def test_measured_figures_read_the_committed_h200_file(tmp_path):
     suite = results.load_suite("sched", REPO / "benchmarks" / "results")
     fig = plots.measured_utilization(suite, tmp_path / "u.png")
     assert not style.has_no_data_note(fig)
-    # heights are the file's bw_fraction values, nothing else
-    want = sorted(round(r.value, 6) for r in suite.records if r.metric == "bw_fraction")
+    # bar heights are the file's bw_fraction / tflops values and its SDPA peers, nothing else
+    recs = [r for r in suite.records if r.metric in ("bw_fraction", "tflops")]
+    peers = {(r.metric, r.case["batch"], r.case["workload"], k): v for r in recs for k, v in r.peers.items()
+             if k.startswith("sdpa") and v is not None}
+    want = sorted([round(r.value, 6) for r in recs] + [round(v, 6) for v in peers.values()])
     got = sorted(round(p.get_height(), 6) for ax in fig.axes for p in ax.patches if np.isfinite(p.get_height()))
     assert got == want
     tab = plots.ablation_table(suite, tmp_path / "a.png")
     cells = [t.get_text() for ax in tab.axes for t in ax.texts] + [c.get_text().get_text() for ax in tab.axes
                                                                    for tb in ax.tables
                                                                    for c in tb.get_celld().values()]
-    lat = {(r.case["workload"], r.case["policy"]): r.value for r in suite.records if r.metric == "latency_us"}
-    ratio = lat[("skewed", "split_1024")] / lat[("skewed", "lpt")]
-    assert f"{ratio:.2f}x" in cells
-    # the old file has no simulator prediction: the figure says so
+    lat = {(r.case["workload"], r.case["batch"], r.case["policy"]): r.value for r in suite.records
+           if r.metric == "latency_us" and "batch" in r.case}
+    for batch in (16, 64, 256):
+        ratio = lat[("skewed", batch, "split_1024")] / lat[("skewed", batch, "lpt")]
+        assert f"{ratio:.2f}x" in cells
+    # the file carries the simulator's predictions: the figure draws them, its title names the worst error
+    pred = plots.prediction_vs_measured(suite, tmp_path / "p.png")
+    assert not style.has_no_data_note(pred)
+    err = [r.value / r.peers["measured"] - 1 for r in suite.records if r.metric == "predicted_us"]
+    assert f"{100 * max(abs(e) for e in err):.0f}%" in pred._suptitle.get_text()
+
+
+def test_prediction_figure_says_not_measured_for_the_2026_11_29_sweep(tmp_path):
+    path = REPO / "benchmarks" / "results" / "experiments" / "sched_h200_2026-11-29.json"
+    suite = results.parse_suite(json.loads(path.read_text()), path=path)
+    assert not style.has_no_data_note(plots.measured_utilization(suite, tmp_path / "u.png"))
+    # that sweep has no simulator prediction: the figure says so
     assert style.has_no_data_note(plots.prediction_vs_measured(suite, tmp_path / "p.png"))
