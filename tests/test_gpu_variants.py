@@ -275,6 +275,39 @@ def test_decode_nan_rule_on_path(path):
         _check_nan_rule(o, lse, ro, rlse, code, False)
 
 
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("path", list(DECODE_PATHS))
+def test_decode_weight_zero_key_on_path(path, value):
+    """Visible keys of weight 0 still poison (the fast pass finds them by their traces):
+    request 0's key 5 scores far below the rest and holds a non-finite V; request 1's
+    key 7 has a -inf in K, so its raw score is -inf for every head (q > 0 there)."""
+    code, head_dim, group, forced = DECODE_PATHS[path]
+    rng = np.random.default_rng([zlib.crc32(path.encode()), 14, int(np.isnan(value)), int(value > 0)])
+    kv_lens = [300, 129, 70, 17]
+    b = random_paged_batch(rng, qo_lens=[1] * 4, kv_lens=kv_lens, page_size=16, num_kv_heads=2, group=group,
+                           head_dim=head_dim, share_first_page=False)
+    b["q"][:2] = np.abs(b["q"][:2]) + 0.5
+    for r, t in ((0, 5), (1, 7)):
+        page, slot = b["indices"][b["indptr"][r] + t // 16], t % 16
+        if r == 0:
+            b["cache"][page, 0, slot] = -4000.0 / np.sqrt(head_dim)
+            b["cache"][page, 1, slot, int(rng.integers(2)), int(rng.integers(head_dim))] = value
+        else:
+            b["cache"][page, 0, slot, int(rng.integers(2)), int(rng.integers(head_dim))] = -np.inf
+    q, cache = _cast(b["q"], code), _cast(b["cache"], code)
+    qg, cg = _golden_inputs(q, cache)
+    ro, rlse = R.batch_decode_paged(qg, cg, b["indptr"], b["indices"], b["last"], return_lse=True,
+                                    dtype=np.float64)
+    assert np.isnan(rlse[:2]).any() and not np.isnan(rlse[2:]).any()
+    for chunk in (None, 64):
+        p = DEC.prepare_decode(q, cache, b["indptr"], b["indices"], b["last"], return_lse=True,
+                               tuning=DECODE.replace(path=forced))
+        assert p.config().path == forced
+        DEC.run_split(p, chunk)
+        o, lse = DEC.finish_decode(p, True)
+        _check_nan_rule(o, lse, ro, rlse, code, False)
+
+
 @pytest.mark.parametrize("path", ["tensor_core_pipelined_f16", "cuda_core_f32"])
 def test_sinks_on_path(path):
     """Learnable sinks through the public calls on a GPU path: prefill (paged) and decode."""

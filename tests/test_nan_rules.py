@@ -232,6 +232,33 @@ def test_soft_cap_cannot_hide_an_infinite_score(request, side_setup, side, decod
     check(run_paged(side, decode, b, logits_soft_cap=5.0), want, what=f"{side} soft cap")
 
 
+@pytest.mark.parametrize("side", SIDES)
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+def test_visible_key_of_weight_zero_still_poisons(request, side_setup, side, decode, value):
+    """A visible key that scores 1000 below the rest (its weight 2^-1443 is 0 in
+    float32) with a non-finite V, and a visible key whose K makes the raw score
+    -inf (weight 0 too): both rows are NaN, not the softmax of the other keys."""
+    side, d = side_setup(side, decode)
+    rng = rng_for(request)
+    b, kv_lens, qo_lens = paged_case(rng, decode=decode, empty=False, head_dim=d)
+    qo = np.concatenate([[0], np.cumsum(qo_lens)])
+    ps = b["cache"].shape[2]
+    hkv = b["cache"].shape[3]
+    for r, which in ((0, 1), (1, 0)):          # request 0: V of key 0; request 1: K of key 0
+        rows = slice(qo[r], qo[r + 1])
+        b["q"][rows] = np.abs(b["q"][rows]) + 0.5        # every q element positive
+        page = b["indices"][b["indptr"][r]]
+        b["cache"][page, 0, 0] = -4000.0 / np.sqrt(d)   # raw score <= -4000 / sqrt(d) * 0.5 * d / sqrt(d)
+        if which == 1:
+            b["cache"][page, 1, 0, int(rng.integers(hkv)), int(rng.integers(d))] = value
+        else:
+            b["cache"][page, 0, 0, int(rng.integers(hkv)), int(rng.integers(d))] = -np.inf
+    want = paged_oracle(b, kv_lens, qo_lens)
+    assert np.isnan(want[1][qo[0]:qo[1]]).any() and np.isnan(want[1][qo[1]:qo[2]]).any()
+    check(run_paged(side, decode, b), want, what=f"{side} weight-0 key")
+
+
 # ---------------------------------------------------------------------------
 # Contiguous forms, block sparse, cascade
 # ---------------------------------------------------------------------------
