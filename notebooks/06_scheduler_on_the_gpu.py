@@ -144,30 +144,35 @@ except results.ResultFormatError as e:
     print("sched.json does not validate, left out:", e)
 rows = {}
 for r in (measured.select("latency_us") if measured else []):
-    rows.setdefault(r.case.get("workload"), {})[r.case.get("policy")] = r.value
+    if r.case.get("batch") is not None and r.case.get("policy"):
+        rows.setdefault((r.case["workload"], r.case["batch"]), {})[r.case["policy"]] = r.value
 if not rows:
     print("no measured scheduler results yet (benchmarks/results/sched.json)")
 else:
     print(f"measured on {measured.gpu}, {measured.date} ({measured.command})")
     pols = sorted({p for row in rows.values() for p in row}, key=lambda p: (p != "one_per_cta", p))
-    fig, ax = plt.subplots(figsize=(9, 3))
+    batches = sorted({b for _, b in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 3), sharey=True, squeeze=False)
     width = 0.8 / len(pols)
-    for k, pol in enumerate(pols):
-        rel = [rows[w].get(pol, np.nan) / rows[w]["one_per_cta"] for w in rows]
-        ax.bar(np.arange(len(rows)) + (k - (len(pols) - 1) / 2) * width, rel, width, label=pol)
-    ax.set_xticks(range(len(rows)), list(rows)); ax.set_yscale("log")
-    ax.axhline(1, color="k", lw=0.8); ax.set_ylabel("latency / one_per_cta")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1)); plt.tight_layout(); plt.show()
+    for ax, b in zip(axes[0], batches):
+        names = [w for w, bb in rows if bb == b]
+        for k, pol in enumerate(pols):
+            rel = [rows[(w, b)].get(pol, np.nan) / rows[(w, b)]["one_per_cta"] for w in names]
+            ax.bar(np.arange(len(names)) + (k - (len(pols) - 1) / 2) * width, rel, width, label=pol)
+        ax.set_xticks(range(len(names)), names, fontsize=8); ax.set_yscale("log")
+        ax.axhline(1, color="k", lw=0.8); ax.set_title(f"batch {b}", fontsize=9)
+    axes[0][0].set_ylabel("latency / one_per_cta")
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1)); plt.tight_layout(); plt.show()
     for r in measured.select("plan_us"):
-        print(f"{r.case.get('workload'):14s} plan() {r.value:7.0f} us (planner alone "
-              f"{r.peers.get('planner_only', float('nan')):.0f} us)")
+        print(f"{r.case.get('workload'):8s} batch {r.case.get('batch')}: plan() with the fitted model "
+              f"{r.value:7.0f} us on the CPU")
 
 # %%
-for w, row in rows.items():
+for (w, b), row in rows.items():
     order = sorted(row.items(), key=lambda kv: kv[1])
     best = order[0][1]
-    print(f"{w:14s} " + ", ".join(f"{pol} {us:.0f} us" + ("" if us == best else f" (+{us / best - 1:.0%})")
-                                  for pol, us in order))
+    print(f"{w:9s} b{b:<4d}" + ", ".join(f"{pol} {us:.0f} us" + ("" if us == best else f" (+{us / best - 1:.0%})")
+                                         for pol, us in order))
 
 # %% [markdown]
 # What the committed file (H200, 2026-11-29) says, step by step:

@@ -121,8 +121,10 @@ class DecodeTuning(_Tuning):
     prefetch_steps: int = 1
     prefetch_max_heads: int = 4
     #: The planner's fixed price of one decode work item, in KV tokens (``chunk_overhead``
-    #: of ``nbattn.sched.plan``). Fitted on the H200: benchmarks/results/sched.json,
-    #: record "item_overhead_tokens" (63.7 warp path, 82.4 tensor-core path).
+    #: of ``nbattn.sched.plan``). Fitted on the H200 on 2026-11-29:
+    #: benchmarks/results/experiments/sched_h200_2026-11-29.json, record "item_overhead_tokens"
+    #: (63.7 warp path, 82.4 tensor-core path); benchmarks/results/cost_fit.json (2026-12-04)
+    #: prices a tensor-core item at 3.7 us, 116 tokens, for plans made with ``cost=``.
     plan_chunk_overhead: float = 64.0
     #: Query heads one CTA of the warp path holds when the cache is fp8. A register
     #: limit, not a measurement: a lane holds 16 fp8 dims (one 16-byte load), so q and
