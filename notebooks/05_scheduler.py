@@ -279,8 +279,9 @@ show(sched_plots.policy_utilization, sched.compare_policies(workloads, 32), name
 #
 # The planner cuts chunks at `L = ceil(W / C)`. That is perfect when a chunk costs only
 # its keys, but on a GPU every work item also pays a fixed price (reading its queue entry,
-# filling the load pipeline, writing its state): about 64 KV tokens' worth for nbattn's
-# decode kernel on an H200 (`item_overhead_tokens` in `sched.json`). Equal lengths show
+# filling the load pipeline, writing its state): about 64-116 KV tokens' worth for nbattn's
+# decode kernel on an H200 (`item_overhead_tokens` of the 2026-11-29 sweep in
+# `benchmarks/results/experiments/`; 3.7 us in `cost_fit.json`, 2026-12-04). Equal lengths show
 # the trap: with one CTA more than requests, `L` falls just short of a request, so every
 # request leaves a short tail, and the spare CTA runs all the tails. `chunk_overhead` puts
 # the price into the cost; `chunk_limit="auto"` also tries "no split" and the longest
@@ -323,13 +324,17 @@ print(f"✓ the fullest plan used {worst:.0%} of the bound")
 # %% [markdown]
 # ### What was measured, and the cost model fitted to it
 #
-# The numbers below are read from `benchmarks/results/sched.json` (and
-# `benchmarks/results/cost_fit.json` once a GPU run has written one): for every measured
-# step, LPT's kernel time over the best fixed policy of the same run (above 1: LPT was
-# slower). The planner can also take a cost model fitted on the GPU
-# (`sched.plan(..., cost=model)`, `nbattn.sched.cost`): it then prices the merge pass and
-# the tail of the wave, and picks among its own plans and the fixed splits it can express
-# the one the model predicts fastest. Whether that wins on the GPU is for the file to say.
+# The numbers below are read from `benchmarks/results/sched.json` and
+# `benchmarks/results/cost_fit.json`: for every measured step, LPT's kernel time over the
+# best fixed policy of the same run (above 1: LPT was slower). The planner can take a cost
+# model fitted on the GPU (`sched.plan(..., cost=model)`, `nbattn.sched.cost`): it then
+# prices the merge pass and the tail of the wave, and picks among its own plans and the
+# fixed splits it can express the one the model predicts fastest. On the H200 (2026-12-04)
+# that plan is at most 1.03x the best fixed policy on 8 of the 15 steps (and the fastest on
+# uniform lengths), and slower than that on 7: the skewed steps at batch 16 and 64 (1.30x,
+# 1.17x behind FlashDecoding's 1024-key split), constant lengths at batch 16 and 256, Zipf
+# at batch 16, and the mixed prefill + decode steps at batch 16 and 64 (1.54x, 1.39x).
+# Part 2 shows the measurement; docs/concepts/scheduler.md says why.
 
 # %%
 from pathlib import Path
