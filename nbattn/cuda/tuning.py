@@ -90,16 +90,18 @@ class DecodeTuning(_Tuning):
     #: Static shared memory the teaching kernel may take (under the 48 KB default). A limit.
     smem_budget: int = 46 * 1024
     #: Query heads one CTA of the warp path holds (q and acc registers). 4 measured:
-    #: benchmarks/results/decode.json, path "warp" (8 is opt-in and slower at group 8).
+    #: benchmarks/results/experiments/decode_h200_2026-11-29.json, path "warp" (8 is
+    #: opt-in and slower at group 8).
     warp_max_heads: int = 4
-    #: Warps per CTA on the warp path. benchmarks/results/decode.json.
+    #: Warps per CTA on the warp path. benchmarks/results/experiments/decode_h200_2026-11-29.json.
     warp_warps: int = 1 if SIMULATOR else 4
     #: Tokens per row per step on the warp path (0: chosen by heads per CTA).
-    #: benchmarks/results/decode.json, field "unroll".
+    #: benchmarks/results/experiments/decode_h200_2026-11-29.json, field "unroll".
     warp_unroll: int = 0
     #: Smallest GQA group that takes the tensor-core path on a GPU (0: never unless
-    #: ``path="tc"``). benchmarks/results/decode.json: group 8 on "tc" at 0.97-1.02 of
-    #: copy bandwidth against 0.49-0.50 on "warp"; group 4 about even.
+    #: ``path="tc"``). benchmarks/results/decode.json, batch 64 x 4k-32k: group 8 on "tc"
+    #: at 0.79-0.85 of copy bandwidth against 0.29-0.30 on "warp"; group 4 0.95-0.98
+    #: against 0.54-0.56.
     tc_min_group: int = 4
     #: (warps a CTA, CTAs an SM) of the tensor-core path for CTAs of up to 4 heads: 168
     #: registers a thread (ptxas, sm_90) allow 12 warps an SM, and 6 x 2 gives batch 64 x 8 KV
