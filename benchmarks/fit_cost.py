@@ -4,11 +4,27 @@ Used by ``benchmarks/gpu_sched.py`` (which measures the probes on the GPU and
 calls :func:`fit_decode`), and on its own to re-read a result file::
 
     PYTHONPATH=$PWD python3 benchmarks/fit_cost.py --analyse benchmarks/results/sched.json
+    PYTHONPATH=$PWD python3 benchmarks/fit_cost.py --analyse \
+        benchmarks/results/experiments/sched_h200_2026-11-29.json
 
-``--analyse`` reconstructs every plan of an old-schema ``sched.json`` (the
-H200 table of issue 21: skewed / constant / long-variable, batch 64, C = 33)
-from its lengths and recorded plan settings, fits the model under two
-hypotheses, and prints each policy's predicted against measured time:
+``--analyse`` on a sweep file (what ``gpu_sched.py`` writes: five workloads at
+batch 16, 64 and 256) runs :func:`analyse_sweep`: it rebuilds every plan of
+every step from its lengths (and stops if one does not reproduce the recorded
+item and partial counts), then
+
+* refits the decode model separately to the wrapper's records and to the fixed
+  splits' records (FlashDecoding: another decode launch, another merge kernel)
+  and prints each path's errors and prices;
+* asks the planner what it would choose under the wrapper's refit model, and
+  under that model with the fixed splits' merge prices;
+* fits the mixed prefill + decode records under the planner's own view (all
+  planned CTAs at once) and under list scheduling of the whole grid
+  (``num_ctas x num_kv_heads`` persistent CTAs on the resident slots), with the
+  split chunks and the unsplit tiles as one pass or as the wrapper's two
+  launches.
+
+On the older table of the 2026-11-29 file (skewed / constant / long-variable,
+batch 64, C = 33) it runs :func:`analyse`, which fits two hypotheses:
 
 * H1: the per-item overhead is streaming work like the keys (it speeds up in
   the tail with everything else); one merge cost for both merge kernels.
@@ -126,7 +142,7 @@ def fit_decode(stream, solo, merge_of, slots, ctas_per_sm, sm_count):
 
 
 # ---------------------------------------------------------------------------
-# --analyse: the old-schema sched.json (issue 21's table)
+# --analyse on the 2026-11-29 table (skewed / constant / long-variable, batch 64)
 # ---------------------------------------------------------------------------
 
 def _greedy(lat, work, slots):
@@ -221,12 +237,278 @@ def analyse(path, slots=33, group=4):
     return out
 
 
+# ---------------------------------------------------------------------------
+# --analyse on a sweep file (gpu_sched.py: five workloads, batch 16 / 64 / 256)
+# ---------------------------------------------------------------------------
+
+SWEEP_SLOTS = 33            # decode planner CTAs per KV head (2 CTAs an SM x 132 SMs / 8 head blocks)
+SWEEP_GROUP = 4             # 32 query heads over 8 KV heads
+SWEEP_KV_HEADS = 8
+PREFILL_CTAS = 132          # the prefill wrapper's num_ctas (one per SM, per KV head)
+PREFILL_TILE = 64           # its kernel's query tile, in fused rows
+OVERHEAD_GRID = tuple(range(0, 241, 8))                  # item price, KV tokens
+SOLO_SWEEP_GRID = tuple(np.round(np.arange(1.0, 2.001, 0.05), 3))
+PREFILL_OVERHEAD_GRID = (0, 64, 128, 256, 512, 1024, 2048)
+
+
+def sweep_lengths(workload: str, batch: int):
+    """(qo_lens, kv_lens) of one step of the sweep, generated as ``gpu_sched.py`` does
+    (``decode_lens`` with seed ``100 + batch``, ``mixed_lens`` with ``200 + batch``)."""
+    from nbattn.sched import make_workload
+    if workload == "mixed":
+        w = make_workload("mixed", batch, seed=200 + batch, low=512, high=4096)
+        return np.asarray(w.qo_lens, np.int64), np.asarray(w.kv_lens, np.int64)
+    kw = dict(kv_len=4096, low=512, high=8192, long_len=32768, short_len=512, zipf_scale=256, max_len=32768)
+    w = make_workload("variable" if workload == "uniform" else workload, batch, seed=100 + batch, **kw)
+    kv = np.asarray(w.kv_lens, np.int64)
+    return np.ones(kv.size, np.int64), kv
+
+
+def _fixed_chunk(policy: str):
+    return None if policy == "one_per_cta" else int(policy.split("_")[1])
+
+
+def split_items(kv_lens, chunk):
+    """FlashDecoding's work (``nbattn.cuda.decode.split_work``): the keys of every item in
+    launch order, a request longer than ``chunk`` cut into ``chunk``-key pieces (None: one
+    item a request), and the partials of each split request."""
+    items, merges = [], []
+    for n in np.asarray(kv_lens, np.int64).tolist():
+        if chunk is None or n <= chunk:
+            items.append(n)
+            continue
+        items += [min(n, a + chunk) - a for a in range(0, n, chunk)]
+        merges.append(-(-n // chunk))
+    return np.asarray(items, np.float64), np.asarray(merges, np.float64)
+
+
+def rebuild_sweep(d: dict, model) -> list:
+    """Every ``latency_us`` record of a sweep file with its plan rebuilt from the lengths.
+
+    Returns dicts with ``path`` (``"wrapper"``: the decode wrapper's LPT plans,
+    ``"split"``: FlashDecoding's fixed splits and one request per CTA, ``"prefill"``:
+    the mixed steps through the prefill wrapper), ``case``, measured ``t`` (us), and
+    ``plan`` (a :class:`nbattn.sched.Plan`) or ``items`` (keys of each item in launch
+    order) with ``merges`` (partials of each split request).  Raises ``SystemExit`` when
+    a rebuilt plan does not reproduce the record."""
+    from nbattn.sched import plan
+    rows = []
+    for r in d["records"]:
+        c = r["case"]
+        if r["metric"] != "latency_us" or "batch" not in c or "policy" not in c:
+            continue
+        w, b, pol = c["workload"], int(c["batch"]), c["policy"]
+        qo, kv = sweep_lengths(w, b)
+        if int(kv.sum()) != c["total_kv"] or int(kv.max()) != c["max_kv"]:
+            raise SystemExit(f"{w} b{b}: lengths do not reproduce total_kv / max_kv")
+        row = dict(case=c, t=float(r["value"]), workload=w, batch=b, policy=pol)
+        if w == "mixed":
+            limit = {"one_per_cta": int(kv.max()), "lpt": "auto", "lpt_spec": None}.get(pol)
+            if pol.startswith("split_"):
+                limit = _fixed_chunk(pol)
+            p = plan(qo, kv, PREFILL_CTAS, tile_q=PREFILL_TILE, group=SWEEP_GROUP, causal=True, chunk_limit=limit)
+            got = (p.num_items, p.num_partials, p.chunk_limit)
+            want = (c["items"], c["partials"], c["chunk_limit"])
+            row.update(path="prefill", plan=p, merges=np.diff(p.merge_indptr).astype(np.float64))
+        elif pol == "one_per_cta" or pol.startswith("split_"):
+            items, merges = split_items(kv, _fixed_chunk(pol))
+            got, want = (items.size, int(merges.sum())), (c["items"], c["partials"])
+            row.update(path="split", items=items, merges=merges)
+        else:
+            # The plan as it ran: its recorded limit, placed by LPT under the cost it was made with.
+            if c["placement"] != "lpt":
+                raise SystemExit(f"{w} b{b} {pol}: a {c['placement']!r} placement cannot be rebuilt")
+            kw = dict(cost=model) if pol == "lpt" else dict(chunk_overhead=c["chunk_overhead"])
+            p = plan(qo, kv, c["num_ctas"], tile_q=SWEEP_GROUP, group=SWEEP_GROUP, chunk_limit=int(c["chunk_limit"]),
+                     **kw)
+            got = (p.num_items, p.num_partials, p.chunk_limit, p.placement)
+            want = (c["items"], c["partials"], c["chunk_limit"], c["placement"])
+            row.update(path="wrapper", plan=p, merges=np.diff(p.merge_indptr).astype(np.float64))
+        if got != want:
+            raise SystemExit(f"{w} b{b} {pol}: rebuilt plan {got} does not reproduce the record {want}")
+        rows.append(row)
+    return rows
+
+
+def _slots_of(row, overhead, slots):
+    """Latency and streaming work of every slot: the wrapper's queues as planned, the
+    fixed splits' items in launch order onto the slot free first (the block scheduler)."""
+    if row["path"] == "split":
+        return _greedy([overhead] * len(row["items"]), row["items"], slots)
+    p = row["plan"]
+    cta = p.item_cta()
+    keys = (p.kv_end - p.kv_start).astype(np.float64)
+    return (np.bincount(cta, minlength=slots) * float(overhead),
+            np.bincount(cta, weights=keys, minlength=slots).astype(np.float64))
+
+
+def decode_features(row, overhead, solo, slots=SWEEP_SLOTS, group=SWEEP_GROUP):
+    """Regressors of one decode record: the attention pass in KV-token time (items of
+    ``overhead`` tokens of latency, the wave speed-up ``solo``), 1 (launch), 1 if the
+    step merges (merge launch), its partial slots (merge_total) and the merge pass's
+    busiest CTA in partial rows (merge_cost; :func:`nbattn.sched.lpt.merge_span`)."""
+    from nbattn.sched.cost import merge_span
+    lat, work = _slots_of(row, overhead, slots)
+    m = row["merges"]
+    span = merge_span(np.full(m.size, float(group)), m, slots, 1.0, 0.0) if m.size else 0.0
+    return [_finish(lat, work, slots, solo, True), 1.0, float(m.size > 0), float(m.sum()), float(span)]
+
+
+def fit_decode_records(rows, overheads=OVERHEAD_GRID, solos=SOLO_SWEEP_GRID):
+    """The cost model that fits measured decode records best (grid over the item price
+    and ``solo_speedup``, non-negative least squares for the rest, relative errors):
+    ``(CostModel, rms, relative errors)``."""
+    from nbattn.sched import CostModel
+    t = np.array([r["t"] for r in rows])
+    best = None
+    for solo in solos:
+        for ovh in overheads:
+            A = np.array([decode_features(r, ovh, solo) for r in rows])
+            sol = _nonneg_lstsq(A, t, 1.0 / t)
+            e = A @ sol / t - 1
+            rms = float(np.sqrt(np.mean(e ** 2)))
+            if best is None or rms < best[0] - 1e-12:
+                best = (rms, ovh, solo, sol, e)
+    rms, ovh, solo, sol, e = best
+    model = CostModel(alpha=0.0, beta=float(sol[0]), chunk_overhead=float(ovh * sol[0]), launch=float(sol[1]),
+                      merge_launch=float(sol[2]), merge_total=float(sol[3]), merge_cost=float(sol[4]),
+                      solo_speedup=float(solo), search="plans", unit="us")
+    return model, rms, e
+
+
+def _list_schedule(times, resident):
+    """Makespan of jobs started in the given order on ``resident`` slots, each on the
+    slot free first (the block scheduler with a grid larger than one wave)."""
+    free = [0.0] * resident
+    end = 0.0
+    for x in times:
+        start = heapq.heappop(free)
+        end = max(end, start + x)
+        heapq.heappush(free, start + x)
+    return end
+
+
+def prefill_span(p, overhead, resident, two_launches, kv_heads=SWEEP_KV_HEADS):
+    """Attention time of a prefill-wrapper plan in KV-token units: each planned CTA's
+    queue (keys plus ``overhead`` per item) once per KV head, launched CTA-fastest.
+    ``resident`` None: the planner's view (every planned CTA at once); else the grid of
+    ``num_ctas * kv_heads`` CTAs list-scheduled on that many slots.  ``two_launches``:
+    split chunks and unsplit tiles as two passes (the wrapper), else one."""
+    from nbattn.sched.plan import DIRECT
+    cta = p.item_cta()
+    keys = (p.kv_end - p.kv_start).astype(np.float64) + overhead
+    split = p.out_slot != DIRECT
+    passes = (split, ~split) if two_launches else (np.ones(split.shape, bool),)
+    total = 0.0
+    for sel in passes:
+        queue = np.bincount(cta[sel], weights=keys[sel], minlength=p.num_ctas)
+        if resident is None:
+            total += float(queue.max())
+        else:
+            grid = np.tile(queue, kv_heads)
+            total += _list_schedule(grid[grid > 0], resident)
+    return total
+
+
+def fit_prefill_records(rows, resident, two_launches, overheads=PREFILL_OVERHEAD_GRID):
+    """Best fit of the mixed records to ``launch + rate * prefill_span + [merges] *
+    (merge_launch + merge_total * partials)``: dict of rms, errors and the numbers."""
+    t = np.array([r["t"] for r in rows])
+    best = None
+    for ovh in overheads:
+        A = np.array([[1.0, prefill_span(r["plan"], ovh, resident, two_launches), float(r["plan"].num_merges > 0),
+                       float(r["plan"].num_partials)] for r in rows])
+        sol = _nonneg_lstsq(A, t, 1.0 / t)
+        e = A @ sol / t - 1
+        rms = float(np.sqrt(np.mean(e ** 2)))
+        if best is None or rms < best["rms"] - 1e-12:
+            best = dict(rms=rms, errors=e, overhead_tokens=ovh, launch_us=sol[0], us_per_token=sol[1],
+                        merge_launch_us=sol[2], us_per_partial=sol[3])
+    return best
+
+
+def analyse_sweep(path, fit_path=None, overheads=OVERHEAD_GRID, solos=SOLO_SWEEP_GRID):
+    """Print (and return) the analysis of a sweep file (module docstring)."""
+    from nbattn.sched import CostModel, plan, simulate_plan
+    from nbattn.sched.cost import load_cost_fit
+    d = json.loads(Path(path).read_text())
+    if fit_path is not None and Path(fit_path).is_file():
+        committed = load_cost_fit(fit_path).decode_tc
+    else:
+        committed = CostModel(**d["cost_model"])
+    rows = rebuild_sweep(d, committed)
+    print(f"{len(rows)} records of {path} rebuilt; every plan reproduces its recorded counts")
+    out = dict(rows=rows, committed=committed)
+    for path_name in ("wrapper", "split"):
+        sel = [r for r in rows if r["path"] == path_name]
+        pred = np.array([simulate_plan(r["plan"], committed).makespan if "plan" in r else r["case"]["predicted_us"]
+                         for r in sel])
+        err = pred / np.array([r["t"] for r in sel]) - 1
+        model, rms, e = fit_decode_records(sel, overheads, solos)
+        out[path_name] = dict(model=model, rms=rms, errors=e, committed_errors=err)
+        print(f"\n{path_name}: {len(sel)} records; the committed model's error: rms {np.sqrt(np.mean(err ** 2)):.1%}, "
+              f"largest {err[np.argmax(np.abs(err))]:+.1%}")
+        print(f"  refit: rms {rms:.1%}, largest {e[np.argmax(np.abs(e))]:+.1%}; item {model.chunk_overhead:.2f} us "
+              f"({model.chunk_overhead / model.beta:.0f} keys), {model.beta * 1e3:.1f} ns a key, solo speed-up "
+              f"{model.solo_speedup:.2f}, launch {model.launch:.1f} us; merge: {model.merge_launch:.1f} us when "
+              f"there is one, {model.merge_total:.3f} us a partial, {model.merge_cost * SWEEP_GROUP:.3f} us a "
+              f"partial of the busiest merge CTA")
+    wrapper, split = out["wrapper"]["model"], out["split"]["model"]
+    cheap_merge = wrapper.replace(merge_launch=split.merge_launch, merge_total=split.merge_total,
+                                  merge_cost=split.merge_cost)
+    print("\ndecode steps (us): best fixed policy | LPT measured | plan() now under the committed model (its "
+          "prediction, the refit's) | plan() under the wrapper's refit | the same with the fixed splits' merge prices")
+    lat = {}
+    for r in rows:
+        lat.setdefault((r["workload"], r["batch"]), {})[r["policy"]] = r["t"]
+    whatif = {}
+    for (w, b), t in lat.items():
+        if w == "mixed":
+            continue
+        fixed = {k: v for k, v in t.items() if k == "one_per_cta" or k.startswith("split_")}
+        best = min(fixed, key=fixed.get)
+        qo, kv = sweep_lengths(w, b)
+        kw = dict(tile_q=SWEEP_GROUP, group=SWEEP_GROUP, chunk_limit="auto")
+        p_now = plan(qo, kv, SWEEP_SLOTS, cost=committed, **kw)
+        p_w = plan(qo, kv, SWEEP_SLOTS, cost=wrapper, **kw)
+        p_c = plan(qo, kv, SWEEP_SLOTS, cost=cheap_merge, **kw)
+        now_refit = simulate_plan(p_now, wrapper).makespan
+        whatif[(w, b)] = dict(best=best, best_us=fixed[best], lpt_us=t.get("lpt"), now=p_now, now_refit=now_refit,
+                              refit=p_w, cheap_merge=p_c)
+        print(f"  {w:9s} b{b:<4d} {best:11s} {fixed[best]:7.1f} | {t.get('lpt', np.nan):7.1f} "
+              f"({t.get('lpt', np.nan) / fixed[best]:.3f}) | L={p_now.chunk_limit:<6d} {p_now.predicted_makespan:7.1f} "
+              f"{now_refit:7.1f} | L={p_w.chunk_limit:<6d} {p_w.predicted_makespan:7.1f} "
+              f"({p_w.predicted_makespan / fixed[best]:.3f}) | L={p_c.chunk_limit:<6d} partials {p_c.num_partials:3d} "
+              f"{p_c.predicted_makespan:7.1f} ({p_c.predicted_makespan / fixed[best]:.3f})")
+    out["whatif"] = whatif
+    mixed = [r for r in rows if r["path"] == "prefill"]
+    out["prefill"] = {}
+    if mixed:
+        print(f"\nmixed prefill + decode: {len(mixed)} records")
+        for resident in (None, PREFILL_CTAS, 2 * PREFILL_CTAS):
+            for two in (False, True):
+                f = fit_prefill_records(mixed, resident, two)
+                out["prefill"][(resident, two)] = f
+                view = "planned CTAs at once" if resident is None else f"grid on {resident} slots"
+                print(f"  {view:21s} {'two launches' if two else 'one pass    '}: rms {f['rms']:5.1%}, largest "
+                      f"{f['errors'][np.argmax(np.abs(f['errors']))]:+.1%}; item {f['overhead_tokens']} keys, "
+                      f"launch {f['launch_us']:.1f} us; any split: {f['merge_launch_us']:.1f} us + "
+                      f"{f['us_per_partial']:.2f} us a partial")
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--analyse", metavar="SCHED_JSON", help="fit an old-schema sched.json and print errors")
+    ap.add_argument("--analyse", metavar="SCHED_JSON", help="rebuild, refit and explain a sched.json")
+    ap.add_argument("--fit", metavar="COST_FIT_JSON", default=None,
+                    help="the committed fit (default: cost_fit.json beside SCHED_JSON, else its cost_model)")
     args = ap.parse_args(argv)
     if args.analyse:
-        analyse(args.analyse)
+        d = json.loads(Path(args.analyse).read_text())
+        if "item_overhead_fit" in d.get("checks", {}):
+            analyse(args.analyse)
+        else:
+            analyse_sweep(args.analyse, args.fit or Path(args.analyse).parent / "cost_fit.json")
         return 0
     ap.print_help()
     return 0
