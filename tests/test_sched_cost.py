@@ -92,6 +92,12 @@ def documented_limits(tiles, slots):
     base = max(1, -(-sum(kv for _, kv in tiles) // slots))
     raw = [longest, -(-longest // 2), -(-longest // 3), -(-longest // 4), -(-longest // 8), 2 * base, base,
            *FIXED_CHUNKS]
+    # the longest tile in k pieces of one to two base limits, k growing by at least 6/5
+    k, hi = max(1, -(-longest // (2 * base))), -(-longest // base)
+    while k < hi:
+        raw.append(-(-longest // k))
+        k = max(k + 1, -(-6 * k // 5))
+    raw.append(-(-longest // max(hi, 1)))
     return sorted({min(max(x, 1), longest) for x in raw}, reverse=True)
 
 

@@ -32,12 +32,20 @@ whole plans by their predicted makespan, merge pass included
 candidate is a chunk limit and a placement:
 
 * limits: the base rule's ``ceil(W/C)`` and twice it, the longest tile and the
-  longest cut in 2, 3, 4 or 8, and the fixed-split chunk sizes 512, 1024, 2048
-  and 4096 (:func:`candidate_limits`);
+  longest cut in 2, 3, 4 or 8, the fixed-split chunk sizes 512, 1024, 2048
+  and 4096, and the longest tile cut into ``k`` pieces one to two base limits
+  long (:func:`piece_counts`: ``k`` from ``ceil(T/(2 ceil(W/C)))`` to
+  ``ceil(T/ceil(W/C))`` in steps of at least 6/5; :func:`candidate_limits`);
 * placements: LPT (largest first onto the least-loaded CTA) at every limit and,
   at the fixed-split sizes and the longest tile, also *request order* onto the
   least-loaded CTA, which is what a FlashDecoding-style grid of one CTA per chunk
   does when the hardware hands chunks to free slots in launch order.
+
+The pieces of the longest tile are there for steps with one long request among
+short ones: its chunks then set the makespan, and when a merge has a price the
+best limit trades a longer chunk against fewer partials somewhere between one and
+two base limits, which the fixed sizes and the cuts in 2 to 8 straddle
+(docs/concepts/scheduler.md, "What the H200 showed").
 
 So every fixed-split policy with one of those chunk sizes, and one request per
 CTA (the longest tile as the limit), is itself a candidate: under the model, the
@@ -56,7 +64,7 @@ import numpy as np
 from numba import njit
 
 __all__ = ["query_tiles", "lpt_assign", "lpt_makespan", "chunk_costs", "auto_limit", "plan_span",
-           "choose_plan", "candidate_limits", "slot_finish", "work_clock", "merge_span",
+           "choose_plan", "candidate_limits", "piece_counts", "slot_finish", "work_clock", "merge_span",
            "LPT_ORDER", "REQUEST_ORDER"]
 
 LPT_ORDER = 0
@@ -313,13 +321,36 @@ def plan_span(tile_rows, tile_kv, limit, mode, num_ctas, alpha, beta, overhead, 
 
 
 @njit(cache=True)
+def piece_counts(longest, spec_limit):
+    """Piece counts ``k`` of the longest tile whose pieces, ``ceil(longest / k)`` keys,
+    are one to two base limits long: ``k`` from ``ceil(longest / (2*spec_limit))`` to
+    ``ceil(longest / spec_limit)``, each at least 6/5 of the one before, the last
+    always included (module doc).  At most five counts."""
+    lo = max(1, (longest + 2 * spec_limit - 1) // (2 * spec_limit))
+    hi = max(lo, (longest + spec_limit - 1) // spec_limit)
+    out = np.empty(16, np.int64)
+    n = 0
+    k = lo
+    while k < hi and n < 15:
+        out[n] = k
+        n += 1
+        k = max(k + 1, (6 * k + 4) // 5)
+    out[n] = hi
+    return out[:n + 1]
+
+
+@njit(cache=True)
 def candidate_limits(tile_kv, spec_limit):
     """The chunk limits ``choose_plan`` tries (module doc), largest first, without repeats."""
     longest = 1
     for t in range(tile_kv.shape[0]):
         longest = max(longest, tile_kv[t])
-    raw = np.array([longest, (longest + 1) // 2, (longest + 2) // 3, (longest + 3) // 4, (longest + 7) // 8,
-                    2 * spec_limit, spec_limit, 4096, 2048, 1024, 512], np.int64)
+    ks = piece_counts(longest, spec_limit)
+    raw = np.empty(11 + ks.shape[0], np.int64)
+    raw[:11] = np.array([longest, (longest + 1) // 2, (longest + 2) // 3, (longest + 3) // 4, (longest + 7) // 8,
+                         2 * spec_limit, spec_limit, 4096, 2048, 1024, 512], np.int64)
+    for i in range(ks.shape[0]):
+        raw[11 + i] = (longest + ks[i] - 1) // ks[i]
     raw = np.maximum(np.minimum(raw, longest), 1)
     raw = np.sort(raw)[::-1]
     out = np.empty(raw.shape[0], np.int64)
