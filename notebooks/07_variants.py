@@ -287,8 +287,9 @@ print(f"✓ if only attention changed, it was at least {f_min:.0%} of the step b
 #
 # These three change what goes *into* the scores or the softmax, not the mask. The golden
 # model has all three (docs: "Rotary position embeddings", "fp8 KV caches" in "Layouts",
-# "Learnable attention sinks"); the kernels do not fuse RoPE or read fp8 yet, so this
-# section runs on NumPy and torch only.
+# "Learnable attention sinks"). The kernels take them too (RoPE in the teaching kernels,
+# fp8 caches in decode, sinks merged after the kernels), but this section runs on NumPy and
+# torch only, so it reads the same with or without a GPU.
 #
 # ### RoPE: a score that only knows the distance
 #

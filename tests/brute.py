@@ -271,3 +271,27 @@ def assert_refused(call, d, arg, rule, what, exc=ValueError):
     assert rule in msg, msg
     for key, x in d.items():
         assert bytes_of(x) == before[key], f"{key} changed ({what})"
+
+
+def turn(x, pos, rope_scale, rope_theta):
+    """x [n, H, D] (float64) rotated row by row by RoPE at positions ``pos``: each pair
+    ``(x_p, x_{p + D/2})`` as the complex number ``x_p + i x_{p + D/2}`` times
+    ``e^{i a}``, ``a = (pos / rope_scale) * rope_theta ** (-2p / D)`` (non-interleaved)."""
+    x = np.asarray(x, np.float64)
+    d = x.shape[-1]
+    half = d // 2
+    freq = np.array([rope_theta ** (-2.0 * p / d) for p in range(half)])
+    out = np.empty_like(x)
+    for r in range(x.shape[0]):
+        z = (x[r, :, :half] + 1j * x[r, :, half:]) * np.exp(1j * (pos[r] / rope_scale) * freq)
+        out[r, :, :half], out[r, :, half:] = z.real, z.imag
+    return out
+
+
+def brute_rope(q, k, v, rope_scale, rope_theta, causal=False):
+    """Attention of one request with RoPE at attention time: q turned to its own
+    positions (bottom-right aligned), each key to its position, then :func:`brute_attention`."""
+    nq, nk = q.shape[0], k.shape[0]
+    q_pos, kv_pos = np.arange(nk - nq, nk), np.arange(nk)
+    return brute_attention(turn(q, q_pos, rope_scale, rope_theta), turn(k, kv_pos, rope_scale, rope_theta), v,
+                           causal=causal)

@@ -14,27 +14,7 @@ from hypothesis import strategies as st
 from nbattn import reference as R
 from nbattn.variants import Variant
 
-from brute import brute_attention, fresh, gather_pages, indptr_of, random_paged_batch
-
-
-def turn(x, pos, rope_scale, rope_theta):
-    """x [n, H, D] (float64) rotated row by row: complex pairs, non-interleaved."""
-    x = np.asarray(x, np.float64)
-    d = x.shape[-1]
-    half = d // 2
-    freq = np.array([rope_theta ** (-2.0 * p / d) for p in range(half)])
-    out = np.empty_like(x)
-    for r in range(x.shape[0]):
-        z = (x[r, :, :half] + 1j * x[r, :, half:]) * np.exp(1j * (pos[r] / rope_scale) * freq)
-        out[r, :, :half], out[r, :, half:] = z.real, z.imag
-    return out
-
-
-def brute_rope(q, k, v, rope_scale, rope_theta, causal=False):
-    nq, nk = q.shape[0], k.shape[0]
-    q_pos, kv_pos = np.arange(nk - nq, nk), np.arange(nk)
-    return brute_attention(turn(q, q_pos, rope_scale, rope_theta), turn(k, kv_pos, rope_scale, rope_theta), v,
-                           causal=causal)
+from brute import brute_attention, brute_rope, fresh, gather_pages, indptr_of, random_paged_batch, turn
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -116,20 +96,22 @@ def test_bad_rope_numbers_are_refused_naming_the_argument(name, value):
         Variant(pos_encoding_mode="ROPE_LLAMA", **{name: value})
 
 
-def test_the_kernels_refuse_rope_before_any_kernel_runs():
-    """The kernels do not rotate at attention time yet: a clear NotImplementedError naming
-    pos_encoding_mode, raised before anything is built, and out= left as it was."""
+def test_the_forms_that_do_not_rotate_refuse_rope_before_any_kernel_runs():
+    """block_sparse and cascade do not rotate at attention time: a clear NotImplementedError
+    naming pos_encoding_mode, raised before anything is built, and out= left as it was."""
     from nbattn import cuda as C
+    from nbattn import layout as L
     rng = np.random.default_rng(3)
-    q = rng.standard_normal((4, 8)).astype(np.float32)
-    k = rng.standard_normal((5, 2, 8)).astype(np.float32)
-    out = np.full((4, 8), 7.0, np.float32)
-    with pytest.raises(NotImplementedError, match="pos_encoding_mode='ROPE_LLAMA'"):
-        C.single_decode(q, k, k, pos_encoding_mode="ROPE_LLAMA", out=out)
-    with pytest.raises(NotImplementedError, match="pos_encoding_mode='ROPE_LLAMA'"):
-        C.single_prefill(q[None], k, k, variant=Variant(pos_encoding_mode="ROPE_LLAMA"))
+    q = rng.standard_normal((4, 2, 8)).astype(np.float32)
+    k = rng.standard_normal((4, 2, 8)).astype(np.float32)
+    out = np.full((4, 2, 8), 7.0, np.float32)
+    bsr = L.BSR.from_block_mask(np.ones((2, 2), bool), (2, 2))
+    with pytest.raises(NotImplementedError, match="pos_encoding_mode='ROPE_LLAMA': block_sparse"):
+        C.block_sparse(q, k, k, bsr, pos_encoding_mode="ROPE_LLAMA", out=out)
     assert np.all(out == 7.0)
-    w = C.BatchDecodeWithPagedKVCacheWrapper(np.zeros(1 << 20, np.uint8))
-    with pytest.raises(NotImplementedError, match="pos_encoding_mode='ROPE_LLAMA'"):
-        w.plan(np.array([0, 1], np.int32), np.array([0], np.int32), np.array([3], np.int32), 4, 2, 8, 4,
-               pos_encoding_mode="ROPE_LLAMA")
+    cache = rng.standard_normal((2, 2, 4, 2, 8)).astype(np.float32)
+    levels = [(np.array([0, 4], np.int32), np.array([0, 1], np.int32), np.array([0], np.int32),
+               np.array([4], np.int32))]
+    with pytest.raises(NotImplementedError, match="pos_encoding_mode='ROPE_LLAMA': cascade"):
+        C.cascade(q, levels, cache, pos_encoding_mode="ROPE_LLAMA", out=out)
+    assert np.all(out == 7.0)

@@ -41,7 +41,7 @@ from numba import cuda
 
 from .. import layout as L
 from ..variants import check_return_lse
-from .blocks.variants import kernel_variant
+from .blocks.variants import kernel_variant, refuse_rope
 from .host import arrays as A
 from . import merge as M
 from . import prefill as P
@@ -65,6 +65,7 @@ def cascade(q, levels, paged_kv_cache, *, kv_layout: str = "NHD", return_lse: bo
     passes it runs."""
     tuning = check_tuning(tuning, CascadeTuning, CASCADE)
     var = kernel_variant(variant)
+    refuse_rope(var, "cascade")
     check_return_lse(var, return_lse)
     L.check_same_device(q=q, paged_kv_cache=paged_kv_cache)
     kind = P.check_kind_match(q=q, paged_kv_cache=paged_kv_cache)

@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import layout as L
 from ..variants import check_return_lse
-from .blocks.variants import kernel_variant
+from .blocks.variants import kernel_variant, refuse_rope
 from . import prefill as P
 from .tuning import PREFILL, PrefillTuning, check_tuning
 
@@ -30,6 +30,7 @@ def block_sparse(q, k, v, bsr: L.BSR, *, kv_layout: str = "NHD", return_lse: boo
     :class:`nbattn.cuda.tuning.PrefillTuning`, default ``PREFILL``) shapes the kernel."""
     tuning = check_tuning(tuning, PrefillTuning, PREFILL)
     var = kernel_variant(variant)
+    refuse_rope(var, "block_sparse")
     check_return_lse(var, return_lse)
     bsr = L.BSR.check(bsr)
     L.check_same_device(q=q, k=k, v=v)

@@ -36,23 +36,28 @@ from numba import cuda, float32
 
 from ...variants import Variant, variant_from_kwargs
 
-__all__ = ["kernel_variant", "cached_variant", "variant_device_fns", "kernel_variant_key", "compile_user_fn", "LOG2E", "sigmoid_weight"]
+__all__ = ["kernel_variant", "refuse_rope", "cached_variant", "variant_device_fns", "kernel_variant_key", "compile_user_fn", "LOG2E", "sigmoid_weight"]
 
 LOG2E = 1.4426950408889634  # natural-exp scores -> base-2 exponent
 
 
 def kernel_variant(kwargs: dict) -> Variant:
     """The Variant a kernel call's ``**variant`` keywords ask for
-    (:func:`nbattn.variants.variant_from_kwargs`, which consumes ``kwargs``), refused with a
-    NotImplementedError naming the argument when the kernels do not compute it.  Every
-    public operation of nbattn.cuda gets its variant here, before anything is built."""
-    var = variant_from_kwargs(kwargs)
+    (:func:`nbattn.variants.variant_from_kwargs`, which consumes ``kwargs``), with its
+    checks (bad values raise a ValueError naming the argument).  Every public
+    operation of nbattn.cuda gets its variant here, before anything is built; a form
+    that does not compute part of it refuses with :func:`refuse_rope`."""
+    return variant_from_kwargs(kwargs)
+
+
+def refuse_rope(var: Variant, form: str) -> None:
+    """NotImplementedError naming ``pos_encoding_mode`` when ``form`` (a public
+    operation whose kernels do not rotate q and k) is asked for RoPE."""
     if var.has_rope:
         raise NotImplementedError(
-            "pos_encoding_mode='ROPE_LLAMA': the kernels do not rotate q and k at attention time yet; "
-            "rotate them first (nbattn.reference.apply_rope_pos_ids) and pass pos_encoding_mode='NONE', "
-            "or run the golden model (nbattn.reference)")
-    return var
+            f"pos_encoding_mode='ROPE_LLAMA': {form} does not rotate q and k at attention time; rotate them "
+            "first (nbattn.reference.apply_rope_pos_ids) and pass pos_encoding_mode='NONE', or use "
+            "batch_decode_paged / batch_prefill_paged / batch_prefill_ragged / single_prefill, which do")
 
 
 _VARIANTS: dict = {}

@@ -47,6 +47,7 @@ from numba import cuda, float32, int64
 from ..blocks import nanrule as NR
 from ..blocks.fp8 import fp8_unpack4
 from ..blocks.primitives import ELEMS_PER_WORD, SHARED_ALIGN, device_fn, element_io, exp2f, ld_v4, load_v4, st_v4
+from ..blocks.rope import chunk_rotation, partner_chunk
 from ..blocks.softmax import rescale
 from ..blocks.variants import LOG2E, sigmoid_weight, variant_device_fns
 from ..host.driver import jit_kernel
@@ -81,6 +82,10 @@ def build_smem_kernel(cfg):
     SCALE_V = cfg.kv_code is not None    # fp8: o = v_scale * acc / l (k_scale is in sm_scale)
     transform, keep = variant_device_fns(cfg.variant)
     poison = NR.poison_kv(cfg.kv)
+    # RoPE at attention time (blocks/rope.py): q turns by its position, each key by its own
+    ROPE = cfg.variant.has_rope
+    rotate = chunk_rotation(D, VEC, cfg.variant.rope_scale, cfg.variant.rope_theta)
+    partner = partner_chunk(D, VEC)
 
     @device_fn
     def read4(arr, i):   # 16-byte global load when the base pointers allow it
@@ -101,6 +106,8 @@ def build_smem_kernel(cfg):
         acc = cuda.local.array(HG_VEC, np.float32)    # my chunk of every head's acc (my tokens only)
         lacc = cuda.local.array(HG, np.float32)       # l of my tokens only
         xf = cuda.local.array(VEC, np.float32)
+        xp = cuda.local.array(VEC, np.float32)       # RoPE: the partner chunk (elements +- D/2)
+        xr = cuda.local.array(VEC, np.float32)       # RoPE: my chunk, turned
 
         tid = cuda.threadIdx.x
         tx = tid % NX
@@ -117,9 +124,18 @@ def build_smem_kernel(cfg):
 
             # q chunk of every head of the block, in registers; m = -inf, l = 0, acc = 0
             for g in range(HG):
-                for c in range(QL):
-                    w0, w1, w2, w3 = read4(q_w, (int64(r) * num_qo_heads + h0 + g) * QW + (tx * QL + c) * 4)
-                    q_unpack4(w0, w1, w2, w3, qv, g * VEC + c * QE)
+                q_row = (int64(r) * num_qo_heads + h0 + g) * QW
+                if ROPE:        # q turned to its position q_idx (the request's last key)
+                    for c in range(QL):
+                        w0, w1, w2, w3 = read4(q_w, q_row + (tx * QL + c) * 4)
+                        q_unpack4(w0, w1, w2, w3, xf, c * QE)
+                        w0, w1, w2, w3 = read4(q_w, q_row + (partner(tx) * QL + c) * 4)
+                        q_unpack4(w0, w1, w2, w3, xp, c * QE)
+                    rotate(xf, xp, qv, g * VEC, tx * VEC, q_idx)
+                else:
+                    for c in range(QL):
+                        w0, w1, w2, w3 = read4(q_w, q_row + (tx * QL + c) * 4)
+                        q_unpack4(w0, w1, w2, w3, qv, g * VEC + c * QE)
                 lacc[g] = 0.0
                 for e in range(VEC):
                     acc[g * VEC + e] = 0.0
@@ -157,6 +173,12 @@ def build_smem_kernel(cfg):
                     t = ty + i * NY
                     w0, w1, w2, w3 = ld_v4(k_s, t * W + tx * 4)
                     unpack4(w0, w1, w2, w3, xf, 0)
+                    if ROPE:    # the key turned to its position tile + t
+                        w0, w1, w2, w3 = ld_v4(k_s, t * W + partner(tx) * 4)
+                        unpack4(w0, w1, w2, w3, xp, 0)
+                        rotate(xf, xp, xr, 0, tx * VEC, tile + t)
+                        for e in range(VEC):
+                            xf[e] = xr[e]
                     for g in range(HG):
                         dot = float32(0.0)
                         for e in range(VEC):

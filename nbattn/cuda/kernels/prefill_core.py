@@ -38,6 +38,7 @@ from numba import cuda, float32, int32
 
 from ..blocks import nanrule as NR
 from ..blocks.primitives import device_fn, element_io
+from ..blocks.rope import row_rotation
 from ..blocks.variants import LOG2E, sigmoid_weight, variant_device_fns
 from .prefill_common import NO_KEY, KernelSpec, key_locator, kv_reader, tile_item, tile_rows
 
@@ -65,6 +66,9 @@ def core_tile(spec: KernelSpec):
     neg_inf = float32(-math.inf)
     inv_ln2 = float32(LOG2E)
     store_dtype = float32
+    ROPE = var.has_rope and positional     # RoPE at attention time (blocks/rope.py)
+    HALF = D // 2
+    rotate_pair = row_rotation(D, var.rope_scale, var.rope_theta)
 
     @device_fn
     def tile(w, q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
@@ -104,6 +108,11 @@ def core_tile(spec: KernelSpec):
         # rows' positions, then the keys [lo, hi) this tile can see (and the sinks below sink_end)
         lo, hi, sink_end = stage(tid, n_rows, qo_start, row0, row_pos, row_kvoff, row_req, kv_begin, kv_end,
                                  s_qpos, s_diag, s_req, s_range)
+        if ROPE:        # each q row turned to its position q_idx, pair by pair
+            cuda.syncthreads()
+            for e in range(tid, n_rows * HALF, NT):
+                rotate_pair(s_q, e // HALF, e % HALF, s_qpos[e // HALF])
+            cuda.syncthreads()
 
         for t0 in range(kv_begin, hi, T_k):
             if t0 + T_k <= lo and t0 >= sink_end:
@@ -134,6 +143,13 @@ def core_tile(spec: KernelSpec):
                     if d == 0:
                         s_kpos[j] = NO_KEY
             cuda.syncthreads()
+            if ROPE:    # each key turned to its position kv_idx = kvoff + t (one request a tile)
+                kvoff = s_qpos[0] - s_diag[0]
+                for e in range(tid, T_k * HALF, NT):
+                    j = e // HALF
+                    if s_kpos[j] != NO_KEY:
+                        rotate_pair(s_k, j, e % HALF, s_kpos[j] + kvoff)
+                cuda.syncthreads()
 
             # -- compute qk: s[r, j] = variant(q_r . k_j * scale), -inf where a mask drops key j
             for e in range(tid, T_q * T_k, NT):

@@ -58,15 +58,16 @@ def tensor_cores_usable(kind: str, head_dim: int, variant: Variant) -> bool:
 
 
 def kernel_tiles(head_dim: int, kind: str, tensor_cores: bool,
-                 tuning: PrefillTuning = PREFILL) -> tuple[int, int, int]:
+                 tuning: PrefillTuning = PREFILL, teaching: bool = False) -> tuple[int, int, int]:
     """(T_q, T_k, threads) of a prefill kernel build.  A build offers one query
     tile, ``T_q``; the planners pick a step's tile with the package's one rule,
     :func:`nbattn.sched.tiles.choose_tile_q`, over that menu.  The simulator gets
     small tiles (each thread is a Python thread); the teaching tile fits its
-    shared memory in 48 KB."""
+    shared memory in 48 KB.  ``teaching`` asks for the teaching tile whatever
+    else covers the shape (RoPE at attention time turns q and K there only)."""
     if tensor_cores:
         return tensor_core_tiles(head_dim)
-    cc = CC.cuda_core_tiles(head_dim, kind, tuning)
+    cc = None if teaching else CC.cuda_core_tiles(head_dim, kind, tuning)
     if cc is not None:
         return cc
     if SIMULATOR:
@@ -85,10 +86,17 @@ def make_spec(mode: str, kv_layout: str, kind: str, head_dim: int, num_qo_heads:
     """The spec of one build; ``tensor_cores`` None picks tensor cores where usable,
     ``tuning`` None is :data:`~nbattn.cuda.tuning.PREFILL`."""
     tuning = PREFILL if tuning is None else tuning
-    use_tc = tensor_cores_usable(kind, head_dim, variant) if tensor_cores is None else bool(tensor_cores)
+    rope = variant.has_rope             # RoPE turns q and K in the teaching tile only
+    if rope and tensor_cores:
+        raise ValueError("tensor_cores: pos_encoding_mode='ROPE_LLAMA' runs on the CUDA-core teaching tile; "
+                         "pass tensor_cores=None or False")
+    if rope and head_dim % 2:
+        raise ValueError(f"pos_encoding_mode: 'ROPE_LLAMA' needs an even head_dim, got {head_dim}")
+    use_tc = (not rope and tensor_cores_usable(kind, head_dim, variant)) if tensor_cores is None \
+        else bool(tensor_cores)
     if use_tc and not tensor_cores_usable(kind, head_dim, variant):
         raise ValueError("tensor_cores: needs a GPU, fp16/bf16 and head_dim a multiple of 16 up to 256")
-    tq, tk, nt = kernel_tiles(head_dim, kind, use_tc, tuning)
+    tq, tk, nt = kernel_tiles(head_dim, kind, use_tc, tuning, teaching=rope)
     return KernelSpec(mode, kv_layout, kind, out_kind or kind, int(head_dim), num_qo_heads // num_kv_heads,
                       int(num_qo_heads), variant, use_tc, tq, tk, nt, tuning)
 
