@@ -50,12 +50,16 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
              window_left: int = -1, logits_soft_cap: float | None = None,
              q_data_type: Any = "float16", kv_data_type: Any = None, *, alpha: float = 1.0,
              beta: float = 1.0, chunk_overhead: float = 0.0, chunk_limit: int | str | None = None,
-             tensor_cores: bool | None = None, tuning: PrefillTuning | None = None, **variant) -> None:
+             tensor_cores: bool | None = None, tuning: PrefillTuning | None = None, cost=None,
+             **variant) -> None:
         """LPT-plan a prefill step (FlashInfer's arguments) and copy it into the workspace.
 
         The planner's cost and limit rule (``alpha``, ``beta``, ``chunk_overhead``,
         ``chunk_limit``) default to docs/concepts/scheduler.md exactly: the persistent prefill
-        kernel's per-item price has not been measured.  ``tuning`` (a
+        kernel's per-item price has not been measured.  ``cost`` (a
+        :class:`nbattn.sched.cost.CostModel`; None: the numbers above) replaces them, as in the
+        decode wrapper's ``plan()`` (``nbattn.sched.plan(cost=...)``); with a model whose
+        ``search`` is ``"plans"``, ``chunk_limit="auto"`` ranks whole plans by its predicted makespan.  ``tuning`` (a
         :class:`~nbattn.cuda.tuning.PrefillTuning`; None: ``PREFILL``) shapes the tiles every
         run() of this plan launches."""
         from . import prefill as P
@@ -84,7 +88,7 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         slot_rows = tq // group if tq % group == 0 else tq // group + 2
         p = lpt_plan(qo.lengths, kv_lens, self.num_ctas, tile_q=tq, group=group, alpha=alpha,
                      beta=beta, chunk_overhead=chunk_overhead, chunk_limit=chunk_limit,
-                     causal=var.causal)
+                     causal=var.causal, cost=cost)
         self._check_bound(p)
         n_direct = int(np.count_nonzero(p.out_slot == DIRECT))
         self._check_fits(qo.batch_size, int(pkv.paged_kv_indices.size), n_direct, hq, D, slot_rows,
