@@ -64,6 +64,7 @@ from .host.prefill_launch import (NAN_ROW, Outputs, build_work, check_kind_match
 from .kernels.prefill_common import KernelSpec, NO_KEY, persistent_entry, prefill_entry  # noqa: F401
 from .kernels.prefill_dispatch import (KERNELS, generated_source, get_kernel, get_persistent_kernel,  # noqa: F401
                                        get_tile, kernel_tiles, make_spec, tensor_cores_usable)
+from ..reference.custom_mask import request_masks
 from .tuning import PREFILL, PrefillTuning, check_tuning
 
 __all__ = ["batch_prefill_paged", "batch_prefill_ragged", "single_prefill"]
@@ -71,13 +72,40 @@ __all__ = ["batch_prefill_paged", "batch_prefill_ragged", "single_prefill"]
 
 def launch(spec: KernelSpec, q, k_src, v_src, kv_indices: np.ndarray, work: np.ndarray,
            row_pos: np.ndarray, row_kvoff: np.ndarray, row_req: np.ndarray,
-           block: int, n_keys: int, num_kv_heads: int, out, lse, stream=0):
+           block: int, n_keys: int, num_kv_heads: int, out, lse, stream=0, mask=None):
     """Launch one prefill kernel over a work list (the shared entry of prefill,
-    block-sparse and cascade); an empty list launches (and compiles) nothing."""
+    block-sparse and cascade); an empty list launches (and compiles) nothing.
+    ``mask``: a custom mask's ``(mask_bits, mask_rows)`` (:func:`mask_arrays`)."""
     if len(work) == 0:
         return
     launch_work(get_kernel(spec), spec, q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req,
-                block, n_keys, num_kv_heads, out, lse, stream)
+                block, n_keys, num_kv_heads, out, lse, stream, mask)
+
+
+def mask_arrays(custom_mask, packed_custom_mask, qo_lens, kv_lens, *, causal: bool):
+    """The kernel's view of a runtime custom mask (docs/concepts/custom_mask.md), or None
+    when neither form is given: ``(mask_bits, mask_rows)`` as
+    :func:`~nbattn.cuda.kernels.prefill_common.masked_entry` reads them.  The mask is
+    checked by the golden model's :func:`nbattn.reference.custom_mask.request_masks`
+    (same rules, same messages) before anything is built; a GPU tensor is copied to
+    the host once, and the packed bits go to the device with the call."""
+    blocks = request_masks(custom_mask, packed_custom_mask, qo_lens, kv_lens, causal=causal)
+    if blocks is None:
+        return None
+    qo = np.asarray(qo_lens, np.int64)
+    kv = np.asarray(kv_lens, np.int64)
+    seg = (qo * kv + 7) // 8
+    start = np.zeros(qo.shape[0] + 1, np.int64)
+    np.cumsum(seg, out=start[1:])
+    if packed_custom_mask is not None:
+        bits = L.to_numpy(packed_custom_mask).astype(np.uint8, copy=False)
+    else:       # each request's row-major block packed on its own, little-endian
+        bits = np.concatenate([np.packbits(b.ravel(), bitorder="little") for b in blocks] +
+                              [np.zeros(0, np.uint8)])
+    rows = np.empty((qo.shape[0], 2), np.int64)
+    rows[:, 0] = start[:-1] * 8 - (kv - qo) * kv        # bit of (q_idx, kv_idx) = rows[r, 0] + q_idx * K + kv_idx
+    rows[:, 1] = kv
+    return (bits if bits.size else np.zeros(1, np.uint8)), rows
 
 
 # ---------------------------------------------------------------------------
@@ -87,11 +115,16 @@ def launch(spec: KernelSpec, q, k_src, v_src, kv_indices: np.ndarray, work: np.n
 def batch_prefill_paged(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_indices,
                         paged_kv_last_page_len, *, kv_layout: str = "NHD", return_lse: bool = False,
                         out=None, lse=None, tensor_cores: bool | None = None, stream=0,
-                        tuning: PrefillTuning | None = None, **variant):
+                        tuning: PrefillTuning | None = None, custom_mask=None, packed_custom_mask=None,
+                        **variant):
     """Batch prefill/append over a paged KV cache (golden:
     :func:`nbattn.reference.batch_prefill_paged`).  ``tensor_cores`` forces a
     path (default: tensor cores on a GPU for fp16/bf16); ``tuning`` shapes the
-    kernels (default :data:`nbattn.cuda.tuning.PREFILL`)."""
+    kernels (default :data:`nbattn.cuda.tuning.PREFILL`).  ``custom_mask`` (bool,
+    each request's row-major ``[qo_len, kv_len]`` block flattened and concatenated)
+    or ``packed_custom_mask`` (uint8, each block packed little-endian on its own, as
+    ``segment_packbits(..., bitorder="little")`` gives) is a runtime mask, read by the
+    CUDA-core teaching tile (docs/concepts/custom_mask.md)."""
     tuning = check_tuning(tuning, PrefillTuning, PREFILL)
     var = kernel_variant(variant)
     check_return_lse(var, return_lse)
@@ -107,8 +140,9 @@ def batch_prefill_paged(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_
     kv_lens = pkv.kv_lens
     if var.causal:
         L.check_causal_lengths(qo.lengths, kv_lens)
+    mask = mask_arrays(custom_mask, packed_custom_mask, qo.lengths, kv_lens, causal=var.causal)
     spec = make_spec("paged", kv_layout, kind, dims.head_dim, shape[1], dims.num_kv_heads, var, tensor_cores,
-                     tuning=tuning)
+                     tuning=tuning, custom_mask=mask is not None)
     direct = torch_direct(q, paged_kv_cache, out, lse) and default_stream(stream)
     stream = torch_stream(q.device.index) if direct else resolve_stream(stream, q, paged_kv_cache, out, lse)
     outs = Outputs(q, shape, kind, out, lse, return_lse, stream, direct)
@@ -116,16 +150,16 @@ def batch_prefill_paged(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_
                       np.zeros(qo.batch_size, np.int32), kv_lens, spec.group, spec.tile_q)
     cache = device_in(paged_kv_cache, "paged_kv_cache", kind, stream, direct)
     launch(spec, device_in(q, "q", kind, stream, direct), cache, cache, pkv.paged_kv_indices, work,
-           *request_rows(qo, kv_lens), dims.page_size, 0, dims.num_kv_heads, outs.d_out, outs.d_lse, stream)
+           *request_rows(qo, kv_lens), dims.page_size, 0, dims.num_kv_heads, outs.d_out, outs.d_lse, stream, mask)
     return outs.finish()
 
 
 def batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, *, kv_layout: str = "NHD",
                          return_lse: bool = False, out=None, lse=None,
                          tensor_cores: bool | None = None, stream=0, tuning: PrefillTuning | None = None,
-                         **variant):
+                         custom_mask=None, packed_custom_mask=None, **variant):
     """Ragged Q over ragged contiguous KV (golden: :func:`nbattn.reference.batch_prefill_ragged`);
-    ``tuning`` as :func:`batch_prefill_paged`'s."""
+    ``tuning``, ``custom_mask`` and ``packed_custom_mask`` as :func:`batch_prefill_paged`'s."""
     tuning = check_tuning(tuning, PrefillTuning, PREFILL)
     var = kernel_variant(variant)
     check_return_lse(var, return_lse)
@@ -140,7 +174,9 @@ def batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, *, kv_layout: str = "NHD
     L.check_heads(shape[1], hkv)
     if var.causal:
         L.check_causal_lengths(qo.lengths, kvp.lengths)
-    spec = make_spec("contig", kv_layout, kind, d, shape[1], hkv, var, tensor_cores, tuning=tuning)
+    mask = mask_arrays(custom_mask, packed_custom_mask, qo.lengths, kvp.lengths, causal=var.causal)
+    spec = make_spec("contig", kv_layout, kind, d, shape[1], hkv, var, tensor_cores, tuning=tuning,
+                     custom_mask=mask is not None)
     direct = torch_direct(q, k, v, out, lse) and default_stream(stream)
     stream = torch_stream(q.device.index) if direct else resolve_stream(stream, q, k, v, out, lse)
     outs = Outputs(q, shape, kind, out, lse, return_lse, stream, direct)
@@ -148,14 +184,16 @@ def batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, *, kv_layout: str = "NHD
                       kvp.qo_indptr[:-1], kvp.lengths, spec.group, spec.tile_q)
     launch(spec, device_in(q, "q", kind, stream, direct), device_in(k, "k", kind, stream, direct),
            device_in(v, "v", kind, stream, direct), np.zeros(1, np.int32), work,
-           *request_rows(qo, kvp.lengths), 1, n_kv, hkv, outs.d_out, outs.d_lse, stream)
+           *request_rows(qo, kvp.lengths), 1, n_kv, hkv, outs.d_out, outs.d_lse, stream, mask)
     return outs.finish()
 
 
 def single_prefill(q, k, v, *, kv_layout: str = "NHD", return_lse: bool = False, out=None, lse=None,
-                   tensor_cores: bool | None = None, stream=0, tuning: PrefillTuning | None = None, **variant):
+                   tensor_cores: bool | None = None, stream=0, tuning: PrefillTuning | None = None,
+                   custom_mask=None, packed_custom_mask=None, **variant):
     """One request over contiguous KV (golden: :func:`nbattn.reference.single_prefill`);
-    ``tuning`` as :func:`batch_prefill_paged`'s."""
+    ``tuning`` as :func:`batch_prefill_paged`'s; ``custom_mask`` bool ``[qo_len, kv_len]``
+    (or flattened), or ``packed_custom_mask`` its bits packed little-endian."""
     tuning = check_tuning(tuning, PrefillTuning, PREFILL)
     n_kv = contig_dims(k, v, kv_layout)[0]
     if len(q.shape) != 3:
@@ -164,7 +202,11 @@ def single_prefill(q, k, v, *, kv_layout: str = "NHD", return_lse: bool = False,
     var = kernel_variant(dict(variant))
     if var.causal:
         L.check_causal_lengths(np.array([nq]), np.array([n_kv]), name="q")
+    if custom_mask is not None:     # the [qo_len, kv_len] form is checked here, then flattened
+        custom_mask = request_masks(custom_mask, packed_custom_mask, [nq], [n_kv], causal=var.causal,
+                                    single=True)[0].ravel()
     return batch_prefill_ragged(q, k, v, np.array([0, nq], np.int32), np.array([0, n_kv], np.int32),
                                 kv_layout=kv_layout, return_lse=return_lse, out=out, lse=lse,
-                                tensor_cores=tensor_cores, stream=stream, tuning=tuning, **variant)
+                                tensor_cores=tensor_cores, stream=stream, tuning=tuning,
+                                custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, **variant)
 

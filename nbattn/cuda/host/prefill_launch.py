@@ -217,16 +217,18 @@ def tile_slopes(num_qo_heads: int, alibi: bool) -> np.ndarray:
 
 def launch_work(kernel, spec, q, k_src, v_src, kv_indices: np.ndarray, work: np.ndarray,
                 row_pos: np.ndarray, row_kvoff: np.ndarray, row_req: np.ndarray,
-                block: int, n_keys: int, num_kv_heads: int, out, lse, stream=0) -> None:
+                block: int, n_keys: int, num_kv_heads: int, out, lse, stream=0, mask=None) -> None:
     """Launch ``kernel`` (``spec``'s :func:`~nbattn.cuda.kernels.prefill_common.prefill_entry`)
-    over a non-empty work list."""
+    over a non-empty work list; ``mask`` the host arrays ``(mask_bits, mask_rows)`` of a
+    runtime custom mask (:func:`~nbattn.cuda.kernels.prefill_common.masked_entry`), copied to
+    the device with the call's other metadata."""
     work = longest_first(spec, work, row_pos, row_kvoff)
     slopes = tile_slopes(spec.num_qo_heads, spec.variant.has_alibi)
     idx = kv_indices if len(kv_indices) else np.zeros(1, np.int32)
     host_meta = (idx, work, row_pos, row_kvoff, row_req)
     grid = (len(work), num_kv_heads)
     dev, codes = (q, k_src, v_src, out, lse), (spec.kind,) * 3 + (spec.out_kind, "f32")
-    if (_RECORDING is None and out is not None and lse is not None
+    if (mask is None and _RECORDING is None and out is not None and lse is not None
             and all(isinstance(x, np.ndarray) for x in host_meta)):
         _launch_staged(kernel, grid, spec.threads, stream, dev, [*host_meta, slopes], block, n_keys, codes)
         return
@@ -235,6 +237,8 @@ def launch_work(kernel, spec, q, k_src, v_src, kv_indices: np.ndarray, work: np.
     meta = [A.device_meta(x, x, stream) for x in host_meta]
     args = (q, k_src, v_src, *meta, cuda.to_device(slopes, stream=stream), np.int32(block), np.int32(n_keys),
             out, lse)
+    if mask is not None:
+        args += tuple(cuda.to_device(np.ascontiguousarray(x), stream=stream) for x in mask)
     enqueue(kernel, grid, spec.threads, stream, args)
 
 

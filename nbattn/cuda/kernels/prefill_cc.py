@@ -150,7 +150,7 @@ def cuda_core_tiles(head_dim: int, kind: str, tuning: PrefillTuning = PREFILL):
 def _shape_of(spec: KernelSpec):
     """(RG, CG, NW, C) of a spec sized for this tile, else None (tile sizes and
     thread count name one shape: checked for the defaults when the module loads)."""
-    if spec.tensor_cores or not spec.tuning.cuda_core or spec.variant.has_rope:
+    if spec.tensor_cores or not spec.tuning.cuda_core or spec.variant.has_rope or spec.custom_mask:
         return None
     R = spec.tuning.rows_per_lane
     for shape in _shapes(spec.head_dim, spec.kind, spec.tuning):

@@ -60,6 +60,7 @@ class KernelSpec:
     tile_k: int
     threads: int
     tuning: PrefillTuning = field(default=PREFILL)
+    custom_mask: bool = False   # a runtime mask of bits read per score (the teaching tile only)
 
 
 def plain_variant(var: Variant) -> bool:
@@ -351,6 +352,19 @@ def prefill_entry(tile, bounds=None):
                block, n_keys, out, lse):
         tile(cuda.blockIdx.x, q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req,
              slopes, block, n_keys, out, lse)
+    return _jit_entry(kernel, bounds)
+
+
+def masked_entry(tile, bounds=None):
+    """:func:`prefill_entry` for a tile that reads a runtime custom mask: two more
+    arguments, ``mask_bits`` (uint8, each request's row-major ``[qo_len, kv_len]``
+    block packed little-endian on its own) and ``mask_rows`` (int64 ``[batch, 2]``:
+    the bit of request r's key ``kv_idx`` for the row at position ``q_idx`` is
+    ``mask_rows[r, 0] + q_idx * mask_rows[r, 1] + kv_idx``)."""
+    def kernel(q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
+               block, n_keys, out, lse, mask_bits, mask_rows):
+        tile(cuda.blockIdx.x, q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req,
+             slopes, block, n_keys, out, lse, mask_bits, mask_rows)
     return _jit_entry(kernel, bounds)
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, int64
 
 from ..blocks import nanrule as NR
 from ..blocks.primitives import device_fn, element_io
@@ -67,12 +67,19 @@ def core_tile(spec: KernelSpec):
     inv_ln2 = float32(LOG2E)
     store_dtype = float32
     ROPE = var.has_rope and positional     # RoPE at attention time (blocks/rope.py)
+    MASKED = spec.custom_mask               # a runtime custom mask (masked_entry's two arrays)
     HALF = D // 2
     rotate_pair = row_rotation(D, var.rope_scale, var.rope_theta)
 
     @device_fn
-    def tile(w, q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
-             block, n_keys, out, lse):
+    def mask_keeps(mask_bits, mask_rows, b, q_idx, kv_idx):
+        """Bit (b, q_idx, kv_idx) of the custom mask: True keeps the key."""
+        bit = mask_rows[b, 0] + int64(q_idx) * mask_rows[b, 1] + int64(kv_idx)
+        return (mask_bits[bit >> 3] >> (bit & 7)) & 1 != 0
+
+    @device_fn
+    def body(w, q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
+             block, n_keys, out, lse, mask_bits, mask_rows):
         kv_head = cuda.blockIdx.y
         tid = cuda.threadIdx.x
         qo_start, row0, n_rows, kv_ptr, kv_base, kv_begin, kv_end, out_shift = item(work, w)
@@ -161,7 +168,10 @@ def core_tile(spec: KernelSpec):
                     kv_idx = s_kpos[j] + (q_idx - s_diag[r] if positional else 0)
                     h = kv_head * group + (row0 + r) % group
                     b = s_req[r]
-                    if keep(b, h, q_idx, kv_idx):
+                    seen = keep(b, h, q_idx, kv_idx)
+                    if MASKED:
+                        seen = seen and mask_keeps(mask_bits, mask_rows, b, q_idx, kv_idx)
+                    if seen:
                         acc = float32(0.0)
                         for d in range(D):
                             acc += float32(s_q[r, d]) * float32(s_k[j, d])
@@ -236,5 +246,14 @@ def core_tile(spec: KernelSpec):
                 lse[qi + out_shift, h] = neg_inf
             else:
                 lse[qi + out_shift, h] = (s_m[r] + math.log(s_l[r])) * inv_ln2
+
+    if MASKED:
+        return body
+
+    @device_fn
+    def tile(w, q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
+             block, n_keys, out, lse):
+        body(w, q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes, block, n_keys,
+             out, lse, slopes, row_req)      # no mask: two arrays that are never read
 
     return tile

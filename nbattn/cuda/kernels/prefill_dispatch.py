@@ -28,7 +28,7 @@ from ..tuning import PREFILL, PrefillTuning
 from . import prefill_cc as CC
 from . import prefill_mma as MMA
 from . import prefill_pipelined as PIPE
-from .prefill_common import KernelSpec, persistent_entry, prefill_entry
+from .prefill_common import KernelSpec, masked_entry, persistent_entry, prefill_entry
 from .prefill_core import core_tile
 
 __all__ = ["make_spec", "kernel_tiles", "tensor_core_tiles", "tensor_cores_usable", "tensor_core_tile",
@@ -82,23 +82,29 @@ def kernel_tiles(head_dim: int, kind: str, tensor_cores: bool,
 
 def make_spec(mode: str, kv_layout: str, kind: str, head_dim: int, num_qo_heads: int,
               num_kv_heads: int, variant: Variant, tensor_cores: bool | None = None,
-              out_kind: str | None = None, *, tuning: PrefillTuning | None = None) -> KernelSpec:
+              out_kind: str | None = None, *, tuning: PrefillTuning | None = None,
+              custom_mask: bool = False) -> KernelSpec:
     """The spec of one build; ``tensor_cores`` None picks tensor cores where usable,
-    ``tuning`` None is :data:`~nbattn.cuda.tuning.PREFILL`."""
+    ``tuning`` None is :data:`~nbattn.cuda.tuning.PREFILL`; ``custom_mask`` a build that
+    reads a runtime mask (:func:`~nbattn.cuda.kernels.prefill_common.masked_entry`)."""
     tuning = PREFILL if tuning is None else tuning
     rope = variant.has_rope             # RoPE turns q and K in the teaching tile only
     if rope and tensor_cores:
         raise ValueError("tensor_cores: pos_encoding_mode='ROPE_LLAMA' runs on the CUDA-core teaching tile; "
                          "pass tensor_cores=None or False")
+    if custom_mask and tensor_cores:
+        raise ValueError("tensor_cores: a custom mask is read by the CUDA-core teaching tile; "
+                         "pass tensor_cores=None or False")
+    teaching = rope or custom_mask      # the kernels that only the teaching tile computes
     if rope and head_dim % 2:
         raise ValueError(f"pos_encoding_mode: 'ROPE_LLAMA' needs an even head_dim, got {head_dim}")
-    use_tc = (not rope and tensor_cores_usable(kind, head_dim, variant)) if tensor_cores is None \
+    use_tc = (not teaching and tensor_cores_usable(kind, head_dim, variant)) if tensor_cores is None \
         else bool(tensor_cores)
     if use_tc and not tensor_cores_usable(kind, head_dim, variant):
         raise ValueError("tensor_cores: needs a GPU, fp16/bf16 and head_dim a multiple of 16 up to 256")
-    tq, tk, nt = kernel_tiles(head_dim, kind, use_tc, tuning, teaching=rope)
+    tq, tk, nt = kernel_tiles(head_dim, kind, use_tc, tuning, teaching=teaching)
     return KernelSpec(mode, kv_layout, kind, out_kind or kind, int(head_dim), num_qo_heads // num_kv_heads,
-                      int(num_qo_heads), variant, use_tc, tq, tk, nt, tuning)
+                      int(num_qo_heads), variant, use_tc, tq, tk, nt, tuning, bool(custom_mask))
 
 
 def tensor_core_tile(spec: KernelSpec):
@@ -133,7 +139,7 @@ def _entry_kernel(key, entry, spec: KernelSpec):
 
 def get_kernel(spec: KernelSpec):
     """:func:`~nbattn.cuda.kernels.prefill_common.prefill_entry` of a spec, compiled once per spec."""
-    return _entry_kernel(spec, prefill_entry, spec)
+    return _entry_kernel(spec, masked_entry if spec.custom_mask else prefill_entry, spec)
 
 
 def get_persistent_kernel(spec: KernelSpec):
