@@ -149,3 +149,20 @@ def test_bad_masks_are_refused_before_any_kernel_runs(case):
     if case not in ("tensor_cores",):
         with pytest.raises(ValueError, match=match):
             R.batch_prefill_ragged(q, k, k, qo, kv, **kw)
+
+
+def test_mask_arrays_pack_each_request_on_its_own():
+    """The host's packing equals np.packbits per request (little-endian, padded to bytes), and
+    rows[r] addresses bit (q_idx, kv_idx) of request r at q_idx = K - Q + i."""
+    from nbattn.cuda.prefill import mask_arrays
+    rng, seed = fresh()
+    qo_lens, kv_lens = [3, 0, 5, 1, 2], [5, 4, 7, 1, 3]
+    masks = _masks(rng, qo_lens, kv_lens)
+    bits, rows = mask_arrays(_flat(masks), None, qo_lens, kv_lens, causal=False)
+    np.testing.assert_array_equal(bits, _packed(masks))
+    for r, (q, k) in enumerate(zip(qo_lens, kv_lens)):
+        for i in range(q):
+            for j in range(k):
+                bit = rows[r, 0] + (k - q + i) * rows[r, 1] + j
+                assert bool((bits[bit >> 3] >> (bit & 7)) & 1) == masks[r][i, j]
+    assert mask_arrays(None, None, qo_lens, kv_lens, causal=True) is None

@@ -64,7 +64,7 @@ from .host.prefill_launch import (NAN_ROW, Outputs, build_work, check_kind_match
 from .kernels.prefill_common import KernelSpec, NO_KEY, persistent_entry, prefill_entry  # noqa: F401
 from .kernels.prefill_dispatch import (KERNELS, generated_source, get_kernel, get_persistent_kernel,  # noqa: F401
                                        get_tile, kernel_tiles, make_spec, tensor_cores_usable)
-from ..reference.custom_mask import request_masks
+from ..reference.custom_mask import mask_indptr, request_masks
 from .tuning import PREFILL, PrefillTuning, check_tuning
 
 __all__ = ["batch_prefill_paged", "batch_prefill_ragged", "single_prefill"]
@@ -99,9 +99,14 @@ def mask_arrays(custom_mask, packed_custom_mask, qo_lens, kv_lens, *, causal: bo
     np.cumsum(seg, out=start[1:])
     if packed_custom_mask is not None:
         bits = L.to_numpy(packed_custom_mask).astype(np.uint8, copy=False)
-    else:       # each request's row-major block packed on its own, little-endian
-        bits = np.concatenate([np.packbits(b.ravel(), bitorder="little") for b in blocks] +
-                              [np.zeros(0, np.uint8)])
+    else:       # each request's row-major block packed on its own, little-endian: element e of
+        #         request r goes to bit 8 * start[r] + (e - ptr[r]), the padding bits stay 0
+        flat = np.concatenate([b.ravel() for b in blocks] + [np.zeros(0, bool)])
+        ptr = mask_indptr(qo, kv)
+        to = np.arange(flat.shape[0], dtype=np.int64) + np.repeat(start[:-1] * 8 - ptr[:-1], qo * kv)
+        spread = np.zeros(int(start[-1]) * 8, bool)
+        spread[to] = flat
+        bits = np.packbits(spread, bitorder="little")
     rows = np.empty((qo.shape[0], 2), np.int64)
     rows[:, 0] = start[:-1] * 8 - (kv - qo) * kv        # bit of (q_idx, kv_idx) = rows[r, 0] + q_idx * K + kv_idx
     rows[:, 1] = kv
