@@ -158,6 +158,17 @@ compiled = cuda.jit(device=True)(dilated)
 print("numba device function:", type(compiled).__name__)
 print("kernel vs golden, causal + dilated + tilt:", compare(causal=True, mask_mod=dilated, score_mod=tilt))
 
+# %% [markdown]
+# A mask can also arrive as *data*: one bit per (query row, key), decided at run time, as
+# tree and speculative decoding need (docs: "Runtime custom masks"). `custom_mask` takes the
+# `[Q, K]` booleans (or each request's block flattened, in the batch forms); the kernel reads
+# the packed bits from device memory. Here every row keeps key 0 and a random half of the rest.
+
+# %%
+tree = rng.random((Q, K)) < 0.5
+tree[:, 0] = True
+print("kernel vs golden, a runtime custom mask:", compare(custom_mask=tree))
+
 
 # %% [markdown]
 # ### Exercise 1 — a built-in as your own mask
@@ -288,8 +299,8 @@ print(f"✓ if only attention changed, it was at least {f_min:.0%} of the step b
 # These three change what goes *into* the scores or the softmax, not the mask. The golden
 # model has all three (docs: "Rotary position embeddings", "fp8 KV caches" in "Layouts",
 # "Learnable attention sinks"). The kernels take them too (RoPE in the teaching kernels,
-# fp8 caches in decode, sinks merged after the kernels), but this section runs on NumPy and
-# torch only, so it reads the same with or without a GPU.
+# fp8 caches in decode, sinks merged after the kernels); one cell below checks the kernels'
+# RoPE against the golden model, the rest of the section runs on NumPy and torch.
 #
 # ### RoPE: a score that only knows the distance
 #
@@ -323,6 +334,12 @@ ax1.set_title("q·k after RoPE (golden model)", fontsize=9)
 ax2.plot(np.arange(N_r), S_rope[N_r - 1, ::-1], marker=".")
 ax2.set_xlabel("distance m - n"); ax2.set_ylabel("score"); ax2.set_title("the last row, by distance", fontsize=9)
 plt.tight_layout(); plt.show()
+
+# %%
+# The kernels turn q and every key inside attention as well (the teaching tile; docs: "RoPE at
+# attention time"), so the cache can hold keys unrotated:
+print("kernel vs golden, RoPE at attention time:", compare(pos_encoding_mode="ROPE_LLAMA", rope_theta=100.0))
+print("kernel vs golden, RoPE + causal:         ", compare(pos_encoding_mode="ROPE_LLAMA", causal=True))
 
 # %% [markdown]
 # ### fp8 KV caches: the scale decides what survives
