@@ -1,0 +1,166 @@
+"""Compile decode and prefill kernels to sm_90 PTX on a machine without a GPU (a diagnosis tool).
+
+    CUDA_HOME=/usr/local/cuda-13.0 PYTHONPATH=$PWD python3 benchmarks/ptx_without_gpu.py --out /tmp/ptx
+    ... --only tc_g4 warp_g4_f16      # some configurations only
+    ... --list                         # the configurations
+
+The simulator never compiles a kernel, so a change that types there can still
+fail to compile for a GPU (``cuda.syncthreads_or`` takes an integer on the GPU
+and a bool in the simulator, for example).  This script builds the package's
+kernels in GPU mode with libnvvm (which a CUDA toolkit installs without a
+driver), writes ``<out>/<config>.ptx`` (or ``<config>.err`` with the traceback)
+and, when ``ptxas`` is on ``$CUDA_HOME/bin``, prints registers and spills per
+configuration.  It fakes what only a device can say: the compute capability
+(9, 0), the SM count (132) and nvrtc's list of architectures.  The argument
+types are those the launches pass (``decode_problem.launch_for`` for decode,
+``host.prefill_launch.launch_work`` for prefill).  The PTX is compute_90 (the
+package builds compute_90a on a Hopper device); its instruction counts show
+what a change adds, not how fast it runs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import traceback
+
+os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
+
+import numba  # noqa: E402
+from numba import cuda  # noqa: E402
+from numba import types as T  # noqa: E402
+
+
+def _fake_device() -> None:
+    """What numba asks a device for, answered for an H100/H200 (private numba-cuda names)."""
+    import numba.cuda.cuda_paths as paths
+    import numba.cuda.cudadrv.nvrtc as nvrtc
+    import numba.cuda.dispatcher as disp
+
+    class _Device:
+        compute_capability = (9, 0)
+
+    disp.get_current_device = lambda: _Device()
+    paths._get_nvrtc_path = lambda: paths._env_path_tuple("absent", None)
+    nvrtc.get_supported_ccs = lambda: [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)]
+
+
+def _arr(dt, ndim=1):
+    return T.Array(dt, ndim, "C")
+
+
+def decode_signature(cfg, out_dtype):
+    """The warp / tensor-core decode kernel's argument types (``launch_for``)."""
+    i32, i64, f32 = _arr(T.int32), T.int64, T.float32
+    return (_arr(T.uint32), _arr(T.uint32), i32, i32, i32, i64, i64, i64, i64, i64, i64,
+            i32, i32, i32, i32, i32, _arr(out_dtype), _arr(f32), _arr(f32), _arr(f32), _arr(f32), f32, f32, f32)
+
+
+def smem_signature(out_dtype):
+    """The teaching decode kernel's argument types (``launch_for``, grid of two dimensions)."""
+    i32, i64, f32 = _arr(T.int32), T.int64, T.float32
+    return (_arr(T.uint32), _arr(T.uint32), i32, i32, i32, i64, i64, i64, i32, i32, i32, i32, i32,
+            _arr(out_dtype), _arr(f32), _arr(f32), _arr(f32), _arr(f32), f32, f32, f32)
+
+
+def prefill_signature(masked: bool):
+    """The paged fp32 prefill entry's argument types (``launch_work``; cache [pages, 2, page, Hkv, D])."""
+    f32, i32 = T.float32, T.int32
+    sig = (_arr(f32, 3), _arr(f32, 5), _arr(f32, 5), _arr(i32), _arr(T.int64, 2), _arr(i32), _arr(i32), _arr(i32),
+           _arr(f32), T.int32, T.int32, _arr(f32, 3), _arr(f32, 2))
+    return sig + ((_arr(T.uint8), _arr(T.int64, 2)) if masked else ())
+
+
+def configurations():
+    """``{name: (build, signature)}``, built lazily (imports need GPU mode first)."""
+    from nbattn.cuda.kernels.decode_common import make_config
+    from nbattn.cuda.kernels.decode_smem import build_smem_kernel
+    from nbattn.cuda.kernels.decode_tc import build_tc_kernel
+    from nbattn.cuda.kernels.decode_warp import build_warp_kernel
+    from nbattn.cuda.kernels.prefill_dispatch import get_kernel, make_spec
+    from nbattn.cuda.tuning import DECODE, PREFILL
+    from nbattn.variants import Variant
+
+    plain, rope = Variant(), Variant(pos_encoding_mode="ROPE_LLAMA")
+    u16 = T.uint16
+
+    def fast(**kw):
+        cfg = make_config(**dict(dict(code="f16", head_dim=128, kv_layout="NHD", variant=plain), **kw))
+        if cfg.path == "tc":
+            return build_tc_kernel(cfg, cfg.nthreads // 32, cfg.min_blocks)
+        return build_warp_kernel(cfg, cfg.nthreads // 32, cfg.unroll, cfg.min_blocks)
+
+    def smem(var):
+        return build_smem_kernel(make_config("f16", 128, 4, "NHD", var, tuning=DECODE.replace(path="smem")))
+
+    def prefill(var, masked, tuning=PREFILL):
+        return get_kernel(make_spec("paged", "NHD", "f32", 128, 4, 2, var, None, tuning=tuning, custom_mask=masked))
+
+    dsig = decode_signature(None, u16)
+    return {
+        "tc_g4": (lambda: fast(group=4), dsig),
+        "tc_g8": (lambda: fast(group=8), dsig),
+        "tc_g4_split": (lambda: fast(group=4, batch_kv_heads=8), dsig),
+        "warp_g4_f16": (lambda: fast(group=4, tuning=DECODE.replace(path="warp")), dsig),
+        "warp_g4_e4m3": (lambda: fast(group=4, kv_code="e4m3"), dsig),
+        "smem_plain": (lambda: smem(plain), smem_signature(u16)),
+        "smem_rope": (lambda: smem(rope), smem_signature(u16)),
+        "prefill_teaching_plain": (lambda: prefill(plain, False, PREFILL.replace(cuda_core=False)),
+                                   prefill_signature(False)),
+        "prefill_teaching_rope": (lambda: prefill(rope, False), prefill_signature(False)),
+        "prefill_teaching_mask": (lambda: prefill(plain, True), prefill_signature(True)),
+    }
+
+
+def ptxas_stats(path: str) -> str:
+    ptxas = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        return "(no ptxas)"
+    r = subprocess.run([ptxas, "-arch=sm_90", "-v", path, "-o", os.devnull], capture_output=True, text=True)
+    txt = r.stdout + r.stderr
+    regs = re.search(r"Used (\d+) registers", txt)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", txt)
+    return (f"{regs.group(1) if regs else '?'} registers, spills {spill.group(1)}/{spill.group(2)} bytes"
+            if r.returncode == 0 else "ptxas failed: " + txt.strip()[-300:])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="/tmp/nbattn_ptx")
+    ap.add_argument("--only", nargs="*", default=None, help="configuration names (default: all)")
+    ap.add_argument("--list", action="store_true")
+    args = ap.parse_args(argv)
+    _fake_device()
+    import nbattn  # noqa: F401  (GPU mode: NUMBA_ENABLE_CUDASIM=0 is set above)
+    from nbattn import _compat
+    from nbattn.cuda.host import driver
+    assert _compat.BACKEND == "gpu", "nbattn chose the simulator"
+    driver._SM_COUNT[:] = [132]
+    confs = configurations()
+    if args.list:
+        print("\n".join(confs))
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    failed = 0
+    for name in args.only or list(confs):
+        build, sig = confs[name]
+        try:
+            kernel = build()
+            bounds = kernel.targetoptions.get("launch_bounds")
+            ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0), **({"launch_bounds": bounds} if bounds else {}))
+            path = os.path.join(args.out, name + ".ptx")
+            with open(path, "w") as f:
+                f.write(ptx)
+            print(f"{name:24s} OK  {len(ptx.splitlines()):6d} PTX lines  {ptxas_stats(path)}", flush=True)
+        except Exception:  # noqa: BLE001
+            failed += 1
+            with open(os.path.join(args.out, name + ".err"), "w") as f:
+                f.write(traceback.format_exc())
+            print(f"{name:24s} FAILED ({os.path.join(args.out, name + '.err')})", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
