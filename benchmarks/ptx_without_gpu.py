@@ -73,13 +73,19 @@ def prefill_signature(masked: bool):
     return sig + ((_arr(T.uint8), _arr(T.int64, 2)) if masked else ())
 
 
+def persistent_signature(masked: bool):
+    """The prefill wrapper's persistent entry: ``cta_indptr`` after ``work``."""
+    sig = prefill_signature(masked)
+    return sig[:5] + (_arr(T.int32),) + sig[5:]
+
+
 def configurations():
     """``{name: (build, signature)}``, built lazily (imports need GPU mode first)."""
     from nbattn.cuda.kernels.decode_common import make_config
     from nbattn.cuda.kernels.decode_smem import build_smem_kernel
     from nbattn.cuda.kernels.decode_tc import build_tc_kernel
     from nbattn.cuda.kernels.decode_warp import build_warp_kernel
-    from nbattn.cuda.kernels.prefill_dispatch import get_kernel, make_spec
+    from nbattn.cuda.kernels.prefill_dispatch import get_kernel, get_persistent_kernel, make_spec
     from nbattn.cuda.tuning import DECODE, PREFILL
     from nbattn.variants import Variant
 
@@ -111,6 +117,9 @@ def configurations():
                                    prefill_signature(False)),
         "prefill_teaching_rope": (lambda: prefill(rope, False), prefill_signature(False)),
         "prefill_teaching_mask": (lambda: prefill(plain, True), prefill_signature(True)),
+        "prefill_persistent_mask": (lambda: get_persistent_kernel(make_spec("paged", "NHD", "f32", 128, 4, 2, plain,
+                                                                            None, custom_mask=True)),
+                                    persistent_signature(True)),
     }
 
 

@@ -166,3 +166,28 @@ def test_mask_arrays_pack_each_request_on_its_own():
                 bit = rows[r, 0] + (k - q + i) * rows[r, 1] + j
                 assert bool((bits[bit >> 3] >> (bit & 7)) & 1) == masks[r][i, j]
     assert mask_arrays(None, None, qo_lens, kv_lens, causal=True) is None
+
+
+def test_prefill_wrapper_plans_a_mask_and_runs_it_again_after_replanning():
+    """plan(custom_mask=...) then run(); a second plan with another mask (packed) and other
+    lengths; a third without a mask: each run equals the float64 loop."""
+    from numba import cuda
+    rng, seed = fresh()
+    w = C.BatchPrefillWithPagedKVCacheWrapper(cuda.device_array(8 << 20, np.uint8), "NHD", num_ctas=3)
+    for qo_lens, kv_lens, form in (([3, 1, 4], [9, 30, 4], "bool"), ([2, 5], [17, 6], "packed"),
+                                   ([2, 2], [5, 7], None)):
+        b = random_paged_batch(rng, qo_lens=qo_lens, kv_lens=kv_lens, page_size=4, num_kv_heads=2, group=2,
+                               head_dim=8, share_first_page=True)
+        masks = _masks(rng, qo_lens, kv_lens)
+        arg = {"bool": dict(custom_mask=_flat(masks)), "packed": dict(packed_custom_mask=_packed(masks)),
+               None: {}}[form]
+        w.plan(b["qo_indptr"], b["indptr"], b["indices"], b["last"], 4, 2, 8, 4, q_data_type=np.float32,
+               kv_data_type=np.float32, chunk_limit=8, **arg)
+        from nbattn.sched.plan import DIRECT
+        assert np.any(w.last_plan.out_slot != DIRECT) or form is None   # split tiles: the partial launch reads it
+        o, lse = w.run(b["q"], b["cache"], return_lse=True)
+        kvs = [gather_pages(b["cache"], b["indptr"], b["indices"], b["last"], r) for r in range(len(qo_lens))]
+        _check(o, lse, dense_batch(b["q"], [k for k, _ in kvs], [v for _, v in kvs], qo_lens,
+                                   masks=masks if form else None))
+    with pytest.raises(ValueError, match="^custom_mask: must be 1-D of length"):
+        w.plan(b["qo_indptr"], b["indptr"], b["indices"], b["last"], 4, 2, 8, 4, custom_mask=np.ones(3, bool))

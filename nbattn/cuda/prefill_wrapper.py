@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 import numpy as np
+from numba import cuda
 
 from .. import layout as L
 from ..sched.plan import DIRECT, plan as lpt_plan
@@ -51,7 +52,7 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
              q_data_type: Any = "float16", kv_data_type: Any = None, *, alpha: float = 1.0,
              beta: float = 1.0, chunk_overhead: float = 0.0, chunk_limit: int | str | None = None,
              tensor_cores: bool | None = None, tuning: PrefillTuning | None = None, cost=None,
-             **variant) -> None:
+             custom_mask=None, packed_custom_mask=None, **variant) -> None:
         """LPT-plan a prefill step (FlashInfer's arguments) and copy it into the workspace.
 
         The planner's cost and limit rule (``alpha``, ``beta``, ``chunk_overhead``,
@@ -59,7 +60,13 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         kernel's per-item price has not been measured.  ``cost`` (a
         :class:`nbattn.sched.cost.CostModel`; None: the numbers above) replaces them, as in the
         decode wrapper's ``plan()`` (``nbattn.sched.plan(cost=...)``); with a model whose
-        ``search`` is ``"plans"``, ``chunk_limit="auto"`` ranks whole plans by its predicted makespan.  ``tuning`` (a
+        ``search`` is ``"plans"``, ``chunk_limit="auto"`` ranks whole plans by its predicted makespan.
+        ``custom_mask`` / ``packed_custom_mask`` (as :func:`nbattn.cuda.batch_prefill_paged`
+        takes them) is a runtime mask for every run() of this plan: checked here with the
+        golden model's rules, packed, and copied to the device once (a synchronous copy);
+        the plan's tiles are then the CUDA-core teaching tile's.  The mask's arrays are
+        the plan's own, not the workspace's: a CUDA graph captured on a masked plan is
+        valid until the next plan().  ``tuning`` (a
         :class:`~nbattn.cuda.tuning.PrefillTuning`; None: ``PREFILL``) shapes the tiles every
         run() of this plan launches."""
         from . import prefill as P
@@ -80,9 +87,12 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         kv_lens = pkv.kv_lens
         if var.causal:
             L.check_causal_lengths(qo.lengths, kv_lens)
-        spec = P.make_spec("paged", self._kv_layout, code, D, hq, hk, var, tensor_cores, tuning=tuning)
+        mask = P.mask_arrays(custom_mask, packed_custom_mask, qo.lengths, kv_lens, causal=var.causal)
+        masked = mask is not None
+        spec = P.make_spec("paged", self._kv_layout, code, D, hq, hk, var, tensor_cores, tuning=tuning,
+                           custom_mask=masked)
         spec_part = P.make_spec("paged", self._kv_layout, code, D, hq, hk, var, spec.tensor_cores,
-                                out_kind="f32", tuning=tuning)
+                                out_kind="f32", tuning=tuning, custom_mask=masked)
         tq = choose_tile_q(qo.lengths, group, (spec.tile_q,))    # the kernel's menu: its one T_q
         # Positions one tile spans: tq/group when tiles start on a position boundary.
         slot_rows = tq // group if tq % group == 0 else tq // group + 2
@@ -126,6 +136,8 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         self._copy("row_req", row_req)
         self._flush(stream)
         self._slopes_for(hq, stream)
+        # a custom mask lives in its own device arrays, new with every plan that has one
+        self._mask = None if mask is None else tuple(cuda.to_device(np.ascontiguousarray(x)) for x in mask)
         self._plan, self._variant, self._code = p, var, code
         self._spec, self._spec_part, self._slot_rows = spec, spec_part, slot_rows
         self._num_qo_heads, self._num_kv_heads, self._group = hq, hk, group
@@ -168,7 +180,8 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         a fixed view of the workspace)."""
         from . import prefill as P
 
-        key = (self._spec, self._spec_part, self._slot_rows, self._q_shape, tuple(kv_dev.shape))
+        key = (self._spec, self._spec_part, self._slot_rows, self._q_shape, tuple(kv_dev.shape),
+               None if self._mask is None else tuple(id(x) for x in self._mask))
         hit = self._bound.get(key)
         if hit is not None:
             return hit
@@ -188,7 +201,8 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
                 (self._spec_part, "part", 2 * self.num_ctas, po.reshape(rows_cap, H, D), pl.reshape(rows_cap, H)),
                 (self._spec, "final", self.max_work_items, out_raw, lse_raw)):
             work = self._view(f"{name}_rows")[:8 * cap].reshape(cap, 8)
-            args = (q_raw, kv_raw, kv_raw, self._view("kv_indices"), work, self._view(f"{name}_indptr"), *tail, o, l)
+            args = (q_raw, kv_raw, kv_raw, self._view("kv_indices"), work, self._view(f"{name}_indptr"), *tail, o, l,
+                    *(self._mask or ()))
             bound.append(BoundLaunch(P.get_persistent_kernel(spec), (self.num_ctas, self._num_kv_heads),
                                      spec.threads, args, convert=conv))
         k, g, t, a = merge_tiles_launch(

@@ -368,6 +368,19 @@ def masked_entry(tile, bounds=None):
     return _jit_entry(kernel, bounds)
 
 
+def masked_persistent_entry(tile, bounds=None):
+    """:func:`persistent_entry` for a tile that reads a runtime custom mask (the two
+    arrays of :func:`masked_entry`, after ``lse``)."""
+    def kernel(q, k_src, v_src, kv_indices, work, cta_indptr, row_pos, row_kvoff, row_req,
+               slopes, block, n_keys, out, lse, mask_bits, mask_rows):
+        c = cuda.blockIdx.x
+        for w in range(cta_indptr[c], cta_indptr[c + 1]):
+            tile(w, q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
+                 block, n_keys, out, lse, mask_bits, mask_rows)
+            cuda.syncthreads()          # the next row overwrites the shared tiles
+    return _jit_entry(kernel, bounds)
+
+
 def persistent_entry(tile, bounds=None):
     """A fixed grid of C CTAs per KV head walking work queues (docs/concepts/scheduler.md).
 

@@ -28,7 +28,7 @@ from ..tuning import PREFILL, PrefillTuning
 from . import prefill_cc as CC
 from . import prefill_mma as MMA
 from . import prefill_pipelined as PIPE
-from .prefill_common import KernelSpec, masked_entry, persistent_entry, prefill_entry
+from .prefill_common import KernelSpec, masked_entry, masked_persistent_entry, persistent_entry, prefill_entry
 from .prefill_core import core_tile
 
 __all__ = ["make_spec", "kernel_tiles", "tensor_core_tiles", "tensor_cores_usable", "tensor_core_tile",
@@ -144,7 +144,8 @@ def get_kernel(spec: KernelSpec):
 
 def get_persistent_kernel(spec: KernelSpec):
     """:func:`~nbattn.cuda.kernels.prefill_common.persistent_entry` of a spec, cached."""
-    return _entry_kernel(("persistent", spec), persistent_entry, spec)
+    return _entry_kernel(("persistent", spec), masked_persistent_entry if spec.custom_mask else persistent_entry,
+                         spec)
 
 
 def generated_source(spec: KernelSpec, name: str | None = None) -> str:
