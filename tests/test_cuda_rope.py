@@ -188,3 +188,22 @@ def test_bad_rope_requests_are_refused_before_any_kernel_runs():
     with pytest.raises(ValueError, match="^pos_encoding_mode: 'ROPE_LLAMA' on the decode kernels needs head_dim"):
         C.batch_decode_paged(b["q"], b["cache"], b["indptr"], b["indices"], b["last"],
                              pos_encoding_mode="ROPE_LLAMA")
+
+
+def test_on_a_gpu_the_dispatch_still_sends_rope_and_masks_to_the_teaching_kernels(monkeypatch):
+    """The simulator never offers the fast paths, so the choice is checked with the GPU's
+    answers patched in: the same shapes take tensor cores without RoPE or a mask, and the
+    teaching kernels with them."""
+    from nbattn.cuda.kernels import decode_common as DC
+    from nbattn.cuda.kernels import prefill_dispatch as PD
+    monkeypatch.setattr(DC, "SIMULATOR", False)
+    monkeypatch.setattr(DC, "_configs", {})
+    monkeypatch.setattr(PD._mma, "AVAILABLE", True)
+    for path in ("auto", "tc", "warp"):
+        tuning = DECODE.replace(path=path)
+        assert DC.make_config("f16", 128, 4, "NHD", Variant(), tuning=tuning).path in ("tc", "warp")
+        assert DC.make_config("f16", 128, 4, "NHD", Variant(pos_encoding_mode="ROPE_LLAMA"),
+                              tuning=tuning).path == "smem"
+    assert PD.make_spec("paged", "NHD", "f16", 128, 32, 8, Variant()).tensor_cores
+    assert not PD.make_spec("paged", "NHD", "f16", 128, 32, 8, Variant(pos_encoding_mode="ROPE_LLAMA")).tensor_cores
+    assert not PD.make_spec("paged", "NHD", "f16", 128, 32, 8, Variant(), custom_mask=True).tensor_cores
