@@ -79,6 +79,11 @@ def persistent_signature(masked: bool):
     return sig[:5] + (_arr(T.int32),) + sig[5:]
 
 
+def rope_signature(raw):
+    """The standalone RoPE kernel's argument types (``nbattn.cuda.rope``)."""
+    return (_arr(raw), _arr(raw), _arr(T.int64), T.float64, _arr(T.float64), T.int64, T.int64, T.int64)
+
+
 def configurations():
     """``{name: (build, signature)}``, built lazily (imports need GPU mode first)."""
     from nbattn.cuda.kernels.decode_common import make_config
@@ -86,6 +91,7 @@ def configurations():
     from nbattn.cuda.kernels.decode_tc import build_tc_kernel
     from nbattn.cuda.kernels.decode_warp import build_warp_kernel
     from nbattn.cuda.kernels.prefill_dispatch import get_kernel, get_persistent_kernel, make_spec
+    from nbattn.cuda.kernels.rope import rope_kernel
     from nbattn.cuda.tuning import DECODE, PREFILL
     from nbattn.variants import Variant
 
@@ -120,6 +126,9 @@ def configurations():
         "prefill_persistent_mask": (lambda: get_persistent_kernel(make_spec("paged", "NHD", "f32", 128, 4, 2, plain,
                                                                             None, custom_mask=True)),
                                     persistent_signature(True)),
+        "rope_f16": (lambda: rope_kernel("f16", False), rope_signature(u16)),
+        "rope_bf16_interleaved": (lambda: rope_kernel("bf16", True), rope_signature(u16)),
+        "rope_f32": (lambda: rope_kernel("f32", False), rope_signature(T.float32)),
     }
 
 

@@ -7,6 +7,7 @@ Public (the golden model's arguments, plus ``out=``/``lse=`` buffers):
     single_prefill, single_decode, batch_prefill_ragged, batch_prefill_paged,
     batch_decode_paged, block_sparse, cascade, append_paged_kv_cache,
     merge_state, merge_states, merge_state_in_place, split_kv (FlashDecoding over given KV chunks)
+    apply_rope, apply_rope_pos_ids, apply_llama31_rope, apply_llama31_rope_pos_ids (standalone RoPE)
     BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
                             (FlashInfer's plan()/run() over a preallocated workspace)
 
@@ -28,13 +29,15 @@ from . import cascade # the module, callable as the cascade function
 from .split import split_kv
 from .wrappers import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
 from .page import append_paged_kv_cache
+from .rope import apply_llama31_rope, apply_llama31_rope_pos_ids, apply_rope, apply_rope_pos_ids
 from .sinks import with_sinks
 from .fp8 import refuse_fp8
 
 __all__ = ["batch_decode_paged", "merge_state", "merge_states", "merge_state_in_place",
            "batch_prefill_paged", "batch_prefill_ragged", "single_prefill", "block_sparse", "cascade",
            "BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
-           "append_paged_kv_cache", "single_decode", "split_kv"]
+           "append_paged_kv_cache", "single_decode", "split_kv",
+           "apply_rope", "apply_rope_pos_ids", "apply_llama31_rope", "apply_llama31_rope_pos_ids"]
 
 # Forms that do not read fp8 K/V refuse it (and k_scale / v_scale) first, naming the argument
 # (nbattn.cuda.fp8); batch_decode_paged, the decode wrapper and append_paged_kv_cache read it.

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -35,24 +35,25 @@ from .. import layout as L
 from .attention import float_input
 from .rotary import inv_freq, rotate
 
-__all__ = ["apply_rope", "apply_rope_pos_ids", "apply_llama31_rope", "apply_llama31_rope_pos_ids"]
+__all__ = ["apply_rope", "apply_rope_pos_ids", "apply_llama31_rope", "apply_llama31_rope_pos_ids",
+           "RopeArgs", "rope_args", "check_qk_shapes", "ragged_positions", "pos_ids_positions"]
 
 
 # ---------------------------------------------------------------------------
 # Argument checks
 # ---------------------------------------------------------------------------
 
-def _qk(q: Any, k: Any) -> tuple[np.ndarray, np.ndarray]:
-    qa, ka = float_input("q", q), float_input("k", k)
-    if qa.ndim != 3:
-        raise L.LayoutError(f"q: must have rank 3, shape [nnz, num_qo_heads, head_dim], got {qa.shape}")
-    if ka.ndim != 3:
-        raise L.LayoutError(f"k: must have rank 3, shape [nnz, num_kv_heads, head_dim], got {ka.shape}")
-    if ka.shape[0] != qa.shape[0]:
-        raise L.LayoutError(f"k: must have as many rows (nnz) as q ({qa.shape[0]}), got {ka.shape[0]}")
-    if ka.shape[2] != qa.shape[2]:
-        raise L.LayoutError(f"k: head_dim {ka.shape[2]} must equal q's head_dim {qa.shape[2]}")
-    return qa, ka
+def check_qk_shapes(q_shape: tuple, k_shape: tuple) -> None:
+    """The rules on the shapes of ``q [nnz, num_qo_heads, head_dim]`` and
+    ``k [nnz, num_kv_heads, head_dim]`` (a LayoutError naming the argument)."""
+    if len(q_shape) != 3:
+        raise L.LayoutError(f"q: must have rank 3, shape [nnz, num_qo_heads, head_dim], got {tuple(q_shape)}")
+    if len(k_shape) != 3:
+        raise L.LayoutError(f"k: must have rank 3, shape [nnz, num_kv_heads, head_dim], got {tuple(k_shape)}")
+    if k_shape[0] != q_shape[0]:
+        raise L.LayoutError(f"k: must have as many rows (nnz) as q ({q_shape[0]}), got {k_shape[0]}")
+    if k_shape[2] != q_shape[2]:
+        raise L.LayoutError(f"k: head_dim {k_shape[2]} must equal q's head_dim {q_shape[2]}")
 
 
 def _non_negative(name: str, x: Any, length: int, what: str) -> np.ndarray:
@@ -65,13 +66,18 @@ def _non_negative(name: str, x: Any, length: int, what: str) -> np.ndarray:
     return arr
 
 
-def _ragged_positions(indptr: Any, offsets: Any, nnz: int) -> np.ndarray:
-    """Position of every row: ``offsets[i] + j`` for row ``j`` of request ``i``."""
+def ragged_positions(indptr: Any, offsets: Any, nnz: int) -> np.ndarray:
+    """Position of every row (checked): ``offsets[i] + j`` for row ``j`` of request ``i``."""
     ptr = L.check_indptr("indptr", indptr, total=nnz, total_name="nnz, the number of rows of q and k")
     lens = np.diff(ptr.astype(np.int64))
     off = _non_negative("offsets", offsets, len(lens), "request")
     local = np.arange(nnz, dtype=np.int64) - np.repeat(ptr[:-1].astype(np.int64), lens)
     return np.repeat(off.astype(np.int64), lens) + local
+
+
+def pos_ids_positions(pos_ids: Any, nnz: int) -> np.ndarray:
+    """Position of every row (checked): ``pos_ids`` itself, one entry per row, ``>= 0``."""
+    return _non_negative("pos_ids", pos_ids, nnz, "row of q and k").astype(np.int64)
 
 
 def _rotary_dim(rotary_dim: Any, head_dim: int) -> int:
@@ -145,34 +151,40 @@ def _like(out: np.ndarray, given: Any, host: np.ndarray) -> Any:
     return out.astype(dt)
 
 
-def _apply(q, k, qa, ka, pos, rotary_dim, interleave, rope_theta, position_scale, freq_fn):
-    inv = inv_freq(rotary_dim, rope_theta)
-    freq = freq_fn(inv)
-    angle = (pos.astype(np.float64) / position_scale)[:, None] * freq[None, :]
-    q_rope = rotate(qa, angle, rotary_dim, bool(interleave))
-    k_rope = rotate(ka, angle, rotary_dim, bool(interleave))
+class RopeArgs(NamedTuple):
+    """Checked arguments of a RoPE call.  Pair ``p`` of row ``r`` turns by
+    ``(pos[r] / position_scale) * freq[p]`` (float64)."""
+    pos: np.ndarray           # int64 [nnz]
+    rotary_dim: int
+    position_scale: float     # rope_scale for plain RoPE, 1 for Llama 3.1
+    freq: np.ndarray          # float64 [rotary_dim / 2]
+
+
+def rope_args(q_shape: tuple, k_shape: tuple, positions: Callable[[int], np.ndarray], rotary_dim: Any,
+              rope_scale: Any, rope_theta: Any, llama31: tuple | None = None) -> RopeArgs:
+    """Every argument of a RoPE call checked, in the order the functions list
+    them (the golden model and the kernels share this).  ``positions(nnz)``
+    checks and returns the rows' positions; ``llama31`` is
+    ``(low_freq_factor, high_freq_factor, old_context_len)`` or None."""
+    check_qk_shapes(q_shape, k_shape)
+    pos = positions(q_shape[0]).astype(np.int64)
+    rd = _rotary_dim(rotary_dim, q_shape[2])
+    theta = _positive("rope_theta", rope_theta)
+    scale = _positive("rope_scale", rope_scale)
+    inv = inv_freq(rd, theta)
+    if llama31 is None:
+        return RopeArgs(pos, rd, scale, inv)
+    low, high, old = _llama31_factors(*llama31)
+    return RopeArgs(pos, rd, 1.0, _llama31_freq(inv, scale, low, high, old))
+
+
+def _golden(q, k, positions, rotary_dim, interleave, rope_scale, rope_theta, llama31=None):
+    qa, ka = float_input("q", q), float_input("k", k)
+    a = rope_args(qa.shape, ka.shape, positions, rotary_dim, rope_scale, rope_theta, llama31)
+    angle = (a.pos.astype(np.float64) / a.position_scale)[:, None] * a.freq[None, :]
+    q_rope = rotate(qa, angle, a.rotary_dim, bool(interleave))
+    k_rope = rotate(ka, angle, a.rotary_dim, bool(interleave))
     return _like(q_rope, q, qa), _like(k_rope, k, ka)
-
-
-def _plain(q, k, pos_fn, rotary_dim, interleave, rope_scale, rope_theta):
-    qa, ka = _qk(q, k)
-    pos = pos_fn(qa.shape[0])
-    rd = _rotary_dim(rotary_dim, qa.shape[2])
-    theta = _positive("rope_theta", rope_theta)
-    scale = _positive("rope_scale", rope_scale)
-    return _apply(q, k, qa, ka, pos, rd, interleave, theta, scale, lambda inv: inv)
-
-
-def _llama31(q, k, pos_fn, rotary_dim, interleave, rope_scale, rope_theta, low_freq_factor,
-             high_freq_factor, old_context_len):
-    qa, ka = _qk(q, k)
-    pos = pos_fn(qa.shape[0])
-    rd = _rotary_dim(rotary_dim, qa.shape[2])
-    theta = _positive("rope_theta", rope_theta)
-    scale = _positive("rope_scale", rope_scale)
-    low, high, old = _llama31_factors(low_freq_factor, high_freq_factor, old_context_len)
-    return _apply(q, k, qa, ka, pos, rd, interleave, theta, 1.0,
-                  lambda inv: _llama31_freq(inv, scale, low, high, old))
 
 
 # ---------------------------------------------------------------------------
@@ -276,8 +288,8 @@ def apply_rope(q, k, indptr, offsets, rotary_dim=None, interleave=False, rope_sc
     nbattn.layout.LayoutError
         A ``ValueError`` naming the first bad argument, raised before any work.
     """
-    return _plain(q, k, lambda nnz: _ragged_positions(indptr, offsets, nnz), rotary_dim, interleave,
-                  rope_scale, rope_theta)
+    return _golden(q, k, lambda nnz: ragged_positions(indptr, offsets, nnz), rotary_dim, interleave,
+                   rope_scale, rope_theta)
 
 
 @_shared_params
@@ -299,8 +311,8 @@ def apply_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave=False, rope_sc
 
 {returns}
     """
-    return _plain(q, k, lambda nnz: _non_negative("pos_ids", pos_ids, nnz, "row of q and k"),
-                  rotary_dim, interleave, rope_scale, rope_theta)
+    return _golden(q, k, lambda nnz: pos_ids_positions(pos_ids, nnz), rotary_dim, interleave,
+                   rope_scale, rope_theta)
 
 
 @_shared_params
@@ -326,8 +338,8 @@ def apply_llama31_rope(q, k, indptr, offsets, rotary_dim=None, interleave=False,
 
 {returns}
     """
-    return _llama31(q, k, lambda nnz: _ragged_positions(indptr, offsets, nnz), rotary_dim, interleave,
-                    rope_scale, rope_theta, low_freq_factor, high_freq_factor, old_context_len)
+    return _golden(q, k, lambda nnz: ragged_positions(indptr, offsets, nnz), rotary_dim, interleave,
+                   rope_scale, rope_theta, (low_freq_factor, high_freq_factor, old_context_len))
 
 
 @_shared_params
@@ -346,6 +358,5 @@ def apply_llama31_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave=False,
 
 {returns}
     """
-    return _llama31(q, k, lambda nnz: _non_negative("pos_ids", pos_ids, nnz, "row of q and k"),
-                    rotary_dim, interleave, rope_scale, rope_theta, low_freq_factor, high_freq_factor,
-                    old_context_len)
+    return _golden(q, k, lambda nnz: pos_ids_positions(pos_ids, nnz), rotary_dim, interleave,
+                   rope_scale, rope_theta, (low_freq_factor, high_freq_factor, old_context_len))
