@@ -177,3 +177,78 @@ def test_golden_and_kernel_agree_with_torch_inputs():
     ko, kl = C.single_prefill(q, k, v, return_lse=True, sinks=sinks, causal=True)
     close(ko, go.numpy().astype(np.float64), seed, "o")
     close(kl, gl.numpy().astype(np.float64), seed, "lse")
+
+
+def _workspace():
+    from numba import cuda
+    return cuda.device_array(1 << 20, np.uint8)
+
+
+def _with_sink_column(want_o, want_lse, sinks):
+    """The golden result merged with the sink state, by hand: a second, independent
+    statement of the sink (not nbattn.reference.sinks)."""
+    s2 = np.asarray(sinks, np.float64) / LN2                         # the sink's base-2 LSE per head
+    lse = np.asarray(want_lse, np.float64)
+    lse_all = np.logaddexp2(lse, s2[None, :])
+    keep = np.where(np.isneginf(lse), 0.0, np.exp2(lse - lse_all))   # the share the keys keep
+    return np.asarray(want_o, np.float64) * keep[..., None], lse_all
+
+
+def test_decode_wrapper_run_takes_sinks_on_split_and_empty_requests():
+    from brute import random_paged_batch
+    rng, seed = fresh()
+    kv_lens = [40, 0, 7, 13]                                          # the long one is split (num_ctas=4)
+    b = random_paged_batch(rng, qo_lens=[1] * 4, kv_lens=kv_lens, page_size=4, num_kv_heads=2, group=2,
+                           head_dim=16, share_first_page=True)
+    w = C.BatchDecodeWithPagedKVCacheWrapper(_workspace(), num_ctas=4)
+    w.plan(b["indptr"], b["indices"], b["last"], 4, 2, 16, 4, q_data_type="float32", chunk_overhead=0.0,
+           chunk_limit=None)
+    assert w.last_plan.num_partials > 0, "the plan should split a request"
+    sinks = sinks_for(rng, 4)
+    want = _with_sink_column(*R.batch_decode_paged(b["q"], b["cache"], b["indptr"], b["indices"], b["last"],
+                                                   return_lse=True), sinks)
+    o, lse = w.run(b["q"], b["cache"], return_lse=True, sinks=sinks)
+    close(o, want[0], seed, "decode wrapper o")
+    close(lse, want[1], seed, "decode wrapper lse")
+    assert (np.asarray(o)[1] == 0).all(), f"the empty request is the sink (seed={seed})"
+    o_only = w.run(b["q"], b["cache"], sinks=sinks)                   # o alone, as asked
+    close(o_only, want[0], seed, "decode wrapper o only")
+    plain = w.run(b["q"], b["cache"], return_lse=True)                # no sink: the plain result again
+    gold = R.batch_decode_paged(b["q"], b["cache"], b["indptr"], b["indices"], b["last"], return_lse=True)
+    close(plain[1], np.asarray(gold[1], np.float64), seed, "plain lse after a sinks run")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_prefill_wrapper_run_takes_sinks(causal):
+    from brute import random_paged_batch
+    rng, seed = fresh()
+    b = random_paged_batch(rng, qo_lens=[6, 0, 3], kv_lens=[30, 5, 3], page_size=4, num_kv_heads=2, group=2,
+                           head_dim=16)
+    w = C.BatchPrefillWithPagedKVCacheWrapper(_workspace(), num_ctas=4)
+    w.plan(b["qo_indptr"], b["indptr"], b["indices"], b["last"], 4, 2, 16, 4, causal=causal, q_data_type="float32")
+    sinks = sinks_for(rng, 4)
+    gold = R.batch_prefill_paged(b["q"], b["cache"], b["qo_indptr"], b["indptr"], b["indices"], b["last"],
+                                 causal=causal, return_lse=True)
+    want = _with_sink_column(*gold, sinks)
+    o, lse = w.run(b["q"], b["cache"], return_lse=True, sinks=sinks)
+    close(o, want[0], seed, "prefill wrapper o")
+    close(lse, want[1], seed, "prefill wrapper lse")
+
+
+@pytest.mark.parametrize("bad,match", [(np.zeros(3, np.float32), r"shape \[num_qo_heads\]"),
+                                       (np.array([0.0, np.nan, 0.0, 0.0], np.float32), "must be finite")])
+def test_wrappers_refuse_bad_sinks_before_any_launch(monkeypatch, bad, match):
+    from brute import random_paged_batch
+    from nbattn.cuda.host import driver
+    rng, seed = fresh()
+    b = random_paged_batch(rng, qo_lens=[1, 1], kv_lens=[9, 4], page_size=4, num_kv_heads=2, group=2, head_dim=16)
+    w = C.BatchDecodeWithPagedKVCacheWrapper(_workspace(), num_ctas=4)
+    w.plan(b["indptr"], b["indices"], b["last"], 4, 2, 16, 4, q_data_type="float32")
+    launched = []
+    monkeypatch.setattr(driver.BoundLaunch, "__call__", lambda *a, **kw: launched.append(1))
+    out = np.full(b["q"].shape, 7.0, np.float32)
+    with pytest.raises(ValueError, match=match) as e:
+        w.run(b["q"], b["cache"], out=out, sinks=bad)
+    assert str(e.value).startswith("sinks:") and not launched and (out == 7.0).all(), f"seed={seed}"
+    with pytest.raises(RuntimeError, match="plan"):
+        C.BatchDecodeWithPagedKVCacheWrapper(_workspace(), num_ctas=4).run(b["q"], b["cache"], sinks=np.zeros(4))

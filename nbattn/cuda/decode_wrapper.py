@@ -208,7 +208,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
 
     # -- run ------------------------------------------------------------------
     def run(self, q, paged_kv_cache, out=None, lse=None, return_lse: bool = False, *, k_scale=None,
-            v_scale=None):
+            v_scale=None, sinks=None):
         """Attention of ``q [batch, num_qo_heads, head_dim]`` against the planned
         pages of ``paged_kv_cache``; returns ``o`` (and the base-2 ``lse``).
 
@@ -217,7 +217,12 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         the first run of this plan's configuration; with torch CUDA tensors it
         launches on torch's current stream and returns torch tensors.  After an fp8
         plan the cache has plan()'s fp8 dtype and ``k_scale`` / ``v_scale`` (floats,
-        None: 1.0) are its scales; a plain plan refuses them."""
+        None: 1.0) are its scales; a plain plan refuses them.  ``sinks
+        [num_qo_heads]``: learnable sink logits, checked on the host and merged
+        once after the kernels (not capturable in a CUDA graph)."""
+        if sinks is not None:
+            return self._run_with_sinks(sinks, q, paged_kv_cache, out, lse, return_lse, k_scale=k_scale,
+                                        v_scale=v_scale)
         kind, code, stream, q_dev, kv_dev, kv_words, out_user, out_dev, lse_user, lse_dev = self._run_inputs(
             q, paged_kv_cache, out, lse, return_lse)
         fp8 = self._kv_code is not None or k_scale is not None or v_scale is not None     # the fp16 path's one check

@@ -453,6 +453,18 @@ class PlanRunWrapper:
             lse_user, lse_dev = A.output_for("lse", lse, kind, shape[:2], "f32", 0, like=q)
         return kind, code, stream, q_dev, kv_dev, kv_words, out_user, out_dev, lse_user, lse_dev
 
+    def _run_with_sinks(self, sinks, q, paged_kv_cache, out, lse, return_lse: bool, **kwargs):
+        """run() with learnable sinks: ``sinks [num_qo_heads]`` checked by the golden
+        model's rules (values too, so a device tensor is copied to the host) before
+        anything launches, then the sink state merged into the result once
+        (:mod:`nbattn.cuda.sinks`)."""
+        from .sinks import apply_sinks, check_sinks
+        self._need_plan()
+        checked = check_sinks(sinks, self._num_qo_heads, self._variant)
+        o, l = self.run(q, paged_kv_cache, out=out, lse=lse, return_lse=True, **kwargs)
+        apply_sinks(o, l, checked)
+        return (o, l) if return_lse else o
+
     def _results(self, kind, code, out, out_user, out_dev, lse, lse_user, lse_dev, return_lse: bool):
         if kind == "torch":
             return (out_dev, lse_dev) if return_lse else out_dev

@@ -146,14 +146,18 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         self._q_shape = (qo.total, hq, D)
         self.plan_seconds = time.perf_counter() - t0
 
-    def run(self, q, paged_kv_cache, out=None, lse=None, return_lse: bool = False):
+    def run(self, q, paged_kv_cache, out=None, lse=None, return_lse: bool = False, *, sinks=None):
         """Attention of ragged ``q [total_q, num_qo_heads, head_dim]`` (rows as
         in plan()'s ``qo_indptr``) over the planned pages; returns ``o`` (and
         the base-2 ``lse``).
 
         As the decode wrapper's run(): only what can change between calls is
         checked, then three launches bound once per plan configuration run on
-        torch's current stream (torch CUDA tensors in, torch tensors out)."""
+        torch's current stream (torch CUDA tensors in, torch tensors out).
+        ``sinks [num_qo_heads]``: learnable sink logits, checked on the host and
+        merged once after the kernels (not capturable in a CUDA graph)."""
+        if sinks is not None:
+            return self._run_with_sinks(sinks, q, paged_kv_cache, out, lse, return_lse)
         kind, code, stream, q_dev, kv_dev, kv_words, out_user, out_dev, lse_user, lse_dev = self._run_inputs(
             q, paged_kv_cache, out, lse, return_lse)
         bound = self._bound_now               # this plan's launches for this cache shape

@@ -30,7 +30,7 @@ from ..variants import Variant
 from .host import arrays as A
 from .merge import merge_state_in_place
 
-__all__ = ["with_sinks", "apply_sinks"]
+__all__ = ["with_sinks", "apply_sinks", "check_sinks"]
 
 
 def _num_qo_heads(q: Any) -> int:
