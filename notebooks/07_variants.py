@@ -336,6 +336,15 @@ ax2.set_xlabel("distance m - n"); ax2.set_ylabel("score"); ax2.set_title("the la
 plt.tight_layout(); plt.show()
 
 # %%
+# The same rotation as a kernel of its own (nbattn.cuda.apply_rope_pos_ids: one thread per pair,
+# float64 angles as in the golden model), for a cache that stores keys already rotated:
+q_rot_gpu, k_rot_gpu = nbcuda.apply_rope_pos_ids(q_rows, k_rows, pos_r, rope_theta=100.0)
+np.testing.assert_allclose(q_rot_gpu, q_rot, rtol=1e-6, atol=1e-6)
+np.testing.assert_allclose(k_rot_gpu, k_rot, rtol=1e-6, atol=1e-6)
+print("standalone RoPE kernel vs golden, largest |difference|:",
+      float(np.abs(q_rot_gpu - q_rot).max()), float(np.abs(k_rot_gpu - k_rot).max()))
+
+# %%
 # The kernels turn q and every key inside attention as well (the teaching tile; docs: "RoPE at
 # attention time"), so the cache can hold keys unrotated:
 print("kernel vs golden, RoPE at attention time:", compare(pos_encoding_mode="ROPE_LLAMA", rope_theta=100.0))

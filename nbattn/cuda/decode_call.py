@@ -65,10 +65,15 @@ def _signature(q, cache, kind, kv_layout, return_lse, variant, tuning, k_scale, 
     """What a plain call's checks depend on besides the page table: types, dtypes,
     shapes, devices and contiguity (strides for numba arrays) of q and the cache, and
     the other arguments.  None (no remembering) for scales that are not plain
-    numbers (a tensor may change in place) or unhashable variant values."""
+    numbers (a tensor may change in place), unhashable variant values, or user
+    ``score_mod`` / ``mask_mod`` functions (:func:`nbattn.cuda.blocks.variants.frozen_user_fn`)."""
     if not (k_scale is None or type(k_scale) in (float, int)) or not (
             v_scale is None or type(v_scale) in (float, int)):
         return None
+    given = variant.get("variant")
+    if (variant.get("score_mod") is not None or variant.get("mask_mod") is not None or given is not None
+            and (given.score_mod is not None or given.mask_mod is not None)):
+        return None                    # user functions: the values they read are checked on every call
     try:
         if kind == "torch":
             key = (type(q), q.dtype, q.shape, q.device, q.is_contiguous(), type(cache), cache.dtype,

@@ -30,13 +30,14 @@ must be written with scalar arithmetic, comparisons and ``math`` calls.
 from __future__ import annotations
 
 import math
+import types
 from functools import lru_cache
 
 from numba import cuda, float32
 
 from ...variants import Variant, variant_from_kwargs
 
-__all__ = ["kernel_variant", "refuse_rope", "cached_variant", "variant_device_fns", "kernel_variant_key", "compile_user_fn", "LOG2E", "sigmoid_weight"]
+__all__ = ["kernel_variant", "frozen_user_fn", "refuse_rope", "cached_variant", "variant_device_fns", "kernel_variant_key", "compile_user_fn", "LOG2E", "sigmoid_weight"]
 
 LOG2E = 1.4426950408889634  # natural-exp scores -> base-2 exponent
 
@@ -46,8 +47,44 @@ def kernel_variant(kwargs: dict) -> Variant:
     (:func:`nbattn.variants.variant_from_kwargs`, which consumes ``kwargs``), with its
     checks (bad values raise a ValueError naming the argument).  Every public
     operation of nbattn.cuda gets its variant here, before anything is built; a form
-    that does not compute part of it refuses with :func:`refuse_rope`."""
-    return variant_from_kwargs(kwargs)
+    that does not compute part of it refuses with :func:`refuse_rope`.  User
+    functions come back as :func:`frozen_user_fn` gives them."""
+    var = variant_from_kwargs(kwargs)
+    if var.score_mod is None and var.mask_mod is None:
+        return var
+    return var.with_(score_mod=frozen_user_fn(var.score_mod), mask_mod=frozen_user_fn(var.mask_mod))
+
+
+_frozen: dict = {}
+
+
+def frozen_user_fn(fn):
+    """``fn`` as the kernels may compile it now.
+
+    numba freezes the values a function reads (its closure cells and the globals
+    it names, NumPy arrays included) into the code it compiles, and the kernels
+    are cached by function.  So when one of those values has changed since ``fn``
+    was first handed out, this returns a new copy of ``fn`` (same code, same live
+    globals and cells), which compiles anew with today's values: a kernel never
+    runs with the values of an earlier call, as the golden model never does.
+    While nothing changes, the same function object comes back (no recompile).
+    numba device functions, and functions whose values have no stable digest
+    (:func:`nbattn.cuda.host.driver.frozen_state`), pass through as they are."""
+    if fn is None or hasattr(fn, "py_func"):
+        return fn
+    from ..host.driver import frozen_state
+    state = frozen_state(fn)
+    if state is None:
+        return fn
+    seen = _frozen.get(fn)
+    if seen is not None and seen[0] == state:
+        return seen[1]
+    if len(_frozen) > 4096:
+        _frozen.clear()
+    copy = fn if seen is None else types.FunctionType(fn.__code__, fn.__globals__, fn.__name__,
+                                                      fn.__defaults__, fn.__closure__)
+    _frozen[fn] = (state, copy)
+    return copy
 
 
 def refuse_rope(var: Variant, form: str) -> None:
@@ -72,6 +109,8 @@ def cached_variant(kwargs: dict) -> Variant:
         hit = _VARIANTS.get(key)
     except TypeError:
         return kernel_variant(dict(kwargs))
+    if hit is not None and (hit.score_mod is not None or hit.mask_mod is not None):
+        hit = None                     # user functions: their values are checked on every call
     if hit is None:
         if len(_VARIANTS) > 4096:
             _VARIANTS.clear()

@@ -142,6 +142,16 @@ def stable_key(fn) -> str | None:
     return hashlib.sha256((_package_digest() + text).encode()).hexdigest()
 
 
+def frozen_state(fn) -> str | None:
+    """A digest of what numba freezes into code compiled from ``fn``: its code, its
+    closure cells and the globals it names (NumPy arrays by content); None when one
+    of them has no stable description."""
+    try:
+        return hashlib.sha256(_describe(fn, set()).encode()).hexdigest()
+    except _Unstable:
+        return None
+
+
 def _keyed_cache(py_func, key: str):
     import numba_cuda
     from numba.cuda.dispatcher import CUDACache
