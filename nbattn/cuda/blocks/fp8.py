@@ -97,27 +97,19 @@ def fp8_unpack4(code: str):
     conv = fp8x4_to_f32(code)
 
     @device_fn
-    def unpack4(w0, w1, w2, w3, dst, off):
-        a, b, c, d = conv(w0)
+    def word(w, dst, off):                     # one word's four values into dst[off:off+4]
+        a, b, c, d = conv(w)
         dst[off] = a
         dst[off + 1] = b
         dst[off + 2] = c
         dst[off + 3] = d
-        a, b, c, d = conv(w1)
-        dst[off + 4] = a
-        dst[off + 5] = b
-        dst[off + 6] = c
-        dst[off + 7] = d
-        a, b, c, d = conv(w2)
-        dst[off + 8] = a
-        dst[off + 9] = b
-        dst[off + 10] = c
-        dst[off + 11] = d
-        a, b, c, d = conv(w3)
-        dst[off + 12] = a
-        dst[off + 13] = b
-        dst[off + 14] = c
-        dst[off + 15] = d
+
+    @device_fn
+    def unpack4(w0, w1, w2, w3, dst, off):
+        word(w0, dst, off)
+        word(w1, dst, off + 4)
+        word(w2, dst, off + 8)
+        word(w3, dst, off + 12)
 
     _cache[code] = unpack4
     return unpack4

@@ -255,27 +255,22 @@ else:  # pragma: no cover - needs a GPU
 
         return types.void(arr, i, a, b, c, d), codegen
 
-    @intrinsic
-    def u32_as_f32(typingctx, w):
-        if not isinstance(w, types.Integer):
-            return None
+    def _bitcast(src_kind, src, dst, dst_ir):
+        """An intrinsic ``(x) -> dst``: ``x`` (any ``src_kind`` number) cast to ``src``,
+        its 32 bits read as ``dst``."""
+        @intrinsic
+        def bitcast(typingctx, x):
+            if not isinstance(x, src_kind):
+                return None
 
-        def codegen(context, builder, sig, args):
-            v = context.cast(builder, args[0], sig.args[0], types.uint32)
-            return builder.bitcast(v, _f32)
+            def codegen(context, builder, sig, args):
+                return builder.bitcast(context.cast(builder, args[0], sig.args[0], src), dst_ir)
 
-        return types.float32(w), codegen
+            return dst(x), codegen
+        return bitcast
 
-    @intrinsic
-    def f32_as_u32(typingctx, x):
-        if not isinstance(x, types.Float):
-            return None
-
-        def codegen(context, builder, sig, args):
-            v = context.cast(builder, args[0], sig.args[0], types.float32)
-            return builder.bitcast(v, _i32)
-
-        return types.uint32(x), codegen
+    u32_as_f32 = _bitcast(types.Integer, types.uint32, types.float32, _f32)
+    f32_as_u32 = _bitcast(types.Float, types.float32, types.uint32, _i32)
 
     @intrinsic
     def f16x2_to_f32(typingctx, w):
@@ -295,18 +290,22 @@ else:  # pragma: no cover - needs a GPU
 
         return ret(w), codegen
 
-    @intrinsic
-    def exp2f(typingctx, x):
-        if not isinstance(x, types.Float):
-            return None
+    def _f32_asm(ptx: str, ret, ret_ir, constraints: str):
+        """An intrinsic ``(x) -> ret``: ``ptx`` on ``x`` (any float) cast to float32."""
+        @intrinsic
+        def op(typingctx, x):
+            if not isinstance(x, types.Float):
+                return None
 
-        def codegen(context, builder, sig, args):
-            v = context.cast(builder, args[0], sig.args[0], types.float32)
-            fnty = ir.FunctionType(_f32, [_f32])
-            asm = ir.InlineAsm(fnty, "ex2.approx.ftz.f32 $0, $1;", "=f,f", side_effect=False)
-            return builder.call(asm, [v])
+            def codegen(context, builder, sig, args):
+                v = context.cast(builder, args[0], sig.args[0], types.float32)
+                asm = ir.InlineAsm(ir.FunctionType(ret_ir, [_f32]), ptx, constraints, side_effect=False)
+                return builder.call(asm, [v])
 
-        return types.float32(x), codegen
+            return ret(x), codegen
+        return op
+
+    exp2f = _f32_asm("ex2.approx.ftz.f32 $0, $1;", types.float32, _f32, "=f,f")
 
     @device_fn
     def shfl_xor_f32(x, lane_mask):
@@ -326,18 +325,7 @@ else:  # pragma: no cover - needs a GPU
         hi = u32_as_f32(w & 0xFFFF0000)
         return lo, hi
 
-    @intrinsic
-    def f32_to_f16_bits(typingctx, x):
-        if not isinstance(x, types.Float):
-            return None
-
-        def codegen(context, builder, sig, args):
-            v = context.cast(builder, args[0], sig.args[0], types.float32)
-            fnty = ir.FunctionType(_i16, [_f32])
-            asm = ir.InlineAsm(fnty, "cvt.rn.f16.f32 $0, $1;", "=h,f", side_effect=False)
-            return builder.call(asm, [v])
-
-        return types.uint16(x), codegen
+    f32_to_f16_bits = _f32_asm("cvt.rn.f16.f32 $0, $1;", types.uint16, _i16, "=h,f")
 
     @device_fn
     def f32_to_bf16_bits(x):
