@@ -14,8 +14,9 @@ configuration.  It fakes what only a device can say: the compute capability
 (9, 0), the SM count (132) and nvrtc's list of architectures.  The argument
 types are those the launches pass (``decode_problem.launch_for`` for decode,
 ``host.prefill_launch.launch_work`` for prefill).  The PTX is compute_90 (the
-package builds compute_90a on a Hopper device); its instruction counts show
-what a change adds, not how fast it runs.
+package builds compute_90a on a Hopper device; configurations named ``*_sm90a``
+use Hopper-only instructions and are built and assembled for sm_90a); its
+instruction counts show what a change adds, not how fast it runs.
 """
 from __future__ import annotations
 
@@ -92,6 +93,7 @@ def configurations():
     from nbattn.cuda.kernels.decode_warp import build_warp_kernel
     from nbattn.cuda.kernels.prefill_dispatch import get_kernel, get_persistent_kernel, make_spec
     from nbattn.cuda.kernels.rope import rope_kernel
+    from nbattn.cuda.kernels.wgmma_gemm import wgmma_gemm_kernel
     from nbattn.cuda.tuning import DECODE, PREFILL
     from nbattn.variants import Variant
 
@@ -129,14 +131,15 @@ def configurations():
         "rope_f16": (lambda: rope_kernel("f16", False), rope_signature(u16)),
         "rope_bf16_interleaved": (lambda: rope_kernel("bf16", True), rope_signature(u16)),
         "rope_f32": (lambda: rope_kernel("f32", False), rope_signature(T.float32)),
+        "wgmma_gemm_sm90a": (wgmma_gemm_kernel, (_arr(u16, 2), _arr(u16, 2), _arr(T.float32, 2))),
     }
 
 
-def ptxas_stats(path: str) -> str:
+def ptxas_stats(path: str, arch: str = "sm_90") -> str:
     ptxas = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "ptxas")
     if not os.path.exists(ptxas):
         return "(no ptxas)"
-    r = subprocess.run([ptxas, "-arch=sm_90", "-v", path, "-o", os.devnull], capture_output=True, text=True)
+    r = subprocess.run([ptxas, f"-arch={arch}", "-v", path, "-o", os.devnull], capture_output=True, text=True)
     txt = r.stdout + r.stderr
     regs = re.search(r"Used (\d+) registers", txt)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", txt)
@@ -167,11 +170,14 @@ def main(argv=None) -> int:
         try:
             kernel = build()
             bounds = kernel.targetoptions.get("launch_bounds")
-            ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0), **({"launch_bounds": bounds} if bounds else {}))
+            hopper = name.endswith("_sm90a")          # Hopper-only instructions (wgmma): compute_90a
+            ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0, "a") if hopper else (9, 0),
+                                      **({"launch_bounds": bounds} if bounds else {}))
             path = os.path.join(args.out, name + ".ptx")
             with open(path, "w") as f:
                 f.write(ptx)
-            print(f"{name:24s} OK  {len(ptx.splitlines()):6d} PTX lines  {ptxas_stats(path)}", flush=True)
+            stats = ptxas_stats(path, "sm_90a" if hopper else "sm_90")
+            print(f"{name:24s} OK  {len(ptx.splitlines()):6d} PTX lines  {stats}", flush=True)
         except Exception:  # noqa: BLE001
             failed += 1
             with open(os.path.join(args.out, name + ".err"), "w") as f:
