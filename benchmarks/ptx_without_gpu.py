@@ -131,7 +131,7 @@ def configurations():
         "rope_f16": (lambda: rope_kernel("f16", False), rope_signature(u16)),
         "rope_bf16_interleaved": (lambda: rope_kernel("bf16", True), rope_signature(u16)),
         "rope_f32": (lambda: rope_kernel("f32", False), rope_signature(T.float32)),
-        "wgmma_gemm_sm90a": (wgmma_gemm_kernel, (_arr(u16, 2), _arr(u16, 2), _arr(T.float32, 2))),
+        "wgmma_gemm_sm90a": (lambda: wgmma_gemm_kernel(8), (_arr(u16, 2), _arr(u16, 2), _arr(T.float32, 2))),
     }
 
 

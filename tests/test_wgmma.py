@@ -51,23 +51,29 @@ def _hopper() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90a)")
-def test_gpu_warpgroup_product_equals_numpy():
+@pytest.mark.parametrize("k_steps", [1, 8])
+def test_gpu_warpgroup_product_equals_numpy(k_steps):
+    """One product (K = 16), and eight accumulated over head_dim 128 (the descriptors'
+    start moving along K, as a score tile's would)."""
     from numba import cuda
-    from nbattn.cuda.kernels.wgmma_gemm import LEAD_BYTES, STRIDE_BYTES, THREADS, wgmma_gemm_kernel
+    from nbattn.cuda.kernels.wgmma_gemm import LEAD_BYTES, THREADS, wgmma_gemm_kernel
     rng, seed = fresh()
-    a = rng.standard_normal((64, 16)).astype(np.float16)
-    b = rng.standard_normal((64, 16)).astype(np.float16)
+    K = 16 * k_steps
+    a = rng.standard_normal((64, K)).astype(np.float16)
+    b = rng.standard_normal((64, K)).astype(np.float16)
     want = a.astype(np.float64) @ b.astype(np.float64).T
 
     def run(lead, stride):
         d = cuda.device_array((64, 64), np.float32)
-        wgmma_gemm_kernel(lead, stride)[1, THREADS](cuda.to_device(a.view(np.uint16)),
-                                                    cuda.to_device(b.view(np.uint16)), d)
+        wgmma_gemm_kernel(k_steps, lead, stride)[1, THREADS](cuda.to_device(a.view(np.uint16)),
+                                                             cuda.to_device(b.view(np.uint16)), d)
         return d.copy_to_host()
 
-    got = run(LEAD_BYTES, STRIDE_BYTES)
-    if not np.allclose(got, want, rtol=1e-5, atol=1e-4):
-        swapped = run(STRIDE_BYTES, LEAD_BYTES)
-        hint = "the swapped offsets match" if np.allclose(swapped, want, rtol=1e-5, atol=1e-4) else "neither order"
+    stride = 2 * k_steps * 128
+    got = run(LEAD_BYTES, stride)
+    tol = dict(rtol=1e-5, atol=1e-4 * k_steps)
+    if not np.allclose(got, want, **tol):
+        swapped = run(stride, LEAD_BYTES)
+        hint = "the swapped offsets match" if np.allclose(swapped, want, **tol) else "neither order matches"
         pytest.fail(f"seed={seed}: max |D - A B^T| = {np.abs(got - want).max():.3g} with lead {LEAD_BYTES}, "
-                    f"stride {STRIDE_BYTES}; {hint}")
+                    f"stride {stride}; {hint}")
