@@ -104,6 +104,16 @@ class Variant:
 VARIANT_FIELDS = tuple(Variant.__dataclass_fields__)
 
 
+def code_names(code) -> set:
+    """Global (and attribute) names a code object and the code nested in it load: the
+    globals a user ``score_mod`` / ``mask_mod`` may read."""
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if hasattr(c, "co_names"):
+            names |= code_names(c)
+    return names
+
+
 def make_variant(**kwargs) -> Variant:
     """Build a Variant from the keyword arguments of a public attention function."""
     return Variant(**{k: v for k, v in kwargs.items() if k in VARIANT_FIELDS})

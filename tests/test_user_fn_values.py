@@ -11,6 +11,7 @@ guard the GPU."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import nbattn  # noqa: F401  (compat first)
 from nbattn import cuda as C
@@ -81,3 +82,77 @@ def test_the_plain_decode_call_never_remembers_a_call_with_user_functions():
     assert sig({"mask_mod": window_mask}) is None
     assert sig({"score_mod": bonus_score}) is None
     assert sig({"variant": Variant(score_mod=bonus_score)}) is None
+
+
+# ---------------------------------------------------------------------------
+# Captured device arrays (FlexAttention's captured tensors): read in place
+# ---------------------------------------------------------------------------
+
+def _doc_ids(rng, n):
+    """Document ids of n tokens: a few documents of random lengths, in order."""
+    cuts = np.sort(rng.choice(np.arange(1, n), size=min(3, n - 1), replace=False))
+    return np.searchsorted(cuts, np.arange(n), side="right").astype(np.int32)
+
+
+def _brute_doc_attention(q, k, v, doc):
+    """Each query attends to the keys of its own document, causally: float64 softmax."""
+    s = np.einsum("qhd,khd->hqk", q.astype(np.float64), k.astype(np.float64)) / np.sqrt(q.shape[2])
+    qi, kj = np.arange(q.shape[0])[:, None], np.arange(k.shape[0])[None, :]
+    keep = (doc[qi] == doc[kj]) & (kj <= qi)
+    s = np.where(keep[None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("hqk,khd->qhd", p, v.astype(np.float64))
+
+
+DOC = None                               # a device array of document ids, read by same_document
+
+
+def same_document(b, h, q_idx, kv_idx):
+    return DOC[q_idx] == DOC[kv_idx]
+
+
+def test_a_captured_device_array_is_read_where_it_lives_by_both_models():
+    """A document mask from a device array of ids: the kernel and the golden model
+    both read it at call time; an in-place change reaches both without a new
+    function for the kernels (compiled code reads the array in place), and a new
+    array bound to the name gives the kernels a new function."""
+    global DOC
+    from numba import cuda
+    rng, seed = fresh()
+    n = 14
+    q, k, v = (rng.standard_normal((n, 2, 8)).astype(np.float32) for _ in range(3))
+    first, second = _doc_ids(rng, n), _doc_ids(rng, n)
+    DOC = cuda.to_device(first)
+    f1 = kernel_variant(dict(mask_mod=same_document)).mask_mod
+    for doc in (first, second):
+        DOC.copy_to_device(doc)                              # in place
+        assert kernel_variant(dict(mask_mod=same_document)).mask_mod is f1
+        want = _brute_doc_attention(q, k, v, doc)
+        for impl in (C, R):
+            got = impl.single_prefill(q, k, v, causal=True, mask_mod=same_document)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{impl.__name__} seed={seed}")
+    DOC = cuda.to_device(first)                              # a new array under the name
+    assert kernel_variant(dict(mask_mod=same_document)).mask_mod is not f1
+    np.testing.assert_allclose(C.single_prefill(q, k, v, causal=True, mask_mod=same_document),
+                               _brute_doc_attention(q, k, v, first), rtol=1e-5, atol=1e-5, err_msg=f"seed={seed}")
+
+
+def test_the_golden_model_reads_host_copies_of_captured_torch_tensors():
+    from nbattn.reference.masks import host_function
+    torch = pytest.importorskip("torch")
+    ids = torch.arange(6, dtype=torch.int32)
+
+    def by_parity(b, h, q_idx, kv_idx):
+        return ids[kv_idx] % 2 == 0
+
+    assert host_function(by_parity) is by_parity           # a CPU tensor is already on the host
+    from numba import cuda
+    dev = cuda.to_device(np.arange(6, dtype=np.int32))
+
+    def from_device(b, h, q_idx, kv_idx):
+        return dev[kv_idx] % 2 == 0
+
+    host = host_function(from_device)
+    assert host is not from_device and isinstance(host.__closure__[0].cell_contents, np.ndarray)
+    np.testing.assert_array_equal(host(0, 0, 0, np.arange(6)), np.arange(6) % 2 == 0)

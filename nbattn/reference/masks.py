@@ -6,14 +6,52 @@ Scores arrive as ``s[h, i, j]`` (query head, query, key) already multiplied by
 """
 from __future__ import annotations
 
+import types
+
 import numpy as np
 
-from ..variants import Variant, alibi_slopes
+from ..layout import is_torch, to_numpy
+from ..variants import Variant, alibi_slopes, code_names
+
+
+def _on_device(x) -> bool:
+    if isinstance(x, (np.ndarray, type)):
+        return False
+    if is_torch(x):
+        return x.device.type != "cpu"
+    return hasattr(x, "copy_to_host") or hasattr(x, "__cuda_array_interface__")
+
+
+def _contents(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:                 # an empty cell
+        return None
+
+
+def host_function(fn):
+    """``fn``, or a copy of it that reads host copies of the device arrays it captures
+    (in the globals it names or in its closure cells; torch CUDA tensors, numba device
+    arrays, anything with ``__cuda_array_interface__``): FlexAttention's captured
+    tensors, read by the golden model as they are at the moment of the call.  Arrays
+    that functions it calls capture are not looked at."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return fn
+    glob = fn.__globals__
+    swap = {n: to_numpy(glob[n]) for n in code_names(code) if n in glob and _on_device(glob[n])}
+    cells = fn.__closure__ or ()
+    moved = [_on_device(_contents(c)) for c in cells]
+    if not swap and not any(moved):
+        return fn
+    new_cells = tuple(types.CellType(to_numpy(c.cell_contents)) if m else c for c, m in zip(cells, moved))
+    return types.FunctionType(code, {**glob, **swap}, fn.__name__, fn.__defaults__, new_cells or None)
 
 
 def _call_user(fn, args, shape, dtype):
     """Call a user score_mod/mask_mod on broadcast arrays; fall back to an
     element-wise loop for functions that only accept scalars (``if``, ``math``)."""
+    fn = host_function(fn)
     try:
         out = np.asarray(fn(*args))
         if out.shape == shape or np.broadcast_shapes(out.shape, shape) == shape:

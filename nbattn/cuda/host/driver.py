@@ -42,6 +42,8 @@ import types
 import numpy as np
 from numba import cuda
 
+from ...variants import code_names
+
 from ..blocks.primitives import SIMULATOR
 
 log = logging.getLogger("nbattn")
@@ -68,38 +70,32 @@ def _package_digest() -> str:
     return _source_digest
 
 
-def _names(code) -> set:
-    """Global (and attribute) names a code object and the code nested in it load."""
-    names = set(code.co_names)
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType):
-            names |= _names(c)
-    return names
-
-
-def _describe_code(code, seen: set) -> str:
-    consts = ",".join(_describe_code(c, seen) if isinstance(c, types.CodeType) else _describe(c, seen)
+def _describe_code(code, seen: set, live: bool) -> str:
+    consts = ",".join(_describe_code(c, seen, live) if isinstance(c, types.CodeType) else _describe(c, seen, live)
                       for c in code.co_consts)
     return f"{hashlib.sha256(code.co_code).hexdigest()}:{','.join(code.co_names)}:[{consts}]"
 
 
-def _describe(obj, seen: set) -> str:
+def _describe(obj, seen: set, live: bool = False) -> str:
+    """A text that changes when ``obj`` would compile differently.  ``live``: a device
+    array (``__cuda_array_interface__``) is described by its address, shape and type,
+    since compiled code reads it in place; otherwise it has no stable description."""
     if obj is None or isinstance(obj, (bool, int, float, str, bytes, complex, np.generic, np.dtype)):
         return f"{type(obj).__name__}:{obj!r}"
     if isinstance(obj, enum.Enum):
         return f"enum:{type(obj).__qualname__}.{obj.name}"
     if isinstance(obj, (tuple, list, frozenset)):
         items = sorted(obj, key=repr) if isinstance(obj, frozenset) else obj
-        return f"{type(obj).__name__}(" + ",".join(_describe(x, seen) for x in items) + ")"
+        return f"{type(obj).__name__}(" + ",".join(_describe(x, seen, live) for x in items) + ")"
     if isinstance(obj, np.ndarray):
         return f"ndarray:{obj.dtype}:{obj.shape}:{hashlib.sha256(obj.tobytes()).hexdigest()}"
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        fields = ",".join(f"{f.name}={_describe(getattr(obj, f.name), seen)}"
+        fields = ",".join(f"{f.name}={_describe(getattr(obj, f.name), seen, live)}"
                           for f in dataclasses.fields(obj))
         return f"{type(obj).__qualname__}({fields})"
     inner = getattr(obj, "py_func", None) or getattr(obj, "_defn", None)   # dispatcher / intrinsic
     if inner is not None and inner is not obj:
-        return f"{type(obj).__name__}[{_describe(inner, seen)}]"
+        return f"{type(obj).__name__}[{_describe(inner, seen, live)}]"
     if isinstance(obj, types.ModuleType):
         return f"module:{obj.__name__}"
     if isinstance(obj, struct.Struct):
@@ -109,14 +105,22 @@ def _describe(obj, seen: set) -> str:
         if id(obj) in seen:           # recursion through closures
             return f"fn-cycle:{obj.__qualname__}"
         seen.add(id(obj))
-        cells = ",".join(_describe(c.cell_contents, seen) for c in (obj.__closure__ or ()))
+        cells = ",".join(_describe(c.cell_contents, seen, live) for c in (obj.__closure__ or ()))
         # numba freezes a function's globals into the code it compiles, so they are part of
         # what the kernel computes: a function built by exec() reaches its helpers this way
         glob = getattr(obj, "__globals__", {})
-        used = sorted(n for n in _names(code) if n in glob)
-        globs = ",".join(f"{n}={_describe(glob[n], seen)}" for n in used)
-        return (f"fn:{obj.__module__}.{obj.__qualname__}:{_describe_code(code, seen)}"
+        used = sorted(n for n in code_names(code) if n in glob)
+        globs = ",".join(f"{n}={_describe(glob[n], seen, live)}" for n in used)
+        return (f"fn:{obj.__module__}.{obj.__qualname__}:{_describe_code(code, seen, live)}"
                 f":[{cells}]:[{globs}]")
+    cai = None if isinstance(obj, type) else getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None or (SIMULATOR and hasattr(obj, "copy_to_host") and not isinstance(obj, type)):
+        if not live:
+            raise _Unstable(f"device array {type(obj).__qualname__}")
+        if cai is None:                # a simulator device array: its identity is its address
+            return f"device:sim:{id(obj)}:{tuple(obj.shape)}:{obj.dtype}"
+        return (f"device:{cai['data'][0]}:{tuple(cai['shape'])}:{cai['typestr']}:"
+                f"{tuple(cai.get('strides') or ())}")
     if type(obj).__module__.startswith("llvmlite"):
         # inline PTX (llvmlite.ir.InlineAsm) and IR types: their text is their meaning
         text = f"{obj}|{getattr(obj, 'type', '')}|{getattr(obj, 'asm', '')}|{getattr(obj, 'constraint', '')}"
@@ -144,10 +148,11 @@ def stable_key(fn) -> str | None:
 
 def frozen_state(fn) -> str | None:
     """A digest of what numba freezes into code compiled from ``fn``: its code, its
-    closure cells and the globals it names (NumPy arrays by content); None when one
-    of them has no stable description."""
+    closure cells and the globals it names (NumPy arrays by content, device arrays by
+    address: compiled code reads those in place); None when one of them has no
+    stable description."""
     try:
-        return hashlib.sha256(_describe(fn, set()).encode()).hexdigest()
+        return hashlib.sha256(_describe(fn, set(), live=True).encode()).hexdigest()
     except _Unstable:
         return None
 
