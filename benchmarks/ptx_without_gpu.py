@@ -94,6 +94,7 @@ def configurations():
     from nbattn.cuda.kernels.prefill_dispatch import get_kernel, get_persistent_kernel, make_spec
     from nbattn.cuda.kernels.rope import rope_kernel
     from nbattn.cuda.kernels.wgmma_gemm import wgmma_gemm_kernel
+    from nbattn.cuda.kernels.prefill_wgmma import prefill_wgmma_kernel
     from nbattn.cuda.tuning import DECODE, PREFILL
     from nbattn.variants import Variant
 
@@ -132,6 +133,9 @@ def configurations():
         "rope_bf16_interleaved": (lambda: rope_kernel("bf16", True), rope_signature(u16)),
         "rope_f32": (lambda: rope_kernel("f32", False), rope_signature(T.float32)),
         "wgmma_gemm_sm90a": (lambda: wgmma_gemm_kernel(8), (_arr(u16, 2), _arr(u16, 2), _arr(T.float32, 2))),
+        "prefill_wgmma_causal_sm90a": (lambda: prefill_wgmma_kernel(True),
+                                       (_arr(u16, 3), _arr(u16, 3), _arr(u16, 3), _arr(T.float32, 3),
+                                        _arr(T.float32, 2), T.float32, T.int64)),
     }
 
 
