@@ -10,10 +10,16 @@ Two ways to time ``fn`` (which launches on torch's current stream):
   vanish, so microsecond kernels (decode, cascade, merges) are timed as a
   serving loop would run them; if capture fails it says so and times plain
   launches instead (the second value is False then).
+
+Scripts that also run as dry runs in numba's CUDA simulator (no GPU: tensors on
+the CPU, kernels simulated) time with :func:`eager_ms` and measure the copy with
+:func:`copy_bandwidth`, which take a ``dry`` flag: a dry run times one call with
+the host clock, to check that the script works, not how fast anything is.
 """
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -89,3 +95,21 @@ def graph_ms(fn, iters: int = 15, rep: int = 10, graph: bool = True, log=print) 
         b.synchronize()
         times.append(a.elapsed_time(b) / rep)
     return statistics.median(times), captured is not None
+
+
+def eager_ms(fn, reps: int, dry: bool = False) -> float:
+    """:func:`back_to_back_ms` of ``reps`` calls; in a dry run one call, host clock."""
+    if not dry:
+        return back_to_back_ms(fn, reps)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def copy_bandwidth(dry: bool = False) -> float:
+    """GB/s of a 1 GiB device-to-device copy (read + write), back-to-back plain
+    launches; in a dry run 16 MiB on the CPU."""
+    n = (16 << 20) if dry else (1 << 30)
+    a = torch.empty(n // 4, dtype=torch.float32, device="cpu" if dry else "cuda").uniform_()
+    b = torch.empty_like(a)
+    return 2 * n / (eager_ms(lambda: b.copy_(a), 5, dry) * 1e-3) / 1e9

@@ -36,7 +36,6 @@ import argparse
 import datetime
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -53,9 +52,10 @@ import nbattn.cuda as NC  # noqa: E402
 from nbattn import layout as L  # noqa: E402
 from nbattn import reference as R  # noqa: E402
 from nbattn.cuda.blocks.primitives import SIMULATOR  # noqa: E402
+from _timing import copy_bandwidth, eager_ms  # noqa: E402
 
 HQ, D, PS, GROUP = (4, 32, 4, 2) if SIMULATOR else (32, 128, 16, 4)
-REPS = 2 if SIMULATOR else 20
+REPS = 20
 DEV = "cpu" if SIMULATOR else "cuda"
 KV = {"float16": torch.float16, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 K_SCALE, V_SCALE = 1 / 64, 1 / 128          # keys ~ N(0, 1) stored as N(0, 64), values as N(0, 128)
@@ -67,20 +67,10 @@ def sync():
         torch.cuda.synchronize()
 
 
-def timed_ms(fn, reps: int = REPS) -> float:
-    """Median milliseconds per call of ``reps`` back-to-back calls (CUDA events,
-    ``_timing.back_to_back_ms``; the host clock under the simulator)."""
-    if not SIMULATOR:
-        from _timing import back_to_back_ms
-        return back_to_back_ms(fn, reps)
-    fn()
-    out = []
-    for _ in range(2):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        out.append((time.perf_counter() - t0) * 1e3 / reps)
-    return statistics.median(out)
+def timed_ms(fn) -> float:
+    """Median milliseconds per call of ``REPS`` back-to-back calls (``_timing.eager_ms``;
+    a dry run times one call with the host clock)."""
+    return eager_ms(fn, REPS, SIMULATOR)
 
 
 def graph_replay_ms(fn) -> tuple[float, bool]:
@@ -88,15 +78,6 @@ def graph_replay_ms(fn) -> tuple[float, bool]:
         return timed_ms(fn), False
     from _timing import graph_ms
     return graph_ms(fn, iters=10, rep=REPS)
-
-
-def copy_bandwidth() -> float:
-    """GB/s of a 1 GiB device-to-device copy (read + write), plain launches."""
-    n = (16 << 20) if SIMULATOR else (1 << 30)
-    a = torch.empty(n // 4, dtype=torch.float32, device=DEV).uniform_()
-    b = torch.empty_like(a)
-    ms = timed_ms(lambda: b.copy_(a), reps=5)
-    return 2 * n / (ms * 1e-3) / 1e9
 
 
 def caches(batch: int, kv_len: int, hkv: int, seed: int):
@@ -209,7 +190,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/nbattn_out"))
     ap.add_argument("--quick", action="store_true", help="two cases (b64 x 4k, b1 x 32k)")
     args = ap.parse_args(argv)
-    copy_bw = copy_bandwidth()
+    copy_bw = copy_bandwidth(SIMULATOR)
     print(f"copy bandwidth {copy_bw:.0f} GB/s{' (simulator dry run: host memory)' if SIMULATOR else ''}",
           flush=True)
     recs: list = []

@@ -60,6 +60,7 @@ import nbattn.cuda as NC  # noqa: E402
 from nbattn import layout as L  # noqa: E402
 from nbattn.cuda.blocks.primitives import SIMULATOR  # noqa: E402
 from nbattn.variants import alibi_slopes  # noqa: E402
+from _timing import copy_bandwidth, eager_ms  # noqa: E402
 
 HQ, D, PS, GROUP = (4, 16, 4, 2) if SIMULATOR else (32, 128, 16, 4)
 HKV = HQ // GROUP
@@ -77,22 +78,9 @@ def sync():
         torch.cuda.synchronize()
 
 
-def timed_ms(fn, reps: int = REPS) -> float:
-    """Median milliseconds per call of ``reps`` back-to-back eager calls (CUDA events,
-    ``_timing.back_to_back_ms``; the host clock under the simulator)."""
-    if not SIMULATOR:
-        from _timing import back_to_back_ms
-        return back_to_back_ms(fn, reps)
-    t0 = time.perf_counter()              # the dry run: one call (the simulator is slow)
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
-def copy_bandwidth() -> float:
-    n = (16 << 20) if SIMULATOR else (1 << 30)
-    a = torch.empty(n // 4, dtype=torch.float32, device=DEV).uniform_()
-    b = torch.empty_like(a)
-    return 2 * n / (timed_ms(lambda: b.copy_(a), reps=5) * 1e-3) / 1e9
+def timed_ms(fn) -> float:
+    """Milliseconds per eager call (``_timing.eager_ms``: a dry run times one call)."""
+    return eager_ms(fn, REPS, SIMULATOR)
 
 
 def max_err(a, b) -> float:
@@ -327,7 +315,7 @@ def main(argv=None) -> int:
     if not SIMULATOR:
         import importlib
         importlib.import_module("torch._dynamo").config.recompile_limit = 64
-    copy_bw = copy_bandwidth()
+    copy_bw = copy_bandwidth(SIMULATOR)
     print(f"copy bandwidth {copy_bw:.0f} GB/s{' (simulator dry run: host memory)' if SIMULATOR else ''}",
           flush=True)
     recs: list = []
