@@ -156,3 +156,35 @@ def test_the_golden_model_reads_host_copies_of_captured_torch_tensors():
     host = host_function(from_device)
     assert host is not from_device and isinstance(host.__closure__[0].cell_contents, np.ndarray)
     np.testing.assert_array_equal(host(0, 0, 0, np.arange(6)), np.arange(6) % 2 == 0)
+
+
+def test_a_wrapper_refuses_to_run_a_plan_whose_user_function_values_changed():
+    """plan() compiles the variant; when a value its mask_mod reads changes, run() says
+    so, naming mask_mod, before any launch, and a new plan() computes with the new value."""
+    from brute import random_paged_batch
+    from nbattn.cuda.host import driver
+    rng, seed = fresh()
+    LIMIT[:] = [3, 6]
+    b = random_paged_batch(rng, qo_lens=[1, 1], kv_lens=[9, 14], page_size=4, num_kv_heads=1, group=2,
+                           head_dim=8)
+    from numba import cuda
+    w = C.BatchDecodeWithPagedKVCacheWrapper(cuda.device_array(1 << 20, np.uint8), num_ctas=4)
+    plan = lambda: w.plan(b["indptr"], b["indices"], b["last"], 2, 1, 8, 4, q_data_type="float32",  # noqa: E731
+                          mask_mod=window_mask)
+    gold = lambda: R.batch_decode_paged(b["q"], b["cache"], b["indptr"], b["indices"], b["last"],  # noqa: E731
+                                        mask_mod=window_mask)
+    plan()
+    np.testing.assert_allclose(w.run(b["q"], b["cache"]), gold(), rtol=1e-5, atol=1e-5, err_msg=f"seed={seed}")
+    LIMIT[1] = 2
+    launched = []
+    real_call = driver.BoundLaunch.__call__
+    driver.BoundLaunch.__call__ = lambda *a, **kw: launched.append(1)
+    try:
+        with pytest.raises(ValueError, match="mask_mod: .* changed after plan"):
+            w.run(b["q"], b["cache"])
+    finally:
+        driver.BoundLaunch.__call__ = real_call
+    assert not launched, f"seed={seed}"
+    plan()
+    np.testing.assert_allclose(w.run(b["q"], b["cache"]), gold(), rtol=1e-5, atol=1e-5, err_msg=f"seed={seed}")
+    LIMIT[:] = [2, 5]

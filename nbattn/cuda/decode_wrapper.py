@@ -29,7 +29,7 @@ from ..sched.plan import DIRECT, Plan, plan as lpt_plan
 from ..sched.tiles import choose_tile_q, decode_tiles
 from .decode_problem import DecodeProblem, check_head_dim, decode_arg_index, launch_for
 from .fp8 import check_run_dtypes, is_fp8, plan_kv_code, run_scales
-from .blocks.variants import cached_variant
+from .blocks.variants import cached_variant, user_state
 from .host import arrays as A
 from .host import hostwork as HW
 from .host.driver import BoundLaunch, sm_count
@@ -170,6 +170,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         self._flush(stream)
         self._slopes_for(hq, stream)
         self._plan, self._variant, self._code, self._cfg, self._mode = p, var, code, cfg, mode
+        self._user_state = user_state(var)
         self._kv_code, self._sm_scale = fp8, var.scale(D)
         self._num_qo_heads, self._num_kv_heads, self._group = hq, hk, group
         self._head_dim, self._page_size, self._batch = D, int(page_size), batch

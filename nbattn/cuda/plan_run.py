@@ -65,6 +65,7 @@ from .._checks import count_arg
 from ..sched.plan import Plan
 from ..variants import check_return_lse
 from .blocks.primitives import SIMULATOR
+from .blocks.variants import check_user_state
 from .decode_problem import check_out
 from .host import arrays as A
 from .host import hostwork as HW
@@ -247,6 +248,7 @@ class PlanRunWrapper:
         self._bound_now = None          # the current plan's entry of _bound (reset by plan())
         self._run_seen = None           # what the last run() of this plan accepted (see _run_inputs)
         self._scratch_lse = None
+        self._user_state = None         # the values a plan's score_mod / mask_mod read (blocks.variants.user_state)
         self.plan_seconds = 0.0
 
     # -- workspace views ----------------------------------------------------
@@ -425,6 +427,8 @@ class PlanRunWrapper:
         the outputs.  Returns (kind, code, stream, q_dev, kv_dev, out_user, out_dev,
         lse_user, lse_dev)."""
         self._need_plan()
+        if self._user_state is not None:             # only a plan with score_mod / mask_mod
+            check_user_state(self._variant, self._user_state)
         seen = self._run_seen
         if (seen is not None and out is None and lse is None and type(q) is seen[0]
                 and type(paged_kv_cache) is seen[0] and not (return_lse and self._variant.use_sigmoid)

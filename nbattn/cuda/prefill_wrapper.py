@@ -21,7 +21,7 @@ from numba import cuda
 from .. import layout as L
 from ..sched.plan import DIRECT, plan as lpt_plan
 from ..sched.tiles import choose_tile_q
-from .blocks.variants import kernel_variant
+from .blocks.variants import kernel_variant, user_state
 from .host import arrays as A
 from .host.driver import BoundLaunch
 from .merge import merge_tiles_launch
@@ -139,6 +139,7 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         # a custom mask lives in its own device arrays, new with every plan that has one
         self._mask = None if mask is None else tuple(cuda.to_device(np.ascontiguousarray(x)) for x in mask)
         self._plan, self._variant, self._code = p, var, code
+        self._user_state = user_state(var)
         self._spec, self._spec_part, self._slot_rows = spec, spec_part, slot_rows
         self._num_qo_heads, self._num_kv_heads, self._group = hq, hk, group
         self._head_dim, self._page_size, self._total_q = D, int(page_size), qo.total

@@ -35,9 +35,10 @@ from functools import lru_cache
 
 from numba import cuda, float32
 
+from ...layout import LayoutError
 from ...variants import Variant, variant_from_kwargs
 
-__all__ = ["kernel_variant", "frozen_user_fn", "refuse_rope", "cached_variant", "variant_device_fns", "kernel_variant_key", "compile_user_fn", "LOG2E", "sigmoid_weight"]
+__all__ = ["kernel_variant", "frozen_user_fn", "user_state", "check_user_state", "refuse_rope", "cached_variant", "variant_device_fns", "kernel_variant_key", "compile_user_fn", "LOG2E", "sigmoid_weight"]
 
 LOG2E = 1.4426950408889634  # natural-exp scores -> base-2 exponent
 
@@ -98,6 +99,29 @@ def refuse_rope(var: Variant, form: str) -> None:
 
 
 _VARIANTS: dict = {}
+
+
+def user_state(var: Variant) -> tuple | None:
+    """Digests of the values ``var``'s user functions read
+    (:func:`nbattn.cuda.host.driver.frozen_state`), None when it has none."""
+    if var.score_mod is None and var.mask_mod is None:
+        return None
+    from ..host.driver import frozen_state
+    return tuple(None if f is None or hasattr(f, "py_func") else frozen_state(f)
+                 for f in (var.score_mod, var.mask_mod))
+
+
+def check_user_state(var: Variant, state: tuple | None) -> None:
+    """A LayoutError naming ``score_mod`` / ``mask_mod`` when a value that function
+    reads has changed since ``state`` (:func:`user_state`) was taken: a plan's kernels
+    were compiled with the old value (device arrays are read in place, so rewriting
+    one is no change)."""
+    if state is None:
+        return
+    for name, then, now in zip(("score_mod", "mask_mod"), state, user_state(var)):
+        if then != now:
+            raise LayoutError(f"{name}: a value it reads (a global or a closure variable) changed after "
+                              f"plan(), whose kernels were compiled with the old one; call plan() again")
 
 
 def cached_variant(kwargs: dict) -> Variant:
