@@ -98,16 +98,30 @@ def solo_predict(active, keys, slots, launch, beta, overhead, solo):
 
 
 def fit_solo(points, slots, launch, beta, overhead):
-    """``points``: (active slots, keys, us).  The grid value of ``solo_speedup`` with the
-    smallest squared relative error."""
+    """``points``: (active slots, keys, us).  The ``solo_speedup`` with the smallest mean
+    squared relative error: the best value of :data:`SOLO_GRID`, then a golden-section
+    search within one grid step of it (the merge fit builds on this number, so a grid
+    step's error would reach the merge prices)."""
     pts = np.asarray(points, np.float64)
-    best = None
-    for solo in SOLO_GRID:
-        pred = solo_predict(pts[:, 0], pts[:, 1], slots, launch, beta, overhead, solo)
-        err = float(np.mean((pred / pts[:, 2] - 1) ** 2))
-        if best is None or err < best[0] - 1e-15:
-            best = (err, float(solo), (pred / pts[:, 2] - 1).tolist())
-    return dict(solo_speedup=best[1], rel_residuals=best[2])
+
+    def rel(solo):
+        return solo_predict(pts[:, 0], pts[:, 1], slots, launch, beta, overhead, solo) / pts[:, 2] - 1
+
+    def err(solo):
+        return float(np.mean(rel(solo) ** 2))
+
+    best = min(SOLO_GRID, key=lambda s: (err(s), s))
+    step = float(SOLO_GRID[1] - SOLO_GRID[0])
+    lo, hi = max(float(SOLO_GRID[0]), best - step), min(float(SOLO_GRID[-1]), best + step)
+    g = (np.sqrt(5.0) - 1) / 2
+    for _ in range(60):
+        a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+        if err(a) <= err(b):
+            hi = b
+        else:
+            lo = a
+    solo = min((float(best), (lo + hi) / 2), key=err)
+    return dict(solo_speedup=solo, rel_residuals=rel(solo).tolist())
 
 
 def fit_merge(points):
