@@ -26,6 +26,25 @@ How the kernels keep it, without a branch in their inner products:
    every later weight, rescale factor and the final sum NaN.
 4. The final write tests the max (NaN -> NaN row; -inf -> empty row).
 
+The decode kernels on the GPU paths (warp and tensor-core) keep steps 1-3
+out of their main loop, because checking every 16-byte V chunk costs a
+bandwidth-bound loop much of its speed.  Their first pass over a work item
+does plain arithmetic, in which every breach of the rule leaves a trace:
+
+- a visible key's non-finite V reaches the accumulator through ``p * v``
+  whatever its weight (``0 * inf`` and ``0 * NaN`` are NaN), and so does a
+  hidden key's (a false alarm, which costs time only);
+- a non-finite raw score makes the sum of the raw scores the lane took
+  non-finite (a finite score cannot overflow that sum for fp16; where it does,
+  the alarm is again false);
+- a NaN final score makes the mass ``l`` NaN, a +inf one the max.
+
+:func:`state_suspect` reads those traces once per item.  When any thread of the
+CTA finds one (``syncthreads_or``), the item runs again with steps 1-3 kept key
+by key, so the result is the careful one.  Where nothing is found, the careful
+pass would have computed exactly the same numbers (each step is the identity on
+finite values), so the first pass's result stands.
+
 The pipelined tensor-core tile copies V with ``cp.async`` after its scores
 are taken, so step 1 cannot reach K there.  It checks its result instead: a
 row whose O holds a non-finite value while its max is not NaN met a
@@ -39,13 +58,14 @@ from __future__ import annotations
 
 import math
 
-from numba import float32, uint32
+from numba import float32, int32, uint32
 
 from .primitives import device_fn
 
-__all__ = ["chunk_bad", "poison_kv", "checked", "max_nan", "NAN_F32", "EXP_MASK", "NAN_WORD"]
+__all__ = ["chunk_bad", "poison_kv", "checked", "max_nan", "state_suspect", "NAN_F32", "EXP_MASK", "NAN_WORD"]
 
 NAN_F32 = float32(math.nan)
+POS_INF = float32(math.inf)
 # Exponent bits (all ones = inf or NaN) of each element in a 32-bit word, and a NaN word.
 EXP_MASK = {"f32": (0x7F800000, 0), "f16": (0x7C00, 0x7C000000), "bf16": (0x7F80, 0x7F800000)}
 NAN_WORD = {"f32": 0x7FC00000, "f16": 0x7E007E00, "bf16": 0x7FC07FC0, "e4m3": 0x7F7F7F7F, "e5m2": 0x7F7F7F7F}
@@ -138,3 +158,14 @@ def max_nan(m, x):
     return max(m, x)
 
 
+@device_fn
+def state_suspect(acc, n, m, l, raw_sum):
+    """1 when a pass's state over a work item shows a trace of a non-finite value
+    (module doc), else 0 (an int32: ``cuda.syncthreads_or`` takes an integer on
+    the GPU): an accumulator element of ``acc[:n]`` or the sum of raw scores not
+    finite, a NaN mass, or a NaN or +inf running max."""
+    bad = not (math.isfinite(raw_sum) and math.isfinite(l) and m < POS_INF)
+    for e in range(n):
+        if not math.isfinite(acc[e]):
+            bad = True
+    return int32(1) if bad else int32(0)

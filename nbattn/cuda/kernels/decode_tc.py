@@ -197,102 +197,115 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                 qa[4 * j + 1] = w1
                 qa[4 * j + 2] = w2
                 qa[4 * j + 3] = w3
-            for e in range(AL):
-                acc[e] = 0.0
-            m_row = NEG_INF
-            l_part = float32(0.0)
-            first = kv_start + warp * 16
-            # AHEAD: K runs one step ahead of V, so the next step's K loads are in flight
-            # during this step's math (8 warps a CTA hold too few bytes in flight otherwise)
-            if AHEAD:
-                for hf in range(2):
-                    rk[hf] = kv_row(first + 8 * hf + g, kv_end, kv_indices, page_base, page_size, ps_shift,
-                                    page_words, slot_words, my_off)
-                    load_row(kv_w, rk[hf], kw, hf * HL)
-            for hf in range(2):
-                pos = first + LEAD + 8 * hf + g
-                pg[hf] = 0
-                if pos < kv_end:
-                    pi, _ = page_slot(pos, page_size, ps_shift)
-                    pg[hf] = kv_indices[page_base + int64(pi)]
-
-            for base in range(first, kv_end, STEP):      # the same trip count in all lanes of a warp
-                if not AHEAD:
-                    for hf in range(2):
-                        rk[hf] = page_row(base + 8 * hf + g, kv_end, pg[hf], page_size, ps_shift, page_words,
-                                          slot_words, my_off)
-                        load_row(kv_w, rk[hf], kw, hf * HL)
-                for hf in range(2):
-                    load_row(kv_w, rk[hf] + v_off if rk[hf] >= 0 else rk[hf], vw, hf * HL)
-                for o in range(0, KL, 4):        # the NaN rule: a non-finite V chunk poisons its K chunk
-                    (kw[o], kw[o + 1], kw[o + 2], kw[o + 3], vw[o], vw[o + 1], vw[o + 2],
-                     vw[o + 3]) = poison(kw[o], kw[o + 1], kw[o + 2], kw[o + 3], vw[o], vw[o + 1], vw[o + 2],
-                                         vw[o + 3])
+            # the NaN rule (nbattn.cuda.blocks.nanrule, "fast pass, checked result"): the
+            # first pass keeps no rule in its loop; when its result shows a non-finite
+            # value anywhere in the CTA, the item runs again with the rule kept key by key
+            for careful in (False, True):
+                for e in range(AL):
+                    acc[e] = 0.0
+                m_row = NEG_INF
+                l_part = float32(0.0)
+                raw_sum = float32(0.0)       # every raw score this lane took: non-finite if one was
+                first = kv_start + warp * 16
+                # AHEAD: K runs one step ahead of V, so the next step's K loads are in flight
+                # during this step's math (8 warps a CTA hold too few bytes in flight otherwise)
                 if AHEAD:
                     for hf in range(2):
-                        rk[hf] = page_row(base + STEP + 8 * hf + g, kv_end, pg[hf], page_size, ps_shift,
-                                          page_words, slot_words, my_off)
-                        load_row(kv_w, rk[hf], kn, hf * HL)
+                        rk[hf] = kv_row(first + 8 * hf + g, kv_end, kv_indices, page_base, page_size, ps_shift,
+                                        page_words, slot_words, my_off)
+                        load_row(kv_w, rk[hf], kw, hf * HL)
                 for hf in range(2):
-                    pos = base + LEAD + STEP + 8 * hf + g
+                    pos = first + LEAD + 8 * hf + g
+                    pg[hf] = 0
                     if pos < kv_end:
                         pi, _ = page_slot(pos, page_size, ps_shift)
                         pg[hf] = kv_indices[page_base + int64(pi)]
 
-                # S: heads x 8 tokens per half; two independent chains per half
-                for hf in range(2):
-                    xa0 = xa1 = xb0 = xb1 = zero
-                    for j in range(NJ):
-                        o = hf * HL + 4 * j
-                        xa0, xa1, _, _ = mma(qa[4 * j], uint32(0), qa[4 * j + 1], uint32(0),
-                                             kw[o], kw[o + 1], xa0, xa1, zero, zero)
-                        xb0, xb1, _, _ = mma(qa[4 * j + 2], uint32(0), qa[4 * j + 3], uint32(0),
-                                             kw[o + 2], kw[o + 3], xb0, xb1, zero, zero)
-                    sc[2 * hf] = xa0 + xb0
-                    sc[2 * hf + 1] = xa1 + xb1
+                for base in range(first, kv_end, STEP):      # the same trip count in all lanes of a warp
+                    if not AHEAD:
+                        for hf in range(2):
+                            rk[hf] = page_row(base + 8 * hf + g, kv_end, pg[hf], page_size, ps_shift, page_words,
+                                              slot_words, my_off)
+                            load_row(kv_w, rk[hf], kw, hf * HL)
+                    for hf in range(2):
+                        load_row(kv_w, rk[hf] + v_off if rk[hf] >= 0 else rk[hf], vw, hf * HL)
+                    if careful:                          # step 1 of the rule: a bad V chunk poisons its K
+                        for o in range(0, KL, 4):
+                            (kw[o], kw[o + 1], kw[o + 2], kw[o + 3], vw[o], vw[o + 1], vw[o + 2],
+                             vw[o + 3]) = poison(kw[o], kw[o + 1], kw[o + 2], kw[o + 3], vw[o], vw[o + 1],
+                                                 vw[o + 2], vw[o + 3])
+                    if AHEAD:
+                        for hf in range(2):
+                            rk[hf] = page_row(base + STEP + 8 * hf + g, kv_end, pg[hf], page_size, ps_shift,
+                                              page_words, slot_words, my_off)
+                            load_row(kv_w, rk[hf], kn, hf * HL)
+                    for hf in range(2):
+                        pos = base + LEAD + STEP + 8 * hf + g
+                        if pos < kv_end:
+                            pi, _ = page_slot(pos, page_size, ps_shift)
+                            pg[hf] = kv_indices[page_base + int64(pi)]
 
-                mx = NEG_INF
-                for e in range(4):
-                    pos = base + 8 * (e >> 1) + 2 * t + (e & 1)
-                    s = sc[e]
-                    if PLAIN:
-                        s = NR.checked(s * qscale, s * qscale)
+                    # S: heads x 8 tokens per half; two independent chains per half
+                    for hf in range(2):
+                        xa0 = xa1 = xb0 = xb1 = zero
+                        for j in range(NJ):
+                            o = hf * HL + 4 * j
+                            xa0, xa1, _, _ = mma(qa[4 * j], uint32(0), qa[4 * j + 1], uint32(0),
+                                                 kw[o], kw[o + 1], xa0, xa1, zero, zero)
+                            xb0, xb1, _, _ = mma(qa[4 * j + 2], uint32(0), qa[4 * j + 3], uint32(0),
+                                                 kw[o + 2], kw[o + 3], xb0, xb1, zero, zero)
+                        sc[2 * hf] = xa0 + xb0
+                        sc[2 * hf + 1] = xa1 + xb1
+
+                    mx = NEG_INF
+                    for e in range(4):
+                        pos = base + 8 * (e >> 1) + 2 * t + (e & 1)
+                        raw = sc[e] * qscale if PLAIN else sc[e] * sm_scale
+                        raw_sum += raw
+                        s = raw if PLAIN else transform(raw, r, h_row, q_idx, pos, slope) * float32(LOG2E)
+                        if careful:
+                            s = NR.checked(raw, s)
+                        ok = pos < kv_end
+                        if MASKED:
+                            ok = ok and keep(r, h_row, q_idx, pos)
+                        s = s if ok else NEG_INF
+                        sc[e] = s
+                        mx = NR.max_nan(mx, s) if careful else max(mx, s)
+                    if careful:
+                        mx = NR.max_nan(mx, shfl_xor_f32(mx, 1))
+                        mx = NR.max_nan(mx, shfl_xor_f32(mx, 2))
+                        m_new = NR.max_nan(m_row, mx)
                     else:
-                        s = NR.checked(s * sm_scale, transform(s * sm_scale, r, h_row, q_idx, pos, slope)
-                                       * float32(LOG2E))
-                    ok = pos < kv_end
-                    if MASKED:
-                        ok = ok and keep(r, h_row, q_idx, pos)
-                    s = s if ok else NEG_INF
-                    sc[e] = s
-                    mx = NR.max_nan(mx, s)
-                mx = NR.max_nan(mx, shfl_xor_f32(mx, 1))
-                mx = NR.max_nan(mx, shfl_xor_f32(mx, 2))
-                m_new = NR.max_nan(m_row, mx)
-                f, l_part = online_step(sc, 4, m_row, m_new, l_part)
-                m_row = m_new
-                b0 = pack(sc[0], sc[1])
-                b1 = pack(sc[2], sc[3])
-                f0 = shfl_idx_f32(f, 8 * t)          # columns 2t, 2t+1 of O^T are heads 2t, 2t+1
-                f1 = shfl_idx_f32(f, 8 * t + 4)
-                # O^T += V^T P^T: 16 dims x 8 heads per mma, k = the tile's 16 tokens
-                for j in range(NJ):
-                    for pp in range(2):
-                        o = 4 * j + 2 * pp
-                        a0 = movt(vw[o])
-                        a1 = movt(vw[o + 1])
-                        a2 = movt(vw[HL + o])
-                        a3 = movt(vw[HL + o + 1])
-                        c = 4 * (2 * j + pp)
-                        d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, acc[c] * f0, acc[c + 1] * f1,
-                                             acc[c + 2] * f0, acc[c + 3] * f1)
-                        acc[c] = d0
-                        acc[c + 1] = d1
-                        acc[c + 2] = d2
-                        acc[c + 3] = d3
-                if AHEAD:
-                    for e in range(KL):
-                        kw[e] = kn[e]
+                        mx = max(mx, shfl_xor_f32(mx, 1))
+                        mx = max(mx, shfl_xor_f32(mx, 2))
+                        m_new = max(m_row, mx)
+                    f, l_part = online_step(sc, 4, m_row, m_new, l_part)
+                    m_row = m_new
+                    b0 = pack(sc[0], sc[1])
+                    b1 = pack(sc[2], sc[3])
+                    f0 = shfl_idx_f32(f, 8 * t)          # columns 2t, 2t+1 of O^T are heads 2t, 2t+1
+                    f1 = shfl_idx_f32(f, 8 * t + 4)
+                    # O^T += V^T P^T: 16 dims x 8 heads per mma, k = the tile's 16 tokens
+                    for j in range(NJ):
+                        for pp in range(2):
+                            o = 4 * j + 2 * pp
+                            a0 = movt(vw[o])
+                            a1 = movt(vw[o + 1])
+                            a2 = movt(vw[HL + o])
+                            a3 = movt(vw[HL + o + 1])
+                            c = 4 * (2 * j + pp)
+                            d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, acc[c] * f0, acc[c + 1] * f1,
+                                                 acc[c + 2] * f0, acc[c + 3] * f1)
+                            acc[c] = d0
+                            acc[c + 1] = d1
+                            acc[c + 2] = d2
+                            acc[c + 3] = d3
+                    if AHEAD:
+                        for e in range(KL):
+                            kw[e] = kn[e]
+
+                if careful or not cuda.syncthreads_or(NR.state_suspect(acc, AL, m_row, l_part, raw_sum)):
+                    break
 
             # my row's mass, then the warps' states through shared memory
             l_row = l_part + shfl_xor_f32(l_part, 1)

@@ -142,7 +142,6 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
             for g in range(HP):
                 for e in range(VEC):
                     qv[g * VEC + e] = 0.0
-                    acc[g * VEC + e] = 0.0
                 if g < HG:
                     for c in range(QL):
                         w0, w1, w2, w3 = load_v4(q_w, (int64(r) * num_qo_heads + h0 + g) * QW + (x * QL + c) * 4)
@@ -150,97 +149,110 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
                     if PLAIN:
                         for e in range(VEC):
                             qv[g * VEC + e] *= qscale
-            m_mine = NEG_INF
-            l_mine = float32(0.0)
-            for u in range(U):
-                pos = kv_start + u * R + row
-                pg[u] = 0
-                if pos < kv_end:
-                    pi, _ = page_slot(pos, page_size, ps_shift)
-                    pg[u] = kv_indices[page_base + int64(pi)]
 
-            # the trip count is the same for every thread of the CTA (the
-            # simulator's emulated shuffle is block-wide and relies on it)
-            for base in range(kv_start, kv_end, S):
-                # this step's K and V rows, all in flight together
+            # the NaN rule (nbattn.cuda.blocks.nanrule, "fast pass, checked result"): the
+            # first pass keeps no rule in its loop; when its result shows a non-finite
+            # value anywhere in the CTA, the item runs again with the rule kept key by key
+            for careful in (False, True):
+                for e in range(HPV):
+                    acc[e] = 0.0
+                m_mine = NEG_INF
+                l_mine = float32(0.0)
+                raw_sum = float32(0.0)       # every raw score this lane took: non-finite if one was
                 for u in range(U):
-                    pos = base + u * R + row
-                    k0 = k1 = k2 = k3 = v0 = v1 = v2 = v3 = uint32(0)
-                    if pos < kv_end:
-                        _, within = page_slot(pos, page_size, ps_shift)
-                        row_k = pg[u] * page_words + int64(within * slot_words) + my_off
-                        k0, k1, k2, k3 = load_v4(kv_w, row_k)
-                        v0, v1, v2, v3 = load_v4(kv_w, row_k + v_off)
-                        k0, k1, k2, k3, v0, v1, v2, v3 = poison(k0, k1, k2, k3, v0, v1, v2, v3)
-                    kw[4 * u] = k0
-                    kw[4 * u + 1] = k1
-                    kw[4 * u + 2] = k2
-                    kw[4 * u + 3] = k3
-                    vw[4 * u] = v0
-                    vw[4 * u + 1] = v1
-                    vw[4 * u + 2] = v2
-                    vw[4 * u + 3] = v3
-                # next step's page ids: their latency hides behind this step's math
-                for u in range(U):
-                    pos = base + S + u * R + row
+                    pos = kv_start + u * R + row
+                    pg[u] = 0
                     if pos < kv_end:
                         pi, _ = page_slot(pos, page_size, ps_shift)
                         pg[u] = kv_indices[page_base + int64(pi)]
 
-                # scores: partial dots for every head, then a reduce-scatter over
-                # the token's lanes (each level halves the heads a lane carries)
-                # and a plain butterfly once one head is left: HP-1+log2(NX/HP)
-                # shuffles per token instead of HP*log2(NX)
-                for u in range(U):
-                    unpack4(kw[4 * u], kw[4 * u + 1], kw[4 * u + 2], kw[4 * u + 3], xf, 0)
-                    for g in range(HP):
-                        d = float32(0.0)
-                        for e in range(VEC):
-                            d += qv[g * VEC + e] * xf[e]
-                        dv[g] = d
-                    for i in range(LOG_HP):
-                        off = HALF >> i
-                        half = HP >> (i + 1)
-                        upper = (x & off) != 0
-                        for k in range(half):
-                            a = dv[k]
-                            b = dv[k + half]
-                            dv[k] = (b if upper else a) + shfl_xor_f32(a if upper else b, off)
-                    for i in range(LOG_HP, LOG_NX):
-                        dv[0] += shfl_xor_f32(dv[0], HALF >> i)
-                    pos = base + u * R + row
-                    ok = pos < kv_end and mine < HG and keep(r, h_mine, q_idx, pos)
-                    if PLAIN:
-                        s = NR.checked(dv[0], dv[0])
-                    else:
-                        s = NR.checked(dv[0] * sm_scale, transform(dv[0] * sm_scale, r, h_mine, q_idx, pos, slope))
-                    if SIGMOID:
-                        sc[u] = sigmoid_weight(s, sigmoid_bias) if ok else 0.0
-                    elif PLAIN:
-                        sc[u] = s if ok else NEG_INF
-                    else:
-                        sc[u] = s * float32(LOG2E) if ok else NEG_INF
-
-                # my head's online softmax, once per step: m' = max(m, max_u s_u),
-                # alpha = 2^(m - m'), p_u = 2^(s_u - m'), l' = alpha * l + sum_u p_u
-                if not SIGMOID:
-                    mx = m_mine
+                # the trip count is the same for every thread of the CTA (the
+                # simulator's emulated shuffle is block-wide and relies on it)
+                for base in range(kv_start, kv_end, S):
+                    # this step's K and V rows, all in flight together
                     for u in range(U):
-                        mx = NR.max_nan(mx, sc[u])
-                    f, l_mine = online_step(sc, U, m_mine, mx, l_mine)
-                    m_mine = mx
-                    # every lane rescales every head's accumulator: fetch the factors
-                    for g in range(HG):
-                        fg = shfl_idx_f32(f, lane0 + (g << HEAD_SHIFT))
-                        for e in range(VEC):
-                            acc[g * VEC + e] *= fg
-                # acc' = alpha * acc + sum_u p_u * v_u, every head's p fetched from its lane
-                for u in range(U):
-                    unpack4(vw[4 * u], vw[4 * u + 1], vw[4 * u + 2], vw[4 * u + 3], xf, 0)
-                    for g in range(HG):
-                        p = shfl_idx_f32(sc[u], lane0 + (g << HEAD_SHIFT))
-                        for e in range(VEC):
-                            acc[g * VEC + e] += p * xf[e]
+                        pos = base + u * R + row
+                        k0 = k1 = k2 = k3 = v0 = v1 = v2 = v3 = uint32(0)
+                        if pos < kv_end:
+                            _, within = page_slot(pos, page_size, ps_shift)
+                            row_k = pg[u] * page_words + int64(within * slot_words) + my_off
+                            k0, k1, k2, k3 = load_v4(kv_w, row_k)
+                            v0, v1, v2, v3 = load_v4(kv_w, row_k + v_off)
+                            if careful:
+                                k0, k1, k2, k3, v0, v1, v2, v3 = poison(k0, k1, k2, k3, v0, v1, v2, v3)
+                        kw[4 * u] = k0
+                        kw[4 * u + 1] = k1
+                        kw[4 * u + 2] = k2
+                        kw[4 * u + 3] = k3
+                        vw[4 * u] = v0
+                        vw[4 * u + 1] = v1
+                        vw[4 * u + 2] = v2
+                        vw[4 * u + 3] = v3
+                    # next step's page ids: their latency hides behind this step's math
+                    for u in range(U):
+                        pos = base + S + u * R + row
+                        if pos < kv_end:
+                            pi, _ = page_slot(pos, page_size, ps_shift)
+                            pg[u] = kv_indices[page_base + int64(pi)]
+
+                    # scores: partial dots for every head, then a reduce-scatter over
+                    # the token's lanes (each level halves the heads a lane carries)
+                    # and a plain butterfly once one head is left: HP-1+log2(NX/HP)
+                    # shuffles per token instead of HP*log2(NX)
+                    for u in range(U):
+                        unpack4(kw[4 * u], kw[4 * u + 1], kw[4 * u + 2], kw[4 * u + 3], xf, 0)
+                        for g in range(HP):
+                            d = float32(0.0)
+                            for e in range(VEC):
+                                d += qv[g * VEC + e] * xf[e]
+                            dv[g] = d
+                        for i in range(LOG_HP):
+                            off = HALF >> i
+                            half = HP >> (i + 1)
+                            upper = (x & off) != 0
+                            for k in range(half):
+                                a = dv[k]
+                                b = dv[k + half]
+                                dv[k] = (b if upper else a) + shfl_xor_f32(a if upper else b, off)
+                        for i in range(LOG_HP, LOG_NX):
+                            dv[0] += shfl_xor_f32(dv[0], HALF >> i)
+                        pos = base + u * R + row
+                        ok = pos < kv_end and mine < HG and keep(r, h_mine, q_idx, pos)
+                        raw = dv[0] if PLAIN else dv[0] * sm_scale
+                        raw_sum += raw
+                        s = raw if PLAIN else transform(raw, r, h_mine, q_idx, pos, slope)
+                        if careful:
+                            s = NR.checked(raw, s)
+                        if SIGMOID:
+                            sc[u] = sigmoid_weight(s, sigmoid_bias) if ok else 0.0
+                        elif PLAIN:
+                            sc[u] = s if ok else NEG_INF
+                        else:
+                            sc[u] = s * float32(LOG2E) if ok else NEG_INF
+
+                    # my head's online softmax, once per step: m' = max(m, max_u s_u),
+                    # alpha = 2^(m - m'), p_u = 2^(s_u - m'), l' = alpha * l + sum_u p_u
+                    if not SIGMOID:
+                        mx = m_mine
+                        for u in range(U):
+                            mx = NR.max_nan(mx, sc[u]) if careful else max(mx, sc[u])
+                        f, l_mine = online_step(sc, U, m_mine, mx, l_mine)
+                        m_mine = mx
+                        # every lane rescales every head's accumulator: fetch the factors
+                        for g in range(HG):
+                            fg = shfl_idx_f32(f, lane0 + (g << HEAD_SHIFT))
+                            for e in range(VEC):
+                                acc[g * VEC + e] *= fg
+                    # acc' = alpha * acc + sum_u p_u * v_u, every head's p fetched from its lane
+                    for u in range(U):
+                        unpack4(vw[4 * u], vw[4 * u + 1], vw[4 * u + 2], vw[4 * u + 3], xf, 0)
+                        for g in range(HG):
+                            p = shfl_idx_f32(sc[u], lane0 + (g << HEAD_SHIFT))
+                            for e in range(VEC):
+                                acc[g * VEC + e] += p * xf[e]
+
+                if careful or not cuda.syncthreads_or(NR.state_suspect(acc, HPV, m_mine, l_mine, raw_sum)):
+                    break
 
             # combine the R rows' states (merge rule, docs/concepts/state.md) and write;
             # o is linear in acc, so v_scale may join here: o = v_scale * acc / l
