@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import nbattn  # noqa: F401  (simulator choice first)
+from numba import cuda  # noqa: E402
 from nbattn import cuda as C
 from nbattn.cuda import decode as DEC
 from nbattn.cuda.kernels.prefill_dispatch import make_spec
@@ -88,7 +89,7 @@ def test_decode_wrapper_plans_rope_and_runs_it():
     kv_lens = [12, 30, 1]
     b = random_paged_batch(rng, qo_lens=[1] * 3, kv_lens=kv_lens, page_size=4, num_kv_heads=2, group=2,
                            head_dim=8, share_first_page=True)
-    w = C.BatchDecodeWithPagedKVCacheWrapper(np.zeros(8 << 20, np.uint8))
+    w = C.BatchDecodeWithPagedKVCacheWrapper(cuda.device_array(8 << 20, np.uint8))
     w.plan(b["indptr"], b["indices"], b["last"], 4, 2, 8, 4, pos_encoding_mode="ROPE_LLAMA", rope_theta=80.0,
            q_data_type=np.float32, kv_data_type=np.float32)
     o, lse = w.run(b["q"], b["cache"], return_lse=True)
@@ -146,7 +147,7 @@ def test_prefill_wrapper_plans_rope_and_runs_it():
     qo_lens, kv_lens = [2, 5], [9, 5]
     b = random_paged_batch(rng, qo_lens=qo_lens, kv_lens=kv_lens, page_size=4, num_kv_heads=2, group=2,
                            head_dim=8, share_first_page=True)
-    w = C.BatchPrefillWithPagedKVCacheWrapper(np.zeros(8 << 20, np.uint8))
+    w = C.BatchPrefillWithPagedKVCacheWrapper(cuda.device_array(8 << 20, np.uint8))
     w.plan(b["qo_indptr"], b["indptr"], b["indices"], b["last"], 4, 2, 8, 4, causal=True,
            pos_encoding_mode="ROPE_LLAMA", rope_theta=64.0, q_data_type=np.float32, kv_data_type=np.float32)
     o, lse = w.run(b["q"], b["cache"], return_lse=True)
