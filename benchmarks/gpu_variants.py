@@ -32,6 +32,7 @@ head_dim 128, 32 query heads, group 4, page 16:
 fp8 against fp16 is ``benchmarks/gpu_fp8.py`` (``fp8.json``).
 
     PYTHONPATH=$PWD python3 benchmarks/gpu_variants.py --commit SHA [--out DIR] [--parts rope decode prefill]
+    PYTHONPATH=$PWD python3 benchmarks/gpu_variants.py --commit SHA --out benchmarks/results --replot   # figure only
 
 Under numba's CUDA simulator (no GPU) it is a dry run at tiny shapes, timed with
 the host clock and with FlexAttention uncompiled: it checks that the script runs
@@ -291,6 +292,11 @@ def figure(recs, path):
     axes[0].legend(fontsize=8)
     for ax, part in zip(axes[1:], ("decode", "prefill")):
         sel = [r for r in recs if r["case"].get("part") == part and r["metric"] == "latency_us"]
+        ax.set_title(f"variants, {part}")
+        if not sel:
+            ax.text(0.5, 0.5, "not measured in this file", ha="center", va="center", transform=ax.transAxes)
+            ax.set_axis_off()
+            continue
         names = [r["case"]["variant"] for r in sel]
         for j, (key, label) in enumerate((("nbattn", "nbattn"), ("flex_us", "FlexAttention (compiled)"),
                                           ("sdpa_us", "SDPA"))):
@@ -298,7 +304,6 @@ def figure(recs, path):
             ax.bar(np.arange(len(sel)) + (j - 1) * 0.27, vals, 0.27, label=label)
         ax.set_xticks(np.arange(len(sel)), names, fontsize=8)
         ax.set_ylabel("microseconds per call (eager)")
-        ax.set_title(f"variants, {part}")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
@@ -311,7 +316,13 @@ def main(argv=None) -> int:
     ap.add_argument("--commit", required=True, help="the nbattn commit measured (recorded in the file)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/nbattn_out"))
     ap.add_argument("--parts", nargs="*", default=["rope", "decode", "prefill"], choices=["rope", "decode", "prefill"])
+    ap.add_argument("--replot", action="store_true",
+                    help="only draw <out>/variants.png again from <out>/variants.json (no GPU)")
     args = ap.parse_args(argv)
+    if args.replot:
+        import json
+        figure(json.loads((Path(args.out) / "variants.json").read_text())["records"], Path(args.out) / "variants.png")
+        return 0
     if not SIMULATOR:
         import importlib
         importlib.import_module("torch._dynamo").config.recompile_limit = 64
