@@ -55,11 +55,13 @@ def test_device_inputs_match_golden_across_calls(dtype):
 
 def test_decode_work_equals_the_rule_and_the_loop():
     """hostwork.decode_work against decode.choose_chunk + decode.split_work (the loop):
-    the same chunk, the same work list and reduction map, the page table copied, every
+    the same chunk, the same work list and reduction map (a sliding window's first
+    visible key included), the page table copied, every
     array at its 16-byte aligned offset; a buffer too short is left untouched."""
     from nbattn import layout as L
     from nbattn.cuda.host import hostwork as HW
     from nbattn.cuda.decode import split_work
+    from nbattn.cuda.decode_problem import first_visible
     rng = np.random.default_rng(72)
     for trial in range(300):
         ps = int(rng.choice([1, 4, 16]))
@@ -68,20 +70,23 @@ def test_decode_work_equals_the_rule_and_the_loop():
         pkv = L.PagedKV.allocate(lens, ps, rng=rng)
         ctas, slots = int(rng.integers(1, 80)), int(rng.integers(1, 120))
         grain, floor = int(rng.choice([1, 16, 32])), int(rng.choice([1, 16, 64]))
-        longest = int(lens.max())
+        edge = int(rng.choice([-1, int(rng.integers(0, 300))]))            # a sliding window, or none
+        first = first_visible(lens, edge, grain)
+        assert (first % grain == 0).all() and (first <= np.maximum(lens - 1 - max(edge, 0), 0)).all()
+        longest = int((lens - first).max())
         chunk = None                                           # decode.choose_chunk's arithmetic
         if ctas < slots and longest > 0:
             c = max(floor, -(-longest // max(1, slots // ctas)))
             c = -(-c // grain) * grain
             chunk = None if c >= longest else c
-        want = split_work(lens, chunk)
+        want = split_work(lens, chunk, first)
         tables = (pkv.paged_kv_indptr, pkv.paged_kv_indices, pkv.paged_kv_last_page_len)
         short = np.full(8, 7, np.int32)
-        info = HW.decode_work(*tables, ps, ctas, slots, grain, floor, short)
+        info = HW.decode_work(*tables, ps, ctas, slots, grain, floor, edge, short)
         if info[0] > short.size:
             assert (short == 7).all()
         buf = np.full(int(info[0]) + int(rng.integers(0, 9)), -99, np.int32)
-        info = HW.decode_work(*tables, ps, ctas, slots, grain, floor, buf)
+        info = HW.decode_work(*tables, ps, ctas, slots, grain, floor, edge, buf)
         assert info[5] == (chunk or 0)
         offs, lens_out = info[6:17], info[17:28]
         got = [buf[o:o + n] for o, n in zip(offs, lens_out)]

@@ -46,7 +46,7 @@ from .decode_call import fast_decode
 from .fp8 import decode_kv
 from .decode_problem import (KERNELS, MAX_HEAD_DIM, DecodeProblem, aligned_16, check_head_dim, check_out,
                              choose_chunk, decode_arg_index, decode_kernel, decode_launch, launch_for,
-                             launches_programmatically, split_rule)
+                             first_visible, launches_programmatically, split_rule, window_edge)
 from .blocks.variants import kernel_variant
 from .host import arrays as A
 from .host.driver import launch_programmatic
@@ -125,11 +125,12 @@ def prepare_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_k
 # Work lists: the unsplit list, FlashDecoding chunks, and running them
 # ---------------------------------------------------------------------------
 
-def split_work(kv_lens: np.ndarray, kv_chunk_size: int | None):
+def split_work(kv_lens: np.ndarray, kv_chunk_size: int | None, first: np.ndarray | None = None):
     """Host work list and reduction map for fixed-size KV chunks.
 
-    One CTA per item.  A request longer than ``kv_chunk_size`` becomes
-    ``ceil(len / chunk)`` items writing consecutive partial slots in KV order;
+    One CTA per item.  A request whose keys from ``first[r]`` (default 0; see
+    :func:`~nbattn.cuda.decode_problem.first_visible`) on are more than ``kv_chunk_size``
+    becomes ``ceil(len / chunk)`` items writing consecutive partial slots in KV order;
     shorter ones (and empty ones) write their final output directly.
     Returns ``(cta_indptr, request, kv_start, kv_end, out_slot,
     merge_indptr, merge_row, merge_slots, num_slots)`` as int32 NumPy arrays
@@ -138,11 +139,13 @@ def split_work(kv_lens: np.ndarray, kv_chunk_size: int | None):
     req, ks, ke, slot = [], [], [], []
     m_indptr, m_row, m_slots = [0], [], []
     n_slots = 0
-    for r, n in enumerate(np.asarray(kv_lens, np.int64)):
-        if kv_chunk_size is None or n <= kv_chunk_size:
-            req.append(r); ks.append(0); ke.append(int(n)); slot.append(-1)
+    lens = np.asarray(kv_lens, np.int64)
+    first = np.zeros(lens.shape, np.int64) if first is None else np.asarray(first, np.int64)
+    for r, (n, lo) in enumerate(zip(lens.tolist(), first.tolist())):
+        if kv_chunk_size is None or n - lo <= kv_chunk_size:
+            req.append(r); ks.append(lo); ke.append(n); slot.append(-1)
             continue
-        starts = range(0, int(n), int(kv_chunk_size))
+        starts = range(lo, n, int(kv_chunk_size))
         for a in starts:
             req.append(r); ks.append(a); ke.append(min(int(n), a + int(kv_chunk_size)))
             slot.append(n_slots); m_slots.append(n_slots); n_slots += 1
@@ -188,8 +191,9 @@ def split_runner(p: DecodeProblem, kv_chunk_size: int | None) -> Callable[[], No
     before they wait for it.  Both follow ``p.tuning``."""
     from .merge import MergeMap, run_merge_partials
 
+    first = first_visible(p.kv_lens, window_edge(p.variant), split_rule(p.config(), p.batch, p.num_qo_heads)[2])
     (cta_indptr, req, ks, ke, slot, m_indptr, m_row, m_slots, n_slots) = split_work(
-        p.kv_lens, kv_chunk_size)
+        p.kv_lens, kv_chunk_size, first)
     work = WorkList(*upload_int32(p.stream, cta_indptr, req, ks, ke, slot))
     # allocated here, not per launch: a launch inside a CUDA-graph capture must not allocate
     po = cuda.device_array((max(n_slots, 1), p.num_qo_heads, p.head_dim), np.float32, stream=p.stream)

@@ -123,7 +123,7 @@ def _checked_call(q, cache, meta, kind, kv_layout, return_lse, out, lse, variant
     c.kind, c.var, c.fp8, c.ks, c.vs, c.code, c.dims, c.shape = kind, var, fp8, ks, vs, code, dims, shape
     hq, D = shape[1], shape[2]
     c.cfg = make_config(code, D, group, kv_layout, var, True, B * dims.num_kv_heads, tuning, fp8)
-    c.rule = DP.split_rule(c.cfg, B, hq)
+    c.rule = (*DP.split_rule(c.cfg, B, hq), DP.window_edge(var))     # decode_work's rule and window
     c.pdl = DP.launches_programmatically(c.cfg)
     c.n_hb = hq // c.cfg.heads_per_cta
     c.kv_words = math.prod(cache.shape) // ELEM_WORDS[fp8 or code]

@@ -10,7 +10,9 @@ pieces that both entry paths of :func:`nbattn.cuda.decode.batch_decode_paged`
   :mod:`nbattn.cuda.kernels`);
 * :func:`launch_for` / :func:`decode_launch`, a launch's ``(kernel, grid, threads,
   args)`` over a work list, and :func:`decode_arg_index`, where its arguments sit;
-* :func:`split_rule` and :func:`choose_chunk`, the built-in split heuristic.
+* :func:`split_rule` and :func:`choose_chunk`, the built-in split heuristic;
+* :func:`window_edge` and :func:`first_visible`, where a sliding window lets the
+  work list begin.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from .tuning import DECODE, DecodeTuning
 
 __all__ = ["DecodeProblem", "MAX_HEAD_DIM", "check_head_dim", "check_out", "aligned_16", "KERNELS",
            "decode_kernel", "launches_programmatically", "decode_launch", "launch_for", "decode_arg_index",
-           "split_rule", "choose_chunk"]
+           "split_rule", "choose_chunk", "window_edge", "first_visible"]
 
 MAX_HEAD_DIM = 256
 
@@ -202,7 +204,8 @@ def choose_chunk(p: DecodeProblem) -> int | None:
     much as a full one -- and into chunks of at least a few tiles; None means
     no split."""
     ctas, slots, grain, floor = split_rule(p.config(), p.batch, p.num_qo_heads)
-    longest = int(p.kv_lens.max()) if p.batch else 0
+    seen = p.kv_lens - first_visible(p.kv_lens, window_edge(p.variant), grain)
+    longest = int(seen.max()) if p.batch else 0
     if ctas >= slots or longest == 0:
         return None
     splits = max(1, slots // max(ctas, 1))
@@ -220,3 +223,30 @@ def split_rule(cfg: DecodeConfig, batch: int, num_qo_heads: int) -> tuple[int, i
     grain = 16 if cfg.path == "tc" else cfg.tile_tokens
     floor = (4 if cfg.path == "tc" else 8) * cfg.tile_tokens
     return ctas, slots, grain, floor
+
+
+# ---------------------------------------------------------------------------
+# Keys no query can see, as data
+# ---------------------------------------------------------------------------
+
+def window_edge(variant: Variant) -> int:
+    """How many keys before the query a decode query can see, or -1 when it may see
+    any key: ``window_left`` for a sliding window without StreamingLLM sink tokens
+    (those keep the first keys visible too)."""
+    return int(variant.window_left) if variant.window_left >= 0 and variant.sink_size == 0 else -1
+
+
+def first_visible(kv_lens: np.ndarray, edge: int, align: int) -> np.ndarray:
+    """The key each request's work begins at: ``kv_len - 1 - edge`` (a decode query
+    sits at its request's last key, and the window hides every key further back),
+    rounded down to ``align`` so that chunks stay aligned as the kernels' tiles
+    need; 0 for every request when ``edge`` is -1.
+
+    The work list then never visits the pages in front of the window (what
+    FlexAttention's ``BlockMask`` does for blocks that no query sees); the kernels
+    still mask the keys between the rounded start and the window's edge.
+    Exact: a hidden key is skipped by the NaN rule, never weighted by 0."""
+    lens = np.asarray(kv_lens, np.int64)
+    if edge < 0:
+        return np.zeros(lens.shape, np.int64)
+    return np.maximum(lens - 1 - edge, 0) // align * align

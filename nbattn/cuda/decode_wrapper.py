@@ -18,6 +18,7 @@ refused, naming it.  The checks are :mod:`nbattn.cuda.fp8`'s.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -27,7 +28,8 @@ from numba import cuda
 from .. import layout as L
 from ..sched.plan import DIRECT, Plan, plan as lpt_plan
 from ..sched.tiles import choose_tile_q, decode_tiles
-from .decode_problem import DecodeProblem, check_head_dim, decode_arg_index, launch_for
+from .decode_problem import (DecodeProblem, check_head_dim, decode_arg_index, first_visible, launch_for, split_rule,
+                             window_edge)
 from .fp8 import check_run_dtypes, is_fp8, plan_kv_code, run_scales
 from .blocks.variants import cached_variant, user_state
 from .host import arrays as A
@@ -144,21 +146,28 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         if num_ctas is not None and not 1 <= int(num_ctas) <= self.num_ctas:
             raise ValueError(f"num_ctas: must be in 1..{self.num_ctas} (the constructor's grid), "
                              f"got {num_ctas}")
+        if mode == "lpt" and small:       # the persistent grid runs the batch-independent shape
+            cfg = make_config(code, D, group, self._kv_layout, var, tuning=tuning)
+        # a sliding window's hidden keys are planned out: plan the keys from the first visible one
+        first = first_visible(kv_lens, window_edge(var), split_rule(cfg, batch, hq)[2])
+        seen = kv_lens - first
         if mode == "split":
-            p = self._split_plan(kv_lens, batch, hq // cfg.heads_per_cta, cfg)
+            p = self._split_plan(seen, batch, hq // cfg.heads_per_cta, cfg)
         else:
-            if small:       # the persistent grid runs the batch-independent shape
-                cfg = make_config(code, D, group, self._kv_layout, var, tuning=tuning)
             if num_ctas is None:
                 num_ctas = decode_plan_ctas(cfg, hq, self.num_ctas)
             # One query tile per request: its `group` fused rows are one decode CTA's heads.
             overhead = tuning.plan_chunk_overhead if chunk_overhead is None else chunk_overhead
             qo_lens = np.ones(batch, np.int64)
-            p = lpt_plan(qo_lens, kv_lens, int(num_ctas), tile_q=choose_tile_q(qo_lens, group, decode_tiles(group)),
+            p = lpt_plan(qo_lens, seen, int(num_ctas), tile_q=choose_tile_q(qo_lens, group, decode_tiles(group)),
                          group=group,
                          alpha=alpha, beta=beta, chunk_overhead=overhead, chunk_limit=chunk_limit,
                          cost=cost)
             self._check_bound(p)
+        if first.any():
+            at = first[p.request].astype(np.int32)
+            p = dataclasses.replace(p, kv_lens=kv_lens.astype(np.int32), kv_start=p.kv_start + at,
+                                    kv_end=p.kv_end + at)
         self._check_fits(batch, int(pkv.paged_kv_indices.size), p.num_items, hq, D, 1, group)
         stream = self._begin_plan()
         self._write_common(p, pkv.paged_kv_indptr, pkv.paged_kv_indices,

@@ -89,8 +89,13 @@ def _aligned(n):
 
 
 @njit(cache=True)
-def decode_work(indptr, indices, last, page_size, ctas, slots, grain, floor, buf):
+def decode_work(indptr, indices, last, page_size, ctas, slots, grain, floor, edge, buf):
     """The work list of a validated page table, packed into ``buf`` (int32).
+
+    Each request's work begins at its first visible key,
+    ``(kv_len - 1 - edge) // grain * grain`` (0 when ``edge`` is -1; see
+    :func:`nbattn.cuda.decode_problem.first_visible`), and the split rule counts
+    the keys from there on.
 
     Split rule (``choose_chunk``): with ``ctas`` CTAs unsplit and ``slots`` CTA
     slots on the GPU, a batch that fills them is not split; else every request
@@ -108,11 +113,14 @@ def decode_work(indptr, indices, last, page_size, ctas, slots, grain, floor, buf
     batch = indptr.shape[0] - 1
     nnz = indices.shape[0]
     kv_len = np.empty(batch, np.int64)
+    lo = np.zeros(batch, np.int64)
     longest = 0
     for r in range(batch):
         n = indptr[r + 1] - indptr[r]
         kv_len[r] = (n - 1) * page_size + last[r] if n > 0 else 0
-        longest = max(longest, kv_len[r])
+        if edge >= 0:
+            lo[r] = max(kv_len[r] - 1 - edge, 0) // grain * grain
+        longest = max(longest, kv_len[r] - lo[r])
     # -- the split rule --
     chunk = 0
     if ctas < slots and longest > 0:
@@ -127,7 +135,8 @@ def decode_work(indptr, indices, last, page_size, ctas, slots, grain, floor, buf
     n_merge = 0
     most = 0
     for r in range(batch):
-        k = (kv_len[r] + chunk - 1) // chunk if chunk > 0 and kv_len[r] > chunk else 1
+        seen = kv_len[r] - lo[r]
+        k = (seen + chunk - 1) // chunk if chunk > 0 and seen > chunk else 1
         n_items += k
         if k > 1:
             n_slots += k
@@ -154,18 +163,19 @@ def decode_work(indptr, indices, last, page_size, ctas, slots, grain, floor, buf
     m = 0
     buf[o[8]] = 0
     for r in range(batch):
-        k = (kv_len[r] + chunk - 1) // chunk if chunk > 0 and kv_len[r] > chunk else 1
+        seen = kv_len[r] - lo[r]
+        k = (seen + chunk - 1) // chunk if chunk > 0 and seen > chunk else 1
         for j in range(k):
             buf[o[3] + i] = i
             buf[o[4] + i] = r
             if k > 1:
-                buf[o[5] + i] = j * chunk
-                buf[o[6] + i] = min(kv_len[r], (j + 1) * chunk)
+                buf[o[5] + i] = lo[r] + j * chunk
+                buf[o[6] + i] = min(kv_len[r], lo[r] + (j + 1) * chunk)
                 buf[o[7] + i] = slot
                 buf[o[10] + slot] = slot
                 slot += 1
             else:
-                buf[o[5] + i] = 0
+                buf[o[5] + i] = lo[r]
                 buf[o[6] + i] = kv_len[r]
                 buf[o[7] + i] = -1
             i += 1
@@ -178,7 +188,7 @@ def decode_work(indptr, indices, last, page_size, ctas, slots, grain, floor, buf
 
 
 @njit(cache=True)
-def decode_call_work(indptr, indices, last, page_size, num_pages, ctas, slots, grain, floor, buf):
+def decode_call_work(indptr, indices, last, page_size, num_pages, ctas, slots, grain, floor, edge, buf):
     """A plain call's compiled host work: :func:`page_table_ok`, then, when the table
     obeys every rule, :func:`decode_work` into ``buf``; ``info[0] = -1`` (and nothing
     written) when it does not."""
@@ -186,7 +196,7 @@ def decode_call_work(indptr, indices, last, page_size, num_pages, ctas, slots, g
         info = np.zeros(6 + 2 * 11, np.int64)
         info[0] = -1
         return info
-    return decode_work(indptr, indices, last, page_size, ctas, slots, grain, floor, buf)
+    return decode_work(indptr, indices, last, page_size, ctas, slots, grain, floor, edge, buf)
 
 
 @njit(cache=True)
