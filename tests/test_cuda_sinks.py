@@ -157,7 +157,7 @@ def test_bad_sinks_refused_before_any_kernel_and_nothing_changes(monkeypatch, ba
     q, k, v, _, _ = ragged_batch(rng, [2], [4])
     out = np.full_like(q, 7.0)
     ran = []
-    monkeypatch.setattr(S, "merge_state_in_place", lambda *a, **kw: ran.append(1))
+    monkeypatch.setattr(S, "sink_kernel", lambda *a, **kw: ran.append(1))
     before = [x.copy() for x in (q, k, v, bad)]
     with pytest.raises(ValueError, match=match):
         C.single_prefill(q, k, v, sinks=bad, out=out)

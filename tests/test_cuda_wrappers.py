@@ -528,3 +528,53 @@ def test_prefill_run_after_replan_to_other_shapes_rebinds():
         b = prefill_batch(rng, qo, kv)
         w.plan(b["qo_indptr"], b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, causal=True)
         close(w.run(b["q"], b["cache"], return_lse=True), ref_prefill(b, True))
+
+
+@gpu
+def test_gpu_sinks_tensor_read_in_place_rechecked_after_writes_and_captured():
+    """run(sinks=) with a CUDA sinks tensor: the kernel reads its current values,
+    an in-place write that makes one non-finite is refused (torch counted it), a
+    bfloat16 tensor and host logits give the same result, and a capture after one
+    eager run replays with the values written between replays."""
+    import torch
+    from nbattn.reference.sinks import apply_sinks as golden_sinks
+    hq, hk, d, page = 32, 8, 128, 16
+    b, q, cache = _torch_decode([3000, 0, 700, 17], 23)
+    ref_o, ref_l = R.batch_decode_paged(b["q"].astype(np.float16).astype(np.float64),
+                                        b["cache"].astype(np.float16).astype(np.float64), b["indptr"],
+                                        b["indices"], b["last"], return_lse=True, dtype=np.float64)
+    rng = np.random.default_rng(24)
+    host = (rng.standard_normal(hq) * 3).astype(np.float32)
+    ws = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    w = BatchDecodeWithPagedKVCacheWrapper(ws, num_ctas=16)
+    w.plan(b["indptr"], b["indices"], b["last"], hq, hk, d, page)
+
+    def want(s):
+        return golden_sinks(ref_o.copy(), ref_l.copy(), np.asarray(s, np.float64))
+
+    def got(o, lse):
+        return o.float().cpu().numpy(), lse.cpu().numpy()
+
+    sinks = torch.from_numpy(host).cuda()
+    close(got(*w.run(q, cache, return_lse=True, sinks=sinks)), want(host))
+    sinks.mul_(-0.5)                                   # torch counts the write: checked and read again
+    close(got(*w.run(q, cache, return_lse=True, sinks=sinks)), want(host * -0.5))
+    sinks[3] = float("inf")
+    with pytest.raises(ValueError, match="sinks: must be finite"):
+        w.run(q, cache, sinks=sinks)
+    close(got(*w.run(q, cache, return_lse=True, sinks=host)), want(host))
+    bf = torch.from_numpy(host).cuda().to(torch.bfloat16)
+    close(got(*w.run(q, cache, return_lse=True, sinks=bf)), want(bf.float().cpu().numpy()))
+    live = torch.from_numpy(host).cuda()
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
+    w.run(q, cache, out=out, lse=lse, sinks=live)      # checks the values and binds, before the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        w.run(q, cache, out=out, lse=lse, sinks=live)
+    for scale in (1.0, 2.0):
+        live.copy_(torch.from_numpy(host * scale))
+        g.replay()
+        torch.cuda.synchronize()
+        close((out.float().cpu().numpy(), lse.cpu().numpy()), want(host * scale))

@@ -229,7 +229,8 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         plan the cache has plan()'s fp8 dtype and ``k_scale`` / ``v_scale`` (floats,
         None: 1.0) are its scales; a plain plan refuses them.  ``sinks
         [num_qo_heads]``: learnable sink logits, checked on the host and merged
-        once after the kernels (not capturable in a CUDA graph)."""
+        once after the kernels (:mod:`nbattn.cuda.sinks`: capturable in a CUDA graph
+        after one run outside it)."""
         if sinks is not None:
             return self._run_with_sinks(sinks, q, paged_kv_cache, out, lse, return_lse, k_scale=k_scale,
                                         v_scale=v_scale)

@@ -459,12 +459,12 @@ class PlanRunWrapper:
 
     def _run_with_sinks(self, sinks, q, paged_kv_cache, out, lse, return_lse: bool, **kwargs):
         """run() with learnable sinks: ``sinks [num_qo_heads]`` checked by the golden
-        model's rules (values too, so a device tensor is copied to the host) before
-        anything launches, then the sink state merged into the result once
-        (:mod:`nbattn.cuda.sinks`)."""
-        from .sinks import apply_sinks, check_sinks
+        model's rules before anything launches (:func:`nbattn.cuda.sinks.checked_sinks`
+        says when a CUDA tensor's values are read back), then the sink state merged
+        into the result once (:mod:`nbattn.cuda.sinks`)."""
+        from .sinks import apply_sinks, checked_sinks
         self._need_plan()
-        checked = check_sinks(sinks, self._num_qo_heads, self._variant)
+        checked = checked_sinks(sinks, q, self._variant, self._num_qo_heads)
         o, l = self.run(q, paged_kv_cache, out=out, lse=lse, return_lse=True, **kwargs)
         apply_sinks(o, l, checked)
         return (o, l) if return_lse else o

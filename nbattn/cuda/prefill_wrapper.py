@@ -156,7 +156,8 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         checked, then three launches bound once per plan configuration run on
         torch's current stream (torch CUDA tensors in, torch tensors out).
         ``sinks [num_qo_heads]``: learnable sink logits, checked on the host and
-        merged once after the kernels (not capturable in a CUDA graph)."""
+        merged once after the kernels (:mod:`nbattn.cuda.sinks`: capturable in a CUDA
+        graph after one run outside it)."""
         if sinks is not None:
             return self._run_with_sinks(sinks, q, paged_kv_cache, out, lse, return_lse)
         kind, code, stream, q_dev, kv_dev, kv_words, out_user, out_dev, lse_user, lse_dev = self._run_inputs(

@@ -24,13 +24,17 @@ fold over many partials, shaped for bandwidth and latency.
 """
 from __future__ import annotations
 
+import math
+
 from numba import cuda, float32, int64
 
 from ..blocks.primitives import SIMULATOR, element_io
 from ..blocks.softmax import NEG_INF, merge_weights
 from ..host.driver import jit_kernel
 
-__all__ = ["KERNELS", "pair_threads", "fold_kernel", "pair_kernel"]
+LOG2E = 1.0 / math.log(2.0)
+
+__all__ = ["KERNELS", "pair_threads", "fold_kernel", "pair_kernel", "sink_kernel"]
 
 #: Every compiled merge kernel (and generated device function), by its key.
 KERNELS: dict = {}
@@ -100,6 +104,34 @@ def pair_kernel(code: str, head_dim: int):
                 store_elem(out, n * D + d, o)
             if cuda.threadIdx.x == 0:
                 out_s[n] = l
+
+    KERNELS[key] = jit_kernel(kernel)
+    return KERNELS[key]
+
+
+def sink_kernel(code: str, head_dim: int):
+    """Kernel ``(o, lse, sinks, num_heads)``: every flat state ``n`` (row ``n //
+    num_heads``, head ``h = n % num_heads``) merged in place with the sink state
+    of its head, ``(0, sinks[h] * log2(e))``, one CTA a state.  It is
+    :func:`pair_kernel` with the second state's vector known to be zero and its
+    LSE read per head (``sinks`` float32 logits, natural base)."""
+    key = ("sink", code, head_dim)
+    if key in KERNELS:
+        return KERNELS[key]
+    D, NB = head_dim, pair_threads(head_dim)
+    load_elem, store_elem, _ = element_io(code)
+    log2e = float32(LOG2E)
+
+    def kernel(o, lse, sinks, num_heads):
+        n = int64(cuda.blockIdx.x)
+        # the sink's state: o_s = 0, lse_s = sinks[h] * log2(e);  wa, wb, l as in pair_kernel
+        wa, wb, l = merge_weights(lse[n], sinks[n % num_heads] * log2e)
+        cuda.syncthreads()  # every thread has read lse[n] before it is overwritten
+        for d in range(cuda.threadIdx.x, D, NB):
+            # o = wa * o + wb * 0
+            store_elem(o, n * D + d, wa * load_elem(o, n * D + d))
+        if cuda.threadIdx.x == 0:
+            lse[n] = l
 
     KERNELS[key] = jit_kernel(kernel)
     return KERNELS[key]
