@@ -1,8 +1,11 @@
 """Variants and RoPE through the public API, beside same-run peers (issue 19, item 5;
 the counterparts of the paper's Figure 9 and of its variant tables).
 
-Suite ``variants`` (``<out>/variants.json``, figure ``<out>/variants.png``), fp16,
-head_dim 128, 32 query heads, group 4, page 16:
+Suites ``variants`` (``<out>/variants.json``: the rope and decode parts) and
+``variants_prefill`` (``<out>/variants_prefill.json``: the prefill part, which
+compiles a prefill kernel per variant and so gets a GPU visit of its own), one
+figure ``<out>/variants.png`` drawn from both files; fp16, head_dim 128, 32
+query heads, group 4, page 16:
 
 1. ``part=rope``, the StreamingLLM case (keys stored unrotated), decode b64 x 4k
    and b1 x 32k, ``latency_us`` of eager back-to-back calls per ``mode``:
@@ -33,6 +36,9 @@ fp8 against fp16 is ``benchmarks/gpu_fp8.py`` (``fp8.json``).
 
     PYTHONPATH=$PWD python3 benchmarks/gpu_variants.py --commit SHA [--out DIR] [--parts rope decode prefill]
     PYTHONPATH=$PWD python3 benchmarks/gpu_variants.py --commit SHA --out benchmarks/results --replot   # figure only
+
+A run writes only the files of the parts it ran; ``--replot`` draws the figure
+from whichever of the two files are there.
 
 Under numba's CUDA simulator (no GPU) it is a dry run at tiny shapes, timed with
 the host clock and with FlexAttention uncompiled: it checks that the script runs
@@ -310,6 +316,21 @@ def figure(recs, path):
     plt.close(fig)
 
 
+#: Each suite file and the parts it holds.
+SUITES = {"variants": ("rope", "decode"), "variants_prefill": ("prefill",)}
+
+
+def stored_records(out: Path) -> list:
+    """The records of every suite file of this script found in ``out``."""
+    import json
+    recs = []
+    for suite in SUITES:
+        path = out / f"{suite}.json"
+        if path.exists():
+            recs += json.loads(path.read_text())["records"]
+    return recs
+
+
 def main(argv=None) -> int:
     t0 = time.perf_counter()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -317,11 +338,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/nbattn_out"))
     ap.add_argument("--parts", nargs="*", default=["rope", "decode", "prefill"], choices=["rope", "decode", "prefill"])
     ap.add_argument("--replot", action="store_true",
-                    help="only draw <out>/variants.png again from <out>/variants.json (no GPU)")
+                    help="only draw <out>/variants.png again from the suite files in <out> (no GPU)")
     args = ap.parse_args(argv)
     if args.replot:
-        import json
-        figure(json.loads((Path(args.out) / "variants.json").read_text())["records"], Path(args.out) / "variants.png")
+        figure(stored_records(Path(args.out)), Path(args.out) / "variants.png")
         return 0
     if not SIMULATOR:
         import importlib
@@ -333,8 +353,16 @@ def main(argv=None) -> int:
 
     def save():
         from nbattn.perf import results
+        paths = []
+        for suite, parts in SUITES.items():
+            mine = [r for r in recs if r["case"]["part"] in parts]
+            if mine:
+                paths.append(write(results, suite, mine))
+        return paths
+
+    def write(results, suite, mine):
         return results.write_suite(
-            "variants", recs, gpu="numba CUDA simulator (dry run)" if SIMULATOR else torch.cuda.get_device_name(),
+            suite, mine, gpu="numba CUDA simulator (dry run)" if SIMULATOR else torch.cuda.get_device_name(),
             command="PYTHONPATH=$PWD python3 benchmarks/gpu_variants.py " + " ".join(argv or sys.argv[1:]),
             versions={"nbattn_commit": args.commit, "torch": torch.__version__, "numpy": np.__version__,
                       "python": platform.python_version()},
@@ -348,9 +376,10 @@ def main(argv=None) -> int:
         save()
         if not SIMULATOR:
             torch.cuda.empty_cache()
-    path = save()
-    figure(recs, Path(args.out) / "variants.png")
-    print(f"wrote {path} ({len(recs)} records) in {time.perf_counter() - t0:.0f} s", flush=True)
+    paths = save()
+    figure(stored_records(Path(args.out)), Path(args.out) / "variants.png")
+    print(f"wrote {', '.join(map(str, paths))} ({len(recs)} records) in {time.perf_counter() - t0:.0f} s",
+          flush=True)
     return 0
 
 

@@ -578,3 +578,31 @@ def test_gpu_sinks_tensor_read_in_place_rechecked_after_writes_and_captured():
         g.replay()
         torch.cuda.synchronize()
         close((out.float().cpu().numpy(), lse.cpu().numpy()), want(host * scale))
+
+
+@gpu
+@pytest.mark.parametrize("schedule", ["auto", "lpt"])
+def test_gpu_window_plans_hidden_pages_out(schedule):
+    """A sliding window on the decode wrapper with torch CUDA tensors: the work
+    lists start at each request's first visible page (decode_problem.first_visible),
+    and the result equals the golden model's, split or not, also in a graph replay."""
+    import torch
+    hq, hk, d, page = 32, 8, 128, 16
+    b, q, cache = _torch_decode([9000, 5, 700, 0, 333], 25)
+    gold = R.batch_decode_paged(b["q"].astype(np.float16).astype(np.float64),
+                                b["cache"].astype(np.float16).astype(np.float64), b["indptr"], b["indices"],
+                                b["last"], return_lse=True, dtype=np.float64, window_left=500)
+    ws = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    w = BatchDecodeWithPagedKVCacheWrapper(ws, num_ctas=16)
+    w.plan(b["indptr"], b["indices"], b["last"], hq, hk, d, page, schedule=schedule, window_left=500)
+    o, lse = w.run(q, cache, return_lse=True)
+    close((o.float().cpu().numpy(), lse.cpu().numpy()), gold)
+    out, lse2 = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        w.run(q, cache, out=out, lse=lse2)
+    out.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    close((out.float().cpu().numpy(), lse2.cpu().numpy()), gold)

@@ -49,6 +49,7 @@ VARIANTS = {
     "soft_cap": dict(logits_soft_cap=4.0),
     "alibi": dict(causal=True, pos_encoding_mode="ALIBI"),
     "window_sinks": dict(causal=True, window_left=37, sink_size=3),
+    "window": dict(causal=True, window_left=300),                   # decode plans the hidden pages out
     "sigmoid": dict(use_sigmoid=True, sigmoid_bias=-1.0),
     "combined": dict(causal=True, logits_soft_cap=8.0, pos_encoding_mode="ALIBI", window_left=80, sink_size=2,
                      score_mod=tilt_pos, mask_mod=dilated),

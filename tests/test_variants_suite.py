@@ -26,8 +26,11 @@ def test_the_variants_suite_runs_and_nbattn_and_flex_state_the_same_variants(tmp
     spec.loader.exec_module(mod)
     assert mod.main(["--commit", "test", "--out", str(tmp_path)]) == 0
     suite = json.loads((tmp_path / "variants.json").read_text())
+    prefill = json.loads((tmp_path / "variants_prefill.json").read_text())
+    assert {r["case"]["part"] for r in suite["records"]} == {"rope", "decode"}
+    assert {r["case"]["part"] for r in prefill["records"]} == {"prefill"}
     assert (tmp_path / "variants.png").stat().st_size > 0
-    recs = suite["records"]
+    recs = suite["records"] + prefill["records"]
     errs = [r for r in recs if r["metric"] == "max_abs_err"]
     compared = {(r["case"]["part"], r["case"].get("variant")) for r in errs}
     for part in ("decode", "prefill"):
