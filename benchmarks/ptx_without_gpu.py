@@ -74,6 +74,13 @@ def prefill_signature(masked: bool):
     return sig + ((_arr(T.uint8), _arr(T.int64, 2)) if masked else ())
 
 
+def tc_prefill_signature():
+    """The paged fp16 prefill entry's argument types (raw uint16 q, cache and out)."""
+    f32, i32, u16 = T.float32, T.int32, T.uint16
+    return (_arr(u16, 3), _arr(u16, 5), _arr(u16, 5), _arr(i32), _arr(T.int64, 2), _arr(i32), _arr(i32), _arr(i32),
+            _arr(f32), T.int32, T.int32, _arr(u16, 3), _arr(f32, 2))
+
+
 def persistent_signature(masked: bool):
     """The prefill wrapper's persistent entry: ``cta_indptr`` after ``work``."""
     sig = prefill_signature(masked)
@@ -113,6 +120,10 @@ def configurations():
     def prefill(var, masked, tuning=PREFILL):
         return get_kernel(make_spec("paged", "NHD", "f32", 128, 4, 2, var, None, tuning=tuning, custom_mask=masked))
 
+    def tc_prefill(var, head_dim):
+        return get_kernel(make_spec("paged", "NHD", "f16", head_dim, 4, 2, var, True))
+
+    window = Variant(causal=True, window_left=1023)
     dsig = decode_signature(None, u16)
     return {
         "tc_g4": (lambda: fast(group=4), dsig),
@@ -129,6 +140,9 @@ def configurations():
         "prefill_persistent_mask": (lambda: get_persistent_kernel(make_spec("paged", "NHD", "f32", 128, 4, 2, plain,
                                                                             None, custom_mask=True)),
                                     persistent_signature(True)),
+        "prefill_pipelined_causal": (lambda: tc_prefill(Variant(causal=True), 128), tc_prefill_signature()),
+        "prefill_pipelined_window": (lambda: tc_prefill(window, 128), tc_prefill_signature()),
+        "prefill_mma_window_d96": (lambda: tc_prefill(window, 96), tc_prefill_signature()),
         "rope_f16": (lambda: rope_kernel("f16", False), rope_signature(u16)),
         "rope_bf16_interleaved": (lambda: rope_kernel("bf16", True), rope_signature(u16)),
         "rope_f32": (lambda: rope_kernel("f32", False), rope_signature(T.float32)),

@@ -61,7 +61,7 @@ from ..blocks.primitives import (SHARED_ALIGN, SIMULATOR, bf16x2_to_f32, device_
 from ..blocks.variants import LOG2E, sigmoid_weight
 from ..tuning import PREFILL, PrefillTuning
 from .prefill_common import (NO_KEY, KernelSpec, compile_functions, key_locator, kv_reader, tile_item, tile_rows,
-                             plain_variant, tile_score, tile_skip, tile_thread, tup)
+                             tile_score, tile_skip, tile_thread, tup, warp_unmasked_keys)
 
 __all__ = ["cuda_core_tiles", "cuda_core_tile", "covers", "launch_bounds", "dynamic_smem", "smem_floats",
            "smem_bytes", "source", "STATIC_LIMIT", "ELEMS_PER_16B"]
@@ -504,8 +504,7 @@ def cuda_core_tile(spec: KernelSpec):
     item = tile_item(spec)
     thread = tile_thread(spec, WARP, CG)
     next_tile = tile_skip(T_k)
-    causal = spec.variant.causal
-    plain = plain_variant(spec.variant)     # then whole tiles are only scaled
+    unmasked_keys, inside = warp_unmasked_keys(spec, positional, WR)
     scale_log2 = float32(spec.variant.scale(D) * LOG2E)
     # Register prefetch of the next K/V tile overlaps its load with math but
     # holds 4*KPT words through S or P V; wide K/V tiles turn it off.
@@ -551,10 +550,7 @@ def cuda_core_tile(spec: KernelSpec):
                                  s_qpos, s_diag, s_req, s_range)
 
         rbase = warp * WR + rg               # the lane's rows: rbase + i*RG
-        warp_full = warp * WR + WR <= n_rows
-        warp_diag = s_diag[warp * WR]
-        for r in range(warp * WR + 1, warp * WR + WR):
-            warp_diag = min(warp_diag, s_diag[r])
+        u_lo, u_hi = unmasked_keys(s_diag, warp * WR, n_rows)    # keys this warp's rows all see, unmasked
         qa = rbase * QS
         ka = OFF_K + cg * KS
         pa = OFF_P + warp * (T_k * WR) + rg * R     # P^T of the warp; the lane's rows are contiguous
@@ -576,7 +572,7 @@ def cuda_core_tile(spec: KernelSpec):
                 vw = refetch(v_src, 1, locs, kv_head, tid)
             s = qk(sm, sm, qa, ka)
             last = t0 + T_k - 1
-            if plain and positional and warp_full and last < hi and (not causal or last <= warp_diag):
+            if inside(t0, last, hi, u_lo, u_hi):
                 s = scaled(s, scale_log2)
             else:
                 s = masked(s, rbase, n_rows, cg, s_qpos, s_diag, s_req, s_kpos, head0, row0, slopes)

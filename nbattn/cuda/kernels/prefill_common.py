@@ -37,7 +37,8 @@ from ..tuning import PREFILL, PrefillTuning
 from ...variants import Variant
 
 __all__ = ["NO_KEY", "KernelSpec", "plain_variant", "kv_reader", "key_locator", "tile_locator", "pow2_shift",
-           "tile_key_range", "tile_thread", "tile_item", "tile_rows", "tile_skip", "tile_visible", "tile_score",
+           "tile_key_range", "tile_thread", "tile_item", "tile_rows", "tile_skip", "warp_unmasked_keys",
+           "tile_visible", "tile_score",
            "prefill_entry", "persistent_entry", "tup", "compile_functions"]
 
 NO_KEY = -(2 ** 30)        # kv position of a tile slot that holds no key
@@ -273,6 +274,50 @@ def tile_rows(spec: KernelSpec, positional: bool, before_barrier: Callable | Non
 @device_fn
 def _nothing():
     pass
+
+
+def warp_unmasked_keys(spec: KernelSpec, positional: bool, rows: int):
+    """Device functions ``unmasked(s_diag, row_base, n_rows) -> (u_lo, u_hi)`` and
+    ``inside(first, last, hi, u_lo, u_hi) -> bool``.  ``[u_lo, u_hi)`` are the keys
+    that each of the ``rows`` fused rows from ``row_base`` sees with nothing
+    applied but the scale -- the blocks that need no mask, as data; ``inside``
+    says whether the key tile ``[first, last]`` (keys below ``hi`` exist) lies in
+    it.  Such a tile takes the scale-only step; any other takes the per-score
+    mask and variant.  ``inside`` compares the window's start only where the
+    variant has a window.
+
+    The range is empty when a score needs more than the masks (ALiBi, soft-cap,
+    ``score_mod``, ``mask_mod``, sigmoid, a runtime mask), for block-sparse views
+    (key positions do not grow with t) and when the rows run past the tile's
+    real rows.  Otherwise a causal row sees keys up to its diagonal, so
+    ``u_hi = min diag + 1``, and a window of ``w`` keys starts at ``diag - w``, so
+    ``u_lo = max diag - w``; a key tile of the window's interior needs no mask,
+    StreamingLLM sink keys or not (they are visible anyway)."""
+    var = spec.variant
+    masks_only = (plain_variant(var.with_(window_left=-1, sink_size=0)) and positional
+                  and not spec.custom_mask)
+    causal, window = var.causal, int32(var.window_left)
+    below, above, one = int32(-(2 ** 30)), int32(2 ** 30), int32(1)    # int32 throughout, as s_diag
+
+    @cuda.jit(device=True, inline=True)
+    def unmasked(s_diag, row_base, n_rows):
+        if not masks_only or row_base + rows > n_rows:
+            return above, below                      # empty
+        d_min = s_diag[row_base]
+        d_max = d_min
+        for r in range(row_base + 1, row_base + rows):
+            d_min = min(d_min, s_diag[r])
+            d_max = max(d_max, s_diag[r])
+        # causal: t <= diag for every row;  window: t >= diag - window for every row
+        u_hi = d_min + one if causal else above
+        u_lo = d_max - window if window >= 0 else below
+        return u_lo, u_hi
+
+    @cuda.jit(device=True, inline=True)
+    def inside(first, last, hi, u_lo, u_hi):
+        # an empty range has u_hi below every key, so last < u_hi fails
+        return masks_only and last < hi and last < u_hi and (window < 0 or first >= u_lo)
+    return unmasked, inside
 
 
 def tile_skip(T_k: int):

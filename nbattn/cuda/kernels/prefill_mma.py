@@ -36,8 +36,8 @@ from ..blocks import mma as _mma
 from ..blocks import nanrule as NR
 from ..blocks.primitives import device_fn, element_io
 from ..blocks.variants import LOG2E, sigmoid_weight
-from .prefill_common import (NO_KEY, KernelSpec, compile_functions, kv_reader, plain_variant, pow2_shift,
-                             tile_item, tile_locator, tile_rows, tile_score, tile_thread, tup)
+from .prefill_common import (NO_KEY, KernelSpec, compile_functions, kv_reader, pow2_shift,
+                             tile_item, tile_locator, tile_rows, tile_score, tile_thread, tup, warp_unmasked_keys)
 
 __all__ = ["mma_tile", "fragment_writer", "fragment_source", "source", "FRAGMENT_NAMES"]
 
@@ -178,14 +178,13 @@ def mma_tile(spec: KernelSpec):
     T_q, T_k, NT = spec.tile_q, spec.tile_k, spec.threads
     var = spec.variant
     sigmoid = var.use_sigmoid
-    causal = var.causal
     positional = spec.mode != "bsr"
     stage = tile_rows(spec, positional)
     item = tile_item(spec)
     thread = tile_thread(spec, 32, 4)
     write_rows = fragment_writer(spec)
-    # Only causal (or nothing) to apply: interior 16-key steps need no per-element work.
-    plain = plain_variant(var)
+    # keys that need no per-element work (prefill_common.warp_unmasked_keys)
+    unmasked_keys, inside = warp_unmasked_keys(spec, positional, 16)
     scale_log2 = float32(var.scale(D) * LOG2E)
     vec = kv_reader(spec.mode, spec.kv_layout, _mma.load_u32x4)  # 16 B: eight 2-byte elements from d on
     loc = tile_locator(spec.mode)
@@ -245,10 +244,7 @@ def mma_tile(spec: KernelSpec):
         r_hi = r_lo + 8
         ok_lo = r_lo < n_rows
         ok_hi = r_hi < n_rows
-        # smallest diagonal of this warp's rows: keys up to it are visible to all of them
-        warp_diag = min(s_diag[warp * 16], s_diag[min(warp * 16 + 15, T_q - 1)])
-        for r in range(warp * 16, warp * 16 + 16):
-            warp_diag = min(warp_diag, s_diag[r])
+        u_lo, u_hi = unmasked_keys(s_diag, warp * 16, n_rows)    # keys this warp's rows all see, unmasked
 
         o = o_zero()
         qf = q_frags(s_q, r_lo, r_hi, tq)     # (a dummy when A is read from shared memory)
@@ -311,7 +307,7 @@ def mma_tile(spec: KernelSpec):
                 # variant and mask; the fast case is a 16-key step every row sees whole
                 kt = k0 + 2 * tq
                 last = t0 + k0 + 15
-                if plain and positional and last < hi and ok_hi and (not causal or last <= warp_diag):
+                if inside(t0 + k0, last, hi, u_lo, u_hi):
                     x0 = x0 * scale_log2 + (x0 - x0)   # NaN rule: inf -> NaN
                     x1 = x1 * scale_log2 + (x1 - x1)   # NaN rule: inf -> NaN
                     x2 = x2 * scale_log2 + (x2 - x2)   # NaN rule: inf -> NaN

@@ -33,7 +33,7 @@ from ..blocks.primitives import device_fn
 from ..blocks.variants import LOG2E, sigmoid_weight
 from ..host.prefill_launch import nan_row_at
 from .prefill_common import (NO_KEY, KernelSpec, compile_functions, kv_reader, pow2_shift, tile_item, tile_locator,
-                             plain_variant, tile_rows, tile_score, tile_skip, tile_thread, tup)
+                             tile_rows, tile_score, tile_skip, tile_thread, tup, warp_unmasked_keys)
 from .prefill_mma import fragment_writer
 
 __all__ = ["pipelined_tile", "fast_path", "pipelined_source", "issue_source", "source", "PIPELINED_NAMES"]
@@ -234,8 +234,7 @@ def pipelined_tile(spec: KernelSpec):
     thread = tile_thread(spec, 32, 4)
     write_rows = fragment_writer(spec)
     next_tile = tile_skip(T_k)
-    causal = var.causal
-    plain = plain_variant(var)     # then whole tiles are only scaled
+    unmasked_keys, inside = warp_unmasked_keys(spec, positional, 16)
     scale_log2 = float32(var.scale(D) * LOG2E)
     addr_of = kv_reader(spec.mode, spec.kv_layout, _mma.global_addr)
     gaddr = _mma.global_addr
@@ -331,10 +330,7 @@ def pipelined_tile(spec: KernelSpec):
         r_hi = r_lo + 8
         ok_lo = r_lo < n_rows
         ok_hi = r_hi < n_rows
-        warp_full = row_base + 16 <= n_rows
-        warp_diag = s_diag[row_base]
-        for r in range(row_base + 1, row_base + 16):
-            warp_diag = min(warp_diag, s_diag[r])
+        u_lo, u_hi = unmasked_keys(s_diag, row_base, n_rows)     # keys this warp's rows all see, unmasked
         lr = lane % 8
         lm = lane // 8
         a_off = uint32((lr + 8 * (lm % 2)) * ROW + (lm // 2) * 16)   # Q (A) and V (B, trans) rows
@@ -386,7 +382,7 @@ def pipelined_tile(spec: KernelSpec):
                 commit()
                 s = qk(qf, k_lane)
                 last = t0 + T_k - 1
-                if plain and positional and warp_full and last < hi and (not causal or last <= warp_diag):
+                if inside(t0, last, hi, u_lo, u_hi):
                     s = scaled(s, scale_log2)
                 else:
                     s = masked(s, r_lo, r_hi, ok_lo, ok_hi, tq, s_qpos, s_diag, s_req, s_kpos, base, head0, row0,
