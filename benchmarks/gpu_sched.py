@@ -550,10 +550,14 @@ def mixed_case(batch, records, checks, capacity, bw):
     flops = causal_flops(qo, kv)
     case = dict(workload="mixed", batch=batch, total_kv=int(kv.sum()), total_qo=int(qo.sum()), max_kv=int(kv.max()),
                 num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PAGE, dtype="f16", causal=True,
-                path="prefill wrapper (no fitted model: the wrapper takes no cost= yet)")
+                path="prefill wrapper (no fitted model)")
+    # The wrapper plans over one wave of CTAs per KV head (prefill_plan_ctas); the
+    # "_all_ctas" policies plan over the constructor's num_ctas, as before that rule.
     pols = {"one_per_cta": dict(chunk_limit=int(kv.max())),
             **{f"split_{n}": dict(chunk_limit=c) for n, c in zip((512, 1024, 2048, 4096), FIXED)},
-            "lpt": dict(chunk_limit="auto"), "lpt_spec": dict(chunk_limit=None)}
+            "lpt": dict(chunk_limit="auto"), "lpt_spec": dict(chunk_limit=None),
+            "one_per_cta_all_ctas": dict(chunk_limit=int(kv.max()), num_ctas=capacity),
+            "lpt_all_ctas": dict(chunk_limit="auto", num_ctas=capacity)}
     times, info = {}, {}
     for key, kw in pols.items():
         if left() < 20:
@@ -562,6 +566,10 @@ def mixed_case(batch, records, checks, capacity, bw):
             w.plan(qo_indptr, indptr, indices, last, HQ, HK, D, PAGE, causal=True, **kw)
             p = w.last_plan
             times[key], graphed = bench(lambda: w.run(q, cache))
+            if not SIMULATOR and "prefill_resident_per_sm" not in checks:
+                part, final, merge = w._bound_now[1]
+                checks["prefill_resident_per_sm"] = dict(part=part.resident_per_sm(), final=final.resident_per_sm(),
+                                                         merge=merge.resident_per_sm())
             info[key] = dict(num_ctas=p.num_ctas, items=p.num_items, partials=p.num_partials,
                              chunk_limit=p.chunk_limit, tile_q=p.tile_q, graphed=graphed)
         except Exception as exc:  # noqa: BLE001

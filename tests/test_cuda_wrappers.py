@@ -275,6 +275,31 @@ def test_prefill_persistent_queues_and_smaller_replan():
     close(w.run(b2["q"], b2["cache"], return_lse=True), ref_prefill(b2, True))
 
 
+def test_prefill_plans_over_one_wave_of_ctas():
+    """The plan balances over plan_ctas_per_sm * SMs // KV heads CTAs per KV head (at
+    most the constructor's), or the num_ctas asked for; a bad num_ctas is refused
+    before the wrapper's plan changes; every plan runs right."""
+    from nbattn.cuda.host.driver import sm_count
+    from nbattn.cuda.tuning import PREFILL
+    rng = np.random.default_rng()
+    w = BatchPrefillWithPagedKVCacheWrapper(workspace(WS), num_ctas=C, max_work_items=64)
+    b = prefill_batch(rng, [9, 1, 5, 1], [40, 17, 5, 70])
+    args = (b["qo_indptr"], b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE)
+    for per_sm, asked in ((1, None), (2, None), (8, None), (1, 1), (2, 3)):
+        tuning = PREFILL.replace(plan_ctas_per_sm=per_sm)
+        w.plan(*args, causal=True, tuning=tuning, num_ctas=asked)
+        want = asked if asked is not None else max(1, min(C, per_sm * sm_count() // HK))
+        assert w.last_plan.num_ctas == want
+        close(w.run(b["q"], b["cache"], return_lse=True), ref_prefill(b, True))
+    before = w.last_plan
+    for bad in (0, C + 1, 2.0, "4"):
+        with pytest.raises(ValueError, match="num_ctas"):
+            w.plan(*args, causal=True, num_ctas=bad)
+        assert w.last_plan is before
+    with pytest.raises(ValueError, match="plan_ctas_per_sm"):
+        PREFILL.replace(plan_ctas_per_sm=0)
+
+
 # ---------------------------------------------------------------------------
 # GPU only: determinism at scale, CUDA graphs
 # ---------------------------------------------------------------------------

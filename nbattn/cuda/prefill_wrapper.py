@@ -2,9 +2,10 @@
 ``BatchPrefillWithPagedKVCacheWrapper``, over the workspace of
 :mod:`nbattn.cuda.plan_run`.
 
-Prefill runs persistent launches of ``num_ctas`` CTAs per KV head
+Prefill runs persistent launches of the plan's CTAs per KV head
 (:func:`nbattn.cuda.prefill.persistent_entry`), CTA ``c`` walking its LPT
-queue.  The queue is cut by output kind and run as two launches, first the
+queue; a plan balances over as many CTAs per KV head as fill the GPU once
+(:func:`prefill_plan_ctas`), at most the constructor's ``num_ctas``.  The queue is cut by output kind and run as two launches, first the
 chunks of split tiles (float32 partial states), then the unsplit tiles (final
 output): one kernel holding both bodies would need twice the static shared
 memory, past 48 KB.  Each phase keeps the plan's per-CTA order but is balanced
@@ -23,12 +24,20 @@ from ..sched.plan import DIRECT, plan as lpt_plan
 from ..sched.tiles import choose_tile_q
 from .blocks.variants import kernel_variant, user_state
 from .host import arrays as A
-from .host.driver import BoundLaunch
+from .host.driver import BoundLaunch, sm_count
 from .merge import merge_tiles_launch
 from .plan_run import H_NUM_MERGES, PlanRunWrapper, data_code, plan_page_table
 from .tuning import PREFILL, PrefillTuning, check_tuning
 
-__all__ = ["BatchPrefillWithPagedKVCacheWrapper"]
+__all__ = ["BatchPrefillWithPagedKVCacheWrapper", "prefill_plan_ctas"]
+
+
+def prefill_plan_ctas(num_kv_heads: int, capacity: int, tuning: PrefillTuning) -> int:
+    """CTAs per KV head a prefill plan balances over: the persistent grid is
+    (CTAs, KV heads), so ``tuning.plan_ctas_per_sm * SMs // num_kv_heads`` of them
+    are resident at once (at most ``capacity``).  Planning for more only queues
+    whole CTAs behind a first wave the planner does not see."""
+    return max(1, min(capacity, tuning.plan_ctas_per_sm * sm_count() // max(1, num_kv_heads)))
 
 
 class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
@@ -52,7 +61,7 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
              q_data_type: Any = "float16", kv_data_type: Any = None, *, alpha: float = 1.0,
              beta: float = 1.0, chunk_overhead: float = 0.0, chunk_limit: int | str | None = None,
              tensor_cores: bool | None = None, tuning: PrefillTuning | None = None, cost=None,
-             custom_mask=None, packed_custom_mask=None, **variant) -> None:
+             custom_mask=None, packed_custom_mask=None, num_ctas: int | None = None, **variant) -> None:
         """LPT-plan a prefill step (FlashInfer's arguments) and copy it into the workspace.
 
         The planner's cost and limit rule (``alpha``, ``beta``, ``chunk_overhead``,
@@ -68,11 +77,15 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         the plan's own, not the workspace's: a CUDA graph captured on a masked plan is
         valid until the next plan().  ``tuning`` (a
         :class:`~nbattn.cuda.tuning.PrefillTuning`; None: ``PREFILL``) shapes the tiles every
-        run() of this plan launches."""
+        run() of this plan launches.  ``num_ctas`` (None: :func:`prefill_plan_ctas`, one
+        wave) is how many CTAs per KV head the plan balances over, at most the constructor's."""
         from . import prefill as P
 
         t0 = time.perf_counter()
         tuning = check_tuning(tuning, PrefillTuning, PREFILL)
+        if num_ctas is not None and not (isinstance(num_ctas, (int, np.integer)) and 1 <= int(num_ctas) <= self.num_ctas):
+            raise ValueError(f"num_ctas: must be an int in 1..{self.num_ctas} (the constructor's grid), "
+                             f"got {num_ctas!r}")
         var = kernel_variant(dict(variant, causal=causal, pos_encoding_mode=pos_encoding_mode,
                             window_left=window_left, logits_soft_cap=logits_soft_cap,
                             sm_scale=sm_scale))
@@ -96,7 +109,8 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         tq = choose_tile_q(qo.lengths, group, (spec.tile_q,))    # the kernel's menu: its one T_q
         # Positions one tile spans: tq/group when tiles start on a position boundary.
         slot_rows = tq // group if tq % group == 0 else tq // group + 2
-        p = lpt_plan(qo.lengths, kv_lens, self.num_ctas, tile_q=tq, group=group, alpha=alpha,
+        ctas = prefill_plan_ctas(hk, self.num_ctas, tuning) if num_ctas is None else int(num_ctas)
+        p = lpt_plan(qo.lengths, kv_lens, ctas, tile_q=tq, group=group, alpha=alpha,
                      beta=beta, chunk_overhead=chunk_overhead, chunk_limit=chunk_limit,
                      causal=var.causal, cost=cost)
         self._check_bound(p)
@@ -186,7 +200,7 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         a fixed view of the workspace)."""
         from . import prefill as P
 
-        key = (self._spec, self._spec_part, self._slot_rows, self._q_shape, tuple(kv_dev.shape),
+        key = (self._spec, self._spec_part, self._slot_rows, self._q_shape, tuple(kv_dev.shape), self._plan.num_ctas,
                None if self._mask is None else tuple(id(x) for x in self._mask))
         hit = self._bound.get(key)
         if hit is not None:
@@ -209,7 +223,7 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
             work = self._view(f"{name}_rows")[:8 * cap].reshape(cap, 8)
             args = (q_raw, kv_raw, kv_raw, self._view("kv_indices"), work, self._view(f"{name}_indptr"), *tail, o, l,
                     *(self._mask or ()))
-            bound.append(BoundLaunch(P.get_persistent_kernel(spec), (self.num_ctas, self._num_kv_heads),
+            bound.append(BoundLaunch(P.get_persistent_kernel(spec), (self._plan.num_ctas, self._num_kv_heads),
                                      spec.threads, args, convert=conv))
         k, g, t, a = merge_tiles_launch(
             self._view("header")[H_NUM_MERGES:H_NUM_MERGES + 1], self._view("merge_indptr"),

@@ -180,11 +180,18 @@ class PrefillTuning(_Tuning):
     #: Causal work items run longest first (fewer idle SMs at the end of the last wave).
     #: benchmarks/results/prefill_cuda_core.json.
     longest_first: bool = True
+    #: Resident CTAs an SM the prefill wrapper plans for: its plan balances
+    #: ``plan_ctas_per_sm * SMs // num_kv_heads`` queues per KV head, so that the
+    #: persistent grid (queues x KV heads) is one wave.  The tensor-core tiles' occupancy
+    #: (benchmarks/EXPERIMENTS.md, "Prefill plans over one wave").
+    plan_ctas_per_sm: int = 2
 
     def __post_init__(self):
         if self.policy not in PREFILL_POLICIES:
             raise ValueError(f"PrefillTuning.policy must be one of {PREFILL_POLICIES}, got {self.policy!r}")
         self._nonneg("rows_per_lane", "smem_budget", "prefetch_max_chunks")
+        if not (isinstance(self.plan_ctas_per_sm, int) and self.plan_ctas_per_sm >= 1):
+            raise ValueError(f"PrefillTuning.plan_ctas_per_sm must be an int >= 1, got {self.plan_ctas_per_sm!r}")
         if self.max_tile_k is not None:
             self._nonneg("max_tile_k")
         self._pair("unroll")

@@ -272,6 +272,9 @@ class _Libcuda:
         self.event_query = lib.cuEventQuery
         self.event_query.argtypes = [vp]
         self.event_query.restype = ctypes.c_int
+        self.occupancy = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor
+        self.occupancy.argtypes = [ctypes.POINTER(ctypes.c_int), vp, ctypes.c_int, ctypes.c_size_t]
+        self.occupancy.restype = ctypes.c_int
 
 
 _LIBCUDA: _Libcuda | None = None
@@ -383,6 +386,17 @@ class BoundLaunch:
             self._args[i] = value
         else:
             self._scalar[i].value = value
+
+    def resident_per_sm(self) -> int | None:
+        """CTAs of this launch one SM holds at once (the driver's occupancy answer for
+        its block and dynamic shared memory); None in the simulator."""
+        if SIMULATOR:
+            return None
+        n = ctypes.c_int(0)
+        err = self._lib.occupancy(ctypes.byref(n), self._fn, int(np.prod(_dim3(self.threads))), self.smem)
+        if err:
+            raise RuntimeError(f"nbattn: cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUDA error {err}")
+        return int(n.value)
 
     def __call__(self, stream: int = 0) -> None:
         if SIMULATOR:
