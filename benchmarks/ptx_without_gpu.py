@@ -92,6 +92,12 @@ def rope_signature(raw):
     return (_arr(raw), _arr(raw), _arr(T.int64), T.float64, _arr(T.float64), T.int64, T.int64, T.int64)
 
 
+def merge_tiles_signature():
+    """The wrappers' fixed-grid merge (``nbattn.cuda.merge.merge_tiles_launch``)."""
+    i32 = _arr(T.int32)
+    return (i32,) * 6 + (_arr(T.float32), _arr(T.float32), _arr(T.uint16), _arr(T.float32)) + (T.int64,) * 4
+
+
 def configurations():
     """``{name: (build, signature)}``, built lazily (imports need GPU mode first)."""
     from nbattn.cuda.kernels.decode_common import make_config
@@ -99,6 +105,7 @@ def configurations():
     from nbattn.cuda.kernels.decode_tc import build_tc_kernel
     from nbattn.cuda.kernels.decode_warp import build_warp_kernel
     from nbattn.cuda.kernels.prefill_dispatch import get_kernel, get_persistent_kernel, make_spec
+    from nbattn.cuda.kernels.merge_split import tile_merge_kernel
     from nbattn.cuda.kernels.rope import rope_kernel
     from nbattn.cuda.kernels.wgmma_gemm import wgmma_gemm_kernel
     from nbattn.cuda.kernels.prefill_wgmma import prefill_wgmma_kernel
@@ -143,6 +150,8 @@ def configurations():
         "prefill_pipelined_causal": (lambda: tc_prefill(Variant(causal=True), 128), tc_prefill_signature()),
         "prefill_pipelined_window": (lambda: tc_prefill(window, 128), tc_prefill_signature()),
         "prefill_mma_window_d96": (lambda: tc_prefill(window, 96), tc_prefill_signature()),
+        "merge_tiles_prefill": (lambda: tile_merge_kernel("f16", 128, False, False), merge_tiles_signature()),
+        "merge_tiles_decode": (lambda: tile_merge_kernel("f16", 128, True, False), merge_tiles_signature()),
         "rope_f16": (lambda: rope_kernel("f16", False), rope_signature(u16)),
         "rope_bf16_interleaved": (lambda: rope_kernel("bf16", True), rope_signature(u16)),
         "rope_f32": (lambda: rope_kernel("f32", False), rope_signature(T.float32)),

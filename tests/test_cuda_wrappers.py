@@ -300,6 +300,43 @@ def test_prefill_plans_over_one_wave_of_ctas():
         PREFILL.replace(plan_ctas_per_sm=0)
 
 
+def _equal_outputs(a, b):
+    (oa, la), (ob, lb) = a, b
+    to = lambda x: np.asarray(x.copy_to_host() if hasattr(x, "copy_to_host") else (x.cpu() if hasattr(x, "cpu") else x))
+    np.testing.assert_array_equal(to(oa).view(np.uint16), to(ob).view(np.uint16))
+    np.testing.assert_array_equal(to(la), to(lb))
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_merge_grid_does_not_change_a_bit(kind):
+    """The fixed merge grid takes units of R rows of a tile, R chosen from the merge
+    count and the grid: the same plan merged on grids of 2 and 32 CTAs per KV head
+    gives bitwise the same output (few merges: R = 1 against the whole tile)."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    outs = []
+    rows = []
+    for grid in (2, 32):
+        if kind == "decode":
+            b = decode_batch(np.random.default_rng(seed), [70, 3, 41])
+            w = BatchDecodeWithPagedKVCacheWrapper(workspace(WS), num_ctas=grid)
+            w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, chunk_limit=40, num_ctas=2,
+                   schedule="lpt")
+            ref = ref_decode(b)
+        else:
+            b = prefill_batch(np.random.default_rng(seed), [9, 1, 5], [40, 17, 5])
+            w = BatchPrefillWithPagedKVCacheWrapper(workspace(WS), num_ctas=grid, max_work_items=64)
+            w.plan(b["qo_indptr"], b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, causal=True,
+                   chunk_limit=24, num_ctas=2)
+            ref = ref_prefill(b, True)
+        p = w.last_plan
+        assert p.num_merges >= 1
+        rows.append(min(p.tile_q, -(-p.num_merges * p.tile_q // grid)))    # the kernel's R
+        outs.append(w.run(b["q"], b["cache"], return_lse=True))
+        close(outs[-1], ref)
+    assert rows[0] > rows[1], rows
+    _equal_outputs(*outs)
+
+
 # ---------------------------------------------------------------------------
 # GPU only: determinism at scale, CUDA graphs
 # ---------------------------------------------------------------------------

@@ -328,38 +328,45 @@ def tile_merge_kernel(code: str, head_dim: int, per_request_row: bool, use_sigmo
     """Kernel folding each split query tile's partial slots into its final rows.
 
     Grid ``(num_ctas, num_kv_heads)``, fixed: the launch does not depend on the
-    plan.  The work is one fused row of one merge at a time, ``u = m * tile_q + e``
-    for merge ``m`` below ``num_merges[0]`` and row ``e`` of its tile; CTA x takes
-    ``u = x, x + gridDim.x, ...``, so a plan with one merge still spreads over as
-    many CTAs as its tile has rows.  Fused row ``f`` of tile ``t`` of request ``r`` is
-    position ``f // group``, head ``kv_head*group + f % group`` (docs/concepts/masks.md);
-    in slot ``s`` its partial row is ``s*slot_rows + f//group - first_position``.
-    With ``per_request_row`` (decode) request r has one row, row r
-    (``qo_indptr`` is not read), and a slot holds one row.
+    plan.  A unit of work is ``R`` consecutive rows of one merge's tile, with ``R``
+    chosen on the device from the merge count ``num_merges[0]``: as few rows as
+    give every CTA of the grid a unit (a plan with one merge spreads its rows over
+    the grid), up to the whole tile when there are more merges than CTAs.  CTA x
+    takes units ``x, x + gridDim.x, ...``.  Fused row ``f`` of tile ``t`` of request
+    ``r`` is position ``f // group``, head ``kv_head*group + f % group``
+    (docs/concepts/masks.md); in slot ``s`` its partial row is
+    ``s*slot_rows + f//group - first_position``.  With ``per_request_row`` (decode)
+    request r has one row, row r (``qo_indptr`` is not read), and a slot holds one row.
 
-    Two passes per row, like :func:`partials_kernel` and for the same reason:
-    (1) ``J = NT // rows`` threads (``rows``: the rows of the merge's tile) fold
-    the LSEs of partials ``j, j+J, ...`` into (max, mass), and thread 0 folds the
-    J pairs in j order; (2) each output element sums ``2^(lse_k - M) / T * o_k``
-    over its partials in KV order, four loads issued before they are used.
-    A row whose partials are all empty gets o = 0, LSE = -inf.
+    Two passes per unit, like :func:`partials_kernel` and for the same reason:
+    (1) ``J = NT // rows`` threads per row (``rows``: the rows of the merge's tile)
+    fold the LSEs of partials ``j, j+J, ...`` into (max, mass), and one thread per
+    row folds the J pairs from shared memory in j order; (2) each output element
+    sums ``2^(lse_k - M) / T * o_k`` over its partials in KV order, four loads
+    issued before they are used.  A row whose partials are all empty gets o = 0,
+    LSE = -inf.  The order of every sum is the thread layout's, not the unit's, so
+    the result does not depend on ``R``.
     """
     key = ("tile", code, head_dim, per_request_row, use_sigmoid)
     if key in KERNELS:
         return KERNELS[key]
     D, NT, DECODE, SIGMOID = head_dim, tile_threads(), per_request_row, use_sigmoid
+    RMAX = TILE_ROWS_MAX
     _, store_elem, _ = element_io(code)
 
     def kernel(num_merges, merge_indptr, merge_request, merge_qo_tile, merge_slots, qo_indptr,
                part_o, part_lse, out, lse, num_qo_heads, group, tile_q, slot_rows):
         sm_m = cuda.shared.array(NT, np.float32)
         sm_l = cuda.shared.array(NT, np.float32)
-        row_ml = cuda.shared.array(2, np.float32)
+        row_m = cuda.shared.array(RMAX, np.float32)
+        row_l = cuda.shared.array(RMAX, np.float32)
         tid = cuda.threadIdx.x
         kvh = cuda.blockIdx.y
-        for u in range(cuda.blockIdx.x, num_merges[0] * tile_q, cuda.gridDim.x):
-            m = u // tile_q
-            e = u - m * tile_q
+        n_merges = num_merges[0]
+        R = min(tile_q, max(1, (n_merges * tile_q + cuda.gridDim.x - 1) // cuda.gridDim.x))
+        per_merge = (tile_q + R - 1) // R            # units of one merge
+        for u in range(cuda.blockIdx.x, n_merges * per_merge, cuda.gridDim.x):
+            m = u // per_merge
             r = merge_request[m]
             if DECODE:
                 qo_start = r
@@ -369,45 +376,56 @@ def tile_merge_kernel(code: str, head_dim: int, per_request_row: bool, use_sigmo
                 qo_len = qo_indptr[r + 1] - qo_start
             f0 = merge_qo_tile[m] * tile_q
             n_rows = min(tile_q, qo_len * group - f0)
-            if e >= n_rows:                  # the same for every thread of the CTA
+            e_lo = (u - m * per_merge) * R
+            e_hi = min(e_lo + R, n_rows)
+            if e_lo >= n_rows:                # the same for every thread of the CTA
                 continue
-            f = f0 + e
-            h = kvh * group + f % group
-            off = f // group - f0 // group
+            p0 = f0 // group
             first = merge_indptr[m]
             last = merge_indptr[m + 1]
 
-            # pass 1: the row's max LSE and total mass
+            # pass 1: each row's max LSE and total mass
             if not SIGMOID:
                 J = max(1, NT // n_rows)
-                mt = NEG_INF
-                lt = float32(0.0)
-                if tid < J:
-                    for k in range(first + tid, last, J):
-                        prow = int64(merge_slots[k]) * slot_rows + off
-                        mt, lt = lse_fold(mt, lt, part_lse[prow * num_qo_heads + h], float32(1.0))
-                sm_m[tid] = mt
-                sm_l[tid] = lt
-                cuda.syncthreads()
-                if tid == 0:
+                rows_per_pass = NT // J
+                for e0 in range(e_lo, e_hi, rows_per_pass):
+                    e = e0 + tid // J
+                    j = tid % J
                     mt = NEG_INF
                     lt = float32(0.0)
-                    for i in range(J):
-                        mt, lt = lse_fold(mt, lt, sm_m[i], sm_l[i])
-                    row_ml[0] = mt
-                    row_ml[1] = lt
-                cuda.syncthreads()
+                    if tid // J < rows_per_pass and e < e_hi:
+                        f = f0 + e
+                        h = kvh * group + f % group
+                        off = f // group - p0
+                        for k in range(first + j, last, J):
+                            prow = int64(merge_slots[k]) * slot_rows + off
+                            mt, lt = lse_fold(mt, lt, part_lse[prow * num_qo_heads + h], float32(1.0))
+                    sm_m[tid] = mt
+                    sm_l[tid] = lt
+                    cuda.syncthreads()
+                    if tid < rows_per_pass and e0 + tid < e_hi:
+                        mt = NEG_INF
+                        lt = float32(0.0)
+                        for i in range(J):
+                            mt, lt = lse_fold(mt, lt, sm_m[tid * J + i], sm_l[tid * J + i])
+                        row_m[e0 + tid - e_lo] = mt
+                        row_l[e0 + tid - e_lo] = lt
+                    cuda.syncthreads()
 
             # pass 2: weighted sums in KV order
-            mx = NEG_INF
-            inv = float32(0.0)
-            if not SIGMOID:
-                mx = row_ml[0]
-                if mx != NEG_INF:
-                    inv = float32(1.0) / row_ml[1]
-            dst = int64(qo_start + f // group) * num_qo_heads + h
-            for d in range(tid, D, NT):
+            for idx in range(tid, (e_hi - e_lo) * D, NT):
+                e = idx // D
+                d = idx - e * D
+                f = f0 + e_lo + e
+                h = kvh * group + f % group
+                off = f // group - p0
                 o = float32(0.0)
+                mx = NEG_INF
+                inv = float32(0.0)
+                if not SIGMOID:
+                    mx = row_m[e]
+                    if mx != NEG_INF:
+                        inv = float32(1.0) / row_l[e]
                 if SIGMOID or mx != NEG_INF:
                     k = first
                     while k + 3 < last:
@@ -438,6 +456,7 @@ def tile_merge_kernel(code: str, head_dim: int, per_request_row: bool, use_sigmo
                         else:
                             o += float32(math.exp2(part_lse[r0 * num_qo_heads + h] - mx)) * inv * o0
                         k += 1
+                dst = int64(qo_start + f // group) * num_qo_heads + h
                 store_elem(out, dst * D + d, o)
                 if d == 0:
                     if SIGMOID:
@@ -445,8 +464,8 @@ def tile_merge_kernel(code: str, head_dim: int, per_request_row: bool, use_sigmo
                     elif mx == NEG_INF:
                         lse[dst] = NEG_INF
                     else:
-                        lse[dst] = mx + math.log2(row_ml[1])
-            cuda.syncthreads()   # the next row reuses sm_m, sm_l and row_ml
+                        lse[dst] = mx + math.log2(row_l[e])
+            cuda.syncthreads()   # the next unit reuses row_m / row_l
 
     KERNELS[key] = jit_kernel(kernel)
     return KERNELS[key]
