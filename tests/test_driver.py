@@ -170,3 +170,43 @@ def test_staging_ring_stage_packs_each_array_where_its_span_says():
         if a.size:
             np.testing.assert_array_equal(got.reshape(a.shape), a.astype(got.dtype))
             assert got.dtype == (np.float32 if a.dtype == np.float32 else np.int32)
+
+
+def test_cpu_helpers_cache_under_the_package_digest(tmp_path):
+    """Every on-disk-cached CPU helper of the package goes through njit_cached, whose
+    index key carries the package digest: a callee edited in another module
+    (numba inlines it) cannot leave a caller's cached code running the old one. The
+    digest follows any file's content."""
+    import pathlib
+    import re
+
+    import importlib
+
+    from nbattn import _jit as J
+    PL = importlib.import_module("nbattn.sched.plan")
+
+    pkg = pathlib.Path(J.__file__).parent
+    plain = [str(p.relative_to(pkg)) for p in pkg.rglob("*.py")
+             if p.name != "_jit.py" and re.search(r"njit\([^)]*cache\s*=\s*True", p.read_text())]
+    assert plain == [], plain
+    cache = PL._plan_core._cache
+    assert isinstance(cache, J._PackageCache)
+    from numba.core.registry import cpu_target
+    key = cache._index_key((), cpu_target.target_context.codegen())
+    assert key[-1] == ("nbattn", J.package_digest())
+    # the digest over a copy of the package changes with one byte of one file
+    copy = tmp_path / "pkg"
+    import shutil
+    shutil.copytree(pkg, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    original = J.package_digest()
+    saved = (J._PACKAGE, J._DIGEST)
+    try:
+        J._PACKAGE, J._DIGEST = copy, []
+        before = J.package_digest()
+        assert before == original          # same paths, same bytes
+        f = copy / "sched" / "lpt.py"
+        f.write_text(f.read_text() + "\n# an edit\n")
+        J._DIGEST = []
+        assert J.package_digest() != before
+    finally:
+        J._PACKAGE, J._DIGEST = saved

@@ -61,7 +61,8 @@ states), then LPT.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from .._jit import njit_cached
 
 __all__ = ["query_tiles", "lpt_assign", "lpt_makespan", "chunk_costs", "auto_limit", "plan_span",
            "choose_plan", "candidate_limits", "piece_counts", "slot_finish", "work_clock", "merge_span",
@@ -73,7 +74,7 @@ REQUEST_ORDER = 1
 """Placement: items in (request, tile, chunk) order onto the least-loaded CTA."""
 
 
-@njit(cache=True)
+@njit_cached
 def query_tiles(qo_lens, kv_lens, group, tile_q, causal):
     """Query tiles over fused rows in (request, tile) order: request, tile index,
     fused rows and KV length of each (with ``causal``, trimmed to the keys the
@@ -105,7 +106,7 @@ def query_tiles(qo_lens, kv_lens, group, tile_q, causal):
     return tile_request, tile_index, tile_rows, tile_kv
 
 
-@njit(cache=True)
+@njit_cached
 def lpt_assign(cost, order, num_ctas):
     """LPT placement: items in ``order`` go one by one to the least-loaded CTA,
     the lowest id among equals (a binary min-heap keyed by (load, id)).
@@ -148,7 +149,7 @@ def lpt_assign(cost, order, num_ctas):
     return assigned, cta_load
 
 
-@njit(cache=True)
+@njit_cached
 def lpt_makespan(cost, num_ctas):
     """Makespan of LPT over ``cost`` (largest first, stable on ties)."""
     if num_ctas < 1 or cost.shape[0] == 0:
@@ -157,7 +158,7 @@ def lpt_makespan(cost, num_ctas):
     return cta_load.max()
 
 
-@njit(cache=True)
+@njit_cached
 def chunk_costs(tile_rows, tile_kv, limit, alpha, beta, overhead):
     n = 0
     for t in range(tile_kv.shape[0]):
@@ -173,13 +174,15 @@ def chunk_costs(tile_rows, tile_kv, limit, alpha, beta, overhead):
     return cost
 
 
-@njit(cache=True)
+@njit_cached
 def auto_limit(tile_rows, tile_kv, num_ctas, alpha, beta, overhead, spec_limit):
     """The candidate chunk limit with the smallest LPT makespan (module doc)."""
     longest = 0
     for t in range(tile_kv.shape[0]):
         longest = max(longest, tile_kv[t])
     best_limit = spec_limit
+    if longest <= spec_limit:        # no candidate above the base limit: nothing to compare
+        return best_limit
     best = lpt_makespan(chunk_costs(tile_rows, tile_kv, spec_limit, alpha, beta, overhead), num_ctas)
     for k in range(1, 5):
         cand = (longest + k - 1) // k
@@ -200,7 +203,7 @@ def auto_limit(tile_rows, tile_kv, num_ctas, alpha, beta, overhead, spec_limit):
 
 # ---------------------------------------------------------------------------
 
-@njit(cache=True)
+@njit_cached
 def work_clock(work, slots, solo):
     """Breakpoints of ``T``, the time at which a slot that streamed ``w`` units is done:
     sorted work levels and the time each is reached (:mod:`nbattn.sched.cost`).  ``work``:
@@ -232,7 +235,7 @@ def work_clock(work, slots, solo):
     return levels, times
 
 
-@njit(cache=True)
+@njit_cached
 def slot_finish(lat, work, slots, solo):
     """Finish time of each slot with latency ``lat[s]`` and streaming work ``work[s]``
     when ``slots`` slots make a full wave (``lat + T(work)``)."""
@@ -247,7 +250,7 @@ def slot_finish(lat, work, slots, solo):
     return fin
 
 
-@njit(cache=True)
+@njit_cached
 def merge_span(rows, partials, num_ctas, merge_cost, merge_row):
     """Merge-pass time (without its launch): split tiles' jobs ``rows*(merge_cost*partials
     + merge_row)`` in tile order on the least-loaded of ``num_ctas`` CTAs."""
@@ -261,7 +264,7 @@ def merge_span(rows, partials, num_ctas, merge_cost, merge_row):
     return load.max()
 
 
-@njit(cache=True)
+@njit_cached
 def _chunk_items(tile_rows, tile_kv, limit):
     """Rows, keys and tile of every chunk at ``limit``, in (tile, chunk) order, and the
     chunk count of each tile (a tile with no keys still has one, empty, chunk)."""
@@ -282,7 +285,7 @@ def _chunk_items(tile_rows, tile_kv, limit):
     return rows, keys, count
 
 
-@njit(cache=True)
+@njit_cached
 def plan_span(tile_rows, tile_kv, limit, mode, num_ctas, alpha, beta, overhead, merge_cost, merge_row,
               merge_launch, merge_total, launch, solo):
     """Predicted makespan of the plan with chunk ``limit`` and placement ``mode``
@@ -320,7 +323,7 @@ def plan_span(tile_rows, tile_kv, limit, mode, num_ctas, alpha, beta, overhead, 
     return span
 
 
-@njit(cache=True)
+@njit_cached
 def piece_counts(longest, spec_limit):
     """Piece counts ``k`` of the longest tile whose pieces, ``ceil(longest / k)`` keys,
     are one to two base limits long: ``k`` from ``ceil(longest / (2*spec_limit))`` to
@@ -339,7 +342,7 @@ def piece_counts(longest, spec_limit):
     return out[:n + 1]
 
 
-@njit(cache=True)
+@njit_cached
 def candidate_limits(tile_kv, spec_limit):
     """The chunk limits ``choose_plan`` tries (module doc), largest first, without repeats."""
     longest = 1
@@ -362,7 +365,7 @@ def candidate_limits(tile_kv, spec_limit):
     return out[:n]
 
 
-@njit(cache=True)
+@njit_cached
 def choose_plan(tile_rows, tile_kv, num_ctas, alpha, beta, overhead, merge_cost, merge_row, merge_launch,
                 merge_total, launch, solo, spec_limit):
     """(limit, placement, predicted makespan) of the best candidate plan (module doc)."""

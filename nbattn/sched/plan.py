@@ -96,7 +96,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
+
+from .._jit import njit_cached
 
 from .._checks import count_arg, int_arg
 from .cost import CostModel
@@ -242,7 +243,7 @@ def check_partial_capacity(p: Plan, num_qo_heads: int, head_dim: int, capacity: 
     return need
 
 
-@njit(cache=True)
+@njit_cached
 def _plan_core(qo_lens, kv_lens, group, tile_q, num_ctas, alpha, beta, overhead, causal, limit, mode):
     """``limit``: 0 = base rule, -1 = auto, > 0 = forced chunk limit; ``mode``: the
     placement (``LPT_ORDER`` or ``REQUEST_ORDER``)."""

@@ -34,7 +34,6 @@ import dataclasses
 import enum
 import hashlib
 import logging
-import pathlib
 import struct
 import threading
 import types
@@ -44,6 +43,7 @@ from numba import cuda
 
 from ...variants import code_names
 
+from ..._jit import package_digest
 from ..blocks.primitives import SIMULATOR
 
 log = logging.getLogger("nbattn")
@@ -51,23 +51,10 @@ log = logging.getLogger("nbattn")
 __all__ = ["jit_kernel", "stable_key", "sm_count", "BoundLaunch", "launch", "launch_programmatic",
            "data_ptr", "stream_handle", "torch_stream", "handle_of", "HostToDevice", "Span", "StagingRing"]
 
-_PACKAGE = pathlib.Path(__file__).resolve().parents[2]
-_source_digest: str | None = None
 
 
 class _Unstable(Exception):
     pass
-
-
-def _package_digest() -> str:
-    global _source_digest
-    if _source_digest is None:
-        h = hashlib.sha256()
-        for path in sorted(_PACKAGE.rglob("*.py")):
-            h.update(str(path.relative_to(_PACKAGE)).encode())
-            h.update(path.read_bytes())
-        _source_digest = h.hexdigest()
-    return _source_digest
 
 
 def _describe_code(code, seen: set, live: bool) -> str:
@@ -143,7 +130,7 @@ def stable_key(fn) -> str | None:
     except _Unstable as exc:
         log.info("nbattn: %s compiles without the on-disk cache (closure holds %s)", fn.__name__, exc)
         return None
-    return hashlib.sha256((_package_digest() + text).encode()).hexdigest()
+    return hashlib.sha256((package_digest() + text).encode()).hexdigest()
 
 
 def frozen_state(fn) -> str | None:

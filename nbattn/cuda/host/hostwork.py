@@ -4,7 +4,7 @@ A plain ``batch_decode_paged`` call validates its page table and builds a work
 list on every call.  Written with NumPy that is some thirty array operations,
 each costing a few microseconds of Python however small its array; here each is
 one loop in a function compiled once by ``numba.njit`` (on the CPU, cached on
-disk), so a call pays one dispatch per step instead.
+disk by :func:`nbattn._jit.njit_cached`), so a call pays one dispatch per step instead.
 
 The readable statements of the same rules stay where they were and remain the
 specification these functions are tested against:
@@ -19,7 +19,8 @@ specification these functions are tested against:
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from ..._jit import njit_cached
 
 from ... import layout as L
 
@@ -58,7 +59,7 @@ def int32_tables(indptr, indices, last) -> tuple:
     return tuple(out)
 
 
-@njit(cache=True)
+@njit_cached
 def page_table_ok(indptr, indices, last, page_size, num_pages):
     """Whether a page table obeys every rule of ``PagedKV.validate``: ``indptr``
     starts at 0, never decreases and ends at ``len(indices)``; one ``last`` per
@@ -67,28 +68,29 @@ def page_table_ok(indptr, indices, last, page_size, num_pages):
     batch = indptr.shape[0] - 1
     if batch < 0 or indptr[0] != 0 or indptr[batch] != indices.shape[0] or last.shape[0] != batch:
         return False
+    # No early exit in the loops: branch-free bodies and min/max reductions vectorize.
+    bad = False
     for r in range(batch):
         n = indptr[r + 1] - indptr[r]
-        if n < 0:
-            return False
-        if n == 0:
-            if last[r] != 0:
-                return False
-        elif last[r] < 1 or last[r] > page_size:
-            return False
+        lr = last[r]
+        bad |= (n < 0) | ((n == 0) & (lr != 0)) | ((n > 0) & ((lr < 1) | (lr > page_size)))
+    if indices.shape[0] == 0:
+        return not bad
+    lo = indices[0]
+    hi = indices[0]
     for i in range(indices.shape[0]):
-        if indices[i] < 0 or indices[i] >= num_pages:
-            return False
-    return True
+        lo = min(lo, indices[i])
+        hi = max(hi, indices[i])
+    return not bad and lo >= 0 and hi < num_pages
 
 
-@njit(cache=True)
+@njit_cached
 def _aligned(n):
     n = max(n, 1)
     return n + (-n) % 4
 
 
-@njit(cache=True)
+@njit_cached
 def decode_work(indptr, indices, last, page_size, ctas, slots, grain, floor, edge, buf):
     """The work list of a validated page table, packed into ``buf`` (int32).
 
@@ -187,7 +189,7 @@ def decode_work(indptr, indices, last, page_size, ctas, slots, grain, floor, edg
     return info
 
 
-@njit(cache=True)
+@njit_cached
 def decode_call_work(indptr, indices, last, page_size, num_pages, ctas, slots, grain, floor, edge, buf):
     """A plain call's compiled host work: :func:`page_table_ok`, then, when the table
     obeys every rule, :func:`decode_work` into ``buf``; ``info[0] = -1`` (and nothing
@@ -199,7 +201,7 @@ def decode_call_work(indptr, indices, last, page_size, num_pages, ctas, slots, g
     return decode_work(indptr, indices, last, page_size, ctas, slots, grain, floor, edge, buf)
 
 
-@njit(cache=True)
+@njit_cached
 def stage_arrays(host, offsets, arrays, gap):
     """Write ``arrays[i]`` (int32) into ``host`` at word ``offsets[i]`` and return the
     spans to copy, ``[first, last)`` word pairs in increasing order (int64
@@ -224,7 +226,7 @@ def stage_arrays(host, offsets, arrays, gap):
     return spans[:k]
 
 
-@njit(cache=True)
+@njit_cached
 def split_plan(kv_lens, splits):
     """The decode wrapper's ``"split"`` plan: request ``r`` cut into ``splits`` chunks of
     ``chunk_r = roundup(max(ceil(len_r / splits), 1), 16)`` keys, chunk ``j`` being keys
@@ -248,7 +250,7 @@ def split_plan(kv_lens, splits):
     return request, start, end, largest
 
 
-@njit(cache=True)
+@njit_cached
 def kv_lengths(indptr, last, page_size):
     """``page_size*(pages-1) + last`` per request, 0 for a request without pages
     (:func:`nbattn.layout.kv_lengths`, compiled)."""
