@@ -182,8 +182,9 @@ class PrefillTuning(_Tuning):
     longest_first: bool = True
     #: Resident CTAs an SM the prefill wrapper plans for: its plan balances
     #: ``plan_ctas_per_sm * SMs // num_kv_heads`` queues per KV head, so that the
-    #: persistent grid (queues x KV heads) is one wave.  The tensor-core tiles' occupancy
-    #: (benchmarks/EXPERIMENTS.md, "Prefill plans over one wave").
+    #: persistent grid (queues x KV heads) is one wave.  2: the mixed steps of
+    #: benchmarks/results/sched.json fit best with 264 resident slots on 132 SMs
+    #: (``benchmarks/fit_cost.py --analyse``); gpu_sched.py records the launches' occupancy.
     plan_ctas_per_sm: int = 2
 
     def __post_init__(self):
