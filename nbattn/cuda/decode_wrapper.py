@@ -143,9 +143,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         if mode == "split" and batch > self.num_ctas:
             raise ValueError(f"schedule: 'split' runs one work item per CTA of the constructor's grid, "
                              f"so batch ({batch}) must be at most num_ctas ({self.num_ctas})")
-        if num_ctas is not None and not 1 <= int(num_ctas) <= self.num_ctas:
-            raise ValueError(f"num_ctas: must be in 1..{self.num_ctas} (the constructor's grid), "
-                             f"got {num_ctas}")
+        self._check_num_ctas(num_ctas)
         if mode == "lpt" and small:       # the persistent grid runs the batch-independent shape
             cfg = make_config(code, D, group, self._kv_layout, var, tuning=tuning)
         # a sliding window's hidden keys are planned out: plan the keys from the first visible one

@@ -353,6 +353,13 @@ class PlanRunWrapper:
         self._copy("kv_indices", kv_indices)
         self._copy("kv_last", kv_last)
 
+    def _check_num_ctas(self, num_ctas) -> None:
+        """plan()'s ``num_ctas`` (None: the wrapper's own rule): an int in 1..the constructor's grid."""
+        if num_ctas is not None and not (isinstance(num_ctas, (int, np.integer))
+                                         and 1 <= int(num_ctas) <= self.num_ctas):
+            raise ValueError(f"num_ctas: must be an int in 1..{self.num_ctas} (the constructor's grid), "
+                             f"got {num_ctas!r}")
+
     def _check_bound(self, p: Plan) -> None:
         C = self.num_ctas
         if p.num_ctas > C:

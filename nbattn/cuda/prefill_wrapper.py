@@ -5,7 +5,8 @@
 Prefill runs persistent launches of the plan's CTAs per KV head
 (:func:`nbattn.cuda.prefill.persistent_entry`), CTA ``c`` walking its LPT
 queue; a plan balances over as many CTAs per KV head as fill the GPU once
-(:func:`prefill_plan_ctas`), at most the constructor's ``num_ctas``.  The queue is cut by output kind and run as two launches, first the
+(:func:`prefill_plan_ctas`), at most the constructor's ``num_ctas``.  The
+queue is cut by output kind and run as two launches, first the
 chunks of split tiles (float32 partial states), then the unsplit tiles (final
 output): one kernel holding both bodies would need twice the static shared
 memory, past 48 KB.  Each phase keeps the plan's per-CTA order but is balanced
@@ -83,9 +84,7 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
 
         t0 = time.perf_counter()
         tuning = check_tuning(tuning, PrefillTuning, PREFILL)
-        if num_ctas is not None and not (isinstance(num_ctas, (int, np.integer)) and 1 <= int(num_ctas) <= self.num_ctas):
-            raise ValueError(f"num_ctas: must be an int in 1..{self.num_ctas} (the constructor's grid), "
-                             f"got {num_ctas!r}")
+        self._check_num_ctas(num_ctas)
         var = kernel_variant(dict(variant, causal=causal, pos_encoding_mode=pos_encoding_mode,
                             window_left=window_left, logits_soft_cap=logits_soft_cap,
                             sm_scale=sm_scale))

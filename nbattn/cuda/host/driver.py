@@ -52,7 +52,6 @@ __all__ = ["jit_kernel", "stable_key", "sm_count", "BoundLaunch", "launch", "lau
            "data_ptr", "stream_handle", "torch_stream", "handle_of", "HostToDevice", "Span", "StagingRing"]
 
 
-
 class _Unstable(Exception):
     pass
 
