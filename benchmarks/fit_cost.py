@@ -258,7 +258,8 @@ def analyse(path, slots=33, group=4):
 SWEEP_SLOTS = 33            # decode planner CTAs per KV head (2 CTAs an SM x 132 SMs / 8 head blocks)
 SWEEP_GROUP = 4             # 32 query heads over 8 KV heads
 SWEEP_KV_HEADS = 8
-PREFILL_CTAS = 132          # the prefill wrapper's num_ctas (one per SM, per KV head)
+PREFILL_CTAS = 132          # the prefill wrapper's num_ctas before plans covered one wave (one per SM, per KV head)
+PREFILL_SLOTS = 33          # the prefill wrapper's planned CTAs per KV head now (2 an SM x 132 SMs / 8 KV heads)
 PREFILL_TILE = 64           # its kernel's query tile, in fused rows
 OVERHEAD_GRID = tuple(range(0, 241, 8))                  # item price, KV tokens
 SOLO_SWEEP_GRID = tuple(np.round(np.arange(1.0, 2.001, 0.05), 3))
@@ -317,10 +318,14 @@ def rebuild_sweep(d: dict, model) -> list:
             raise SystemExit(f"{w} b{b}: lengths do not reproduce total_kv / max_kv")
         row = dict(case=c, t=float(r["value"]), workload=w, batch=b, policy=pol)
         if w == "mixed":
-            limit = {"one_per_cta": int(kv.max()), "lpt": "auto", "lpt_spec": None}.get(pol)
-            if pol.startswith("split_"):
-                limit = _fixed_chunk(pol)
-            p = plan(qo, kv, PREFILL_CTAS, tile_q=PREFILL_TILE, group=SWEEP_GROUP, causal=True, chunk_limit=limit)
+            base = pol.removesuffix("_all_ctas")       # the same rule over every CTA (the older plans)
+            limit = {"one_per_cta": int(kv.max()), "lpt": "auto", "lpt_spec": None}.get(base)
+            if base.startswith("split_"):
+                limit = _fixed_chunk(base)
+            elif base.startswith("lpt") and c.get("placement", "lpt") == "lpt" and "num_ctas" in c:
+                limit = int(c["chunk_limit"])          # the limit it ran with (some were chosen under a fit)
+            p = plan(qo, kv, int(c.get("num_ctas", PREFILL_CTAS)), tile_q=PREFILL_TILE, group=SWEEP_GROUP,
+                     causal=True, chunk_limit=limit)
             got = (p.num_items, p.num_partials, p.chunk_limit)
             want = (c["items"], c["partials"], c["chunk_limit"])
             row.update(path="prefill", plan=p, merges=np.diff(p.merge_indptr).astype(np.float64))
@@ -441,6 +446,32 @@ def fit_prefill_records(rows, resident, two_launches, overheads=PREFILL_OVERHEAD
     return best
 
 
+def prefill_model(fit, resident):
+    """The planner's :class:`nbattn.sched.CostModel` (microseconds) of a
+    :func:`fit_prefill_records` fit made with ``two_launches``: a key costs the
+    fitted rate, an item its overhead in keys, any split ``merge_launch`` plus
+    ``merge_total`` a partial; no tail speed-up (prefill tiles are compute-bound)."""
+    from nbattn.sched import CostModel
+    rate = float(fit["us_per_token"])
+    return CostModel(alpha=0.0, beta=rate, chunk_overhead=float(fit["overhead_tokens"]) * rate, merge_cost=0.0,
+                     merge_launch=float(fit["merge_launch_us"]), merge_total=float(fit["us_per_partial"]),
+                     launch=float(fit["launch_us"]), solo_speedup=1.0, ctas_per_sm=int(resident // 132) or 1,
+                     sm_count=132, search="plans", unit="us", two_pass=True)
+
+
+def fit_prefill_model(rows, resident=2 * PREFILL_CTAS, kv_heads=SWEEP_KV_HEADS):
+    """Fit the mixed steps' fixed policies (one request per CTA and the fixed splits,
+    planned over at most one wave: ``num_ctas * kv_heads <= resident``) as the
+    wrapper runs them (two launches) and return ``(fit, CostModel)``; the LPT
+    records stay out of the fit, so they can test it."""
+    sel = [r for r in rows if r["path"] == "prefill" and not r["policy"].startswith("lpt")
+           and r["plan"].num_ctas * kv_heads <= resident]
+    if len(sel) < 5:
+        raise ValueError(f"{len(sel)} fixed-policy records planned over one wave; the fit takes 5 or more")
+    f = fit_prefill_records(sel, resident, True)
+    return f, prefill_model(f, resident)
+
+
 def analyse_sweep(path, fit_path=None, overheads=OVERHEAD_GRID, solos=SOLO_SWEEP_GRID):
     """Print (and return) the analysis of a sweep file (module docstring)."""
     from nbattn.sched import CostModel, plan, simulate_plan
@@ -508,6 +539,24 @@ def analyse_sweep(path, fit_path=None, overheads=OVERHEAD_GRID, solos=SOLO_SWEEP
                       f"{f['errors'][np.argmax(np.abs(f['errors']))]:+.1%}; item {f['overhead_tokens']} keys, "
                       f"launch {f['launch_us']:.1f} us; any split: {f['merge_launch_us']:.1f} us + "
                       f"{f['us_per_partial']:.2f} us a partial")
+        try:
+            f, model = fit_prefill_model(mixed)
+        except ValueError as exc:
+            print(f"  no prefill model: {exc}")
+            return out
+        out["prefill_model"] = model
+        print(f"  fixed policies over one wave, two launches: rms {f['rms']:.1%} over {len(f['errors'])} records; "
+              f"plan() under that model:")
+        from nbattn.sched import plan as lpt_plan
+        for b in sorted({r["batch"] for r in mixed}):
+            t = {r["policy"]: r["t"] for r in mixed if r["batch"] == b}
+            fixed = {k: v for k, v in t.items() if k == "one_per_cta" or k.startswith("split_")}
+            best = min(fixed, key=fixed.get)
+            qo, kv = sweep_lengths("mixed", b)
+            p = lpt_plan(qo, kv, PREFILL_SLOTS, tile_q=PREFILL_TILE, group=SWEEP_GROUP, causal=True,
+                         chunk_limit="auto", cost=model)
+            print(f"    b{b:<4d} best fixed {best} {fixed[best]:.1f} us | LPT measured {t.get('lpt', np.nan):.1f} | "
+                  f"under the fit: L={p.chunk_limit} partials {p.num_partials} predicted {p.predicted_makespan:.1f}")
     return out
 
 

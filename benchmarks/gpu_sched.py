@@ -406,16 +406,20 @@ def fit_stage(w, slots, records, checks):
     return CostModel(**model), resid
 
 
-def write_fit(out_dir, model, records, meta, commit):
-    fit = CostFit(decode_tc=model if model is not None else DEFAULT_FIT.decode_tc, gpu=meta["gpu"],
+def write_fit(out_dir, model, records, meta, commit, prefill=None):
+    paths = (["decode_tc"] if model is not None else []) + (["prefill"] if prefill is not None else [])
+    fit = CostFit(decode_tc=model if model is not None else DEFAULT_FIT.decode_tc,
+                  prefill=prefill if prefill is not None else DEFAULT_FIT.prefill, gpu=meta["gpu"],
                   commit=commit, date=meta["date"],
-                  source=("benchmarks/gpu_sched.py probes (stream, solo, merge) through the decode wrapper, "
-                          "least squares (benchmarks/fit_cost.py); decode tensor-core path only, the warp "
-                          "and prefill paths keep the defaults (not measured)") if model is not None
+                  source=("benchmarks/gpu_sched.py: decode_tc from the probes (stream, solo, merge) through the "
+                          "decode wrapper, least squares (benchmarks/fit_cost.py fit_decode)"
+                          + ("; prefill from the sweep's mixed steps under the fixed policies, two launches "
+                             "(fit_cost.fit_prefill_model)" if prefill is not None else "")
+                          + "; paths not in measured_paths keep the defaults (not measured)") if paths
                   else "not fitted: the budget ran out")
     obj = dict(meta, suite="cost_fit", records=records or [dict(case=dict(probe="none"), metric="kernel_us",
                                                                  value=0.0, unit="us")],
-               fit=dict(fit.to_dict(), measured_paths=["decode_tc"] if model is not None else []))
+               fit=dict(fit.to_dict(), measured_paths=paths))
     with open(os.path.join(out_dir, "cost_fit.json"), "w") as f:
         json.dump(obj, f, indent=1, default=str)
     cost_fit_from_dict(obj["fit"])          # what was written loads back
@@ -541,8 +545,13 @@ def causal_flops(qo, kv) -> float:
     return 4.0 * HQ * D * total
 
 
-def mixed_case(batch, records, checks, capacity, bw):
-    """Mixed prefill + decode through the prefill wrapper (causal append)."""
+def mixed_case(batch, records, checks, capacity, bw, fixed_rows, prefill_model=None):
+    """Mixed prefill + decode through the prefill wrapper (causal append).
+
+    ``prefill_model`` None: the fixed policies (one request per CTA, splits), whose plans
+    and times are appended to ``fixed_rows`` for the fit; else the LPT policies, ``lpt``
+    under ``prefill_model`` (fitted to the fixed policies of every batch), ``lpt_default``
+    with the wrapper's defaults, ``lpt_spec`` with the paper's limit."""
     qo, kv = mixed_lens(batch, seed=200 + batch)
     q, cache, qo_indptr, indptr, indices, last = prefill_batch(qo, kv, seed=9 + batch, spare_pages=0)
     ws = torch.empty(WS_BYTES, dtype=torch.uint8, device=DEV)
@@ -550,14 +559,14 @@ def mixed_case(batch, records, checks, capacity, bw):
     flops = causal_flops(qo, kv)
     case = dict(workload="mixed", batch=batch, total_kv=int(kv.sum()), total_qo=int(qo.sum()), max_kv=int(kv.max()),
                 num_qo_heads=HQ, num_kv_heads=HK, head_dim=D, page_size=PAGE, dtype="f16", causal=True,
-                path="prefill wrapper (no fitted model)")
-    # The wrapper plans over one wave of CTAs per KV head (prefill_plan_ctas); the
-    # "_all_ctas" policies plan over the constructor's num_ctas, as before that rule.
-    pols = {"one_per_cta": dict(chunk_limit=int(kv.max())),
-            **{f"split_{n}": dict(chunk_limit=c) for n, c in zip((512, 1024, 2048, 4096), FIXED)},
-            "lpt": dict(chunk_limit="auto"), "lpt_spec": dict(chunk_limit=None),
-            "one_per_cta_all_ctas": dict(chunk_limit=int(kv.max()), num_ctas=capacity),
-            "lpt_all_ctas": dict(chunk_limit="auto", num_ctas=capacity)}
+                path="prefill wrapper")
+    # The wrapper plans over one wave of CTAs per KV head (prefill_plan_ctas).
+    if prefill_model is None:
+        pols = {"one_per_cta": dict(chunk_limit=int(kv.max())),
+                **{f"split_{n}": dict(chunk_limit=c) for n, c in zip((512, 1024, 2048, 4096), FIXED)}}
+    else:
+        pols = {"lpt": dict(chunk_limit="auto", cost=prefill_model), "lpt_default": dict(chunk_limit="auto"),
+                "lpt_spec": dict(chunk_limit=None)}
     times, info = {}, {}
     for key, kw in pols.items():
         if left() < 20:
@@ -571,19 +580,28 @@ def mixed_case(batch, records, checks, capacity, bw):
                 checks["prefill_resident_per_sm"] = dict(part=part.resident_per_sm(), final=final.resident_per_sm(),
                                                          merge=merge.resident_per_sm())
             info[key] = dict(num_ctas=p.num_ctas, items=p.num_items, partials=p.num_partials,
-                             chunk_limit=p.chunk_limit, tile_q=p.tile_q, graphed=graphed)
+                             chunk_limit=p.chunk_limit, tile_q=p.tile_q, placement=p.placement, graphed=graphed)
+            if prefill_model is None:
+                fixed_rows.append(dict(path="prefill", policy=key, batch=batch, plan=p, t=times[key]))
+            elif key == "lpt":
+                info[key].update(predicted_us=p.predicted_makespan, model="fitted to the fixed policies")
         except Exception as exc:  # noqa: BLE001
             log("mixed", key, "failed", repr(exc)[:200])
             checks.setdefault("mixed_errors", {})[f"{key}_b{batch}"] = repr(exc)[:300]
-    peers_sdpa = sdpa_peers(kv, qo) if left() > 25 else {"skipped": "time", "padding_factor": padding_factor(kv)}
+    if prefill_model is None:
+        peers_sdpa = sdpa_peers(kv, qo) if left() > 25 else {"skipped": "time", "padding_factor": padding_factor(kv)}
+        checks.setdefault("sdpa", {})[f"mixed_b{batch}"] = peers_sdpa
+    else:
+        peers_sdpa = checks.get("sdpa", {}).get(f"mixed_b{batch}", {"padding_factor": padding_factor(kv)})
     sdpa = {k: v for k, v in peers_sdpa.items() if k.startswith("sdpa") and not k.endswith("error")}
     for key, us in times.items():
         peers = dict({k: v for k, v in times.items() if k != key}, **sdpa)
         c = dict(case, policy=key, padding_factor=peers_sdpa["padding_factor"], **info[key])
+        if "predicted_us" in info[key]:
+            c["prediction_error"] = info[key]["predicted_us"] / us - 1
         records.append(dict(case=c, metric="latency_us", value=us, unit="us", peers=peers))
         records.append(dict(case=dict(case, policy=key), metric="tflops", value=flops / (us * 1e-6) / 1e12,
                             unit="TFLOP/s", peers={k: (flops / (v * 1e-6) / 1e12 if v else None) for k, v in sdpa.items()}))
-    checks.setdefault("sdpa", {})[f"mixed_b{batch}"] = peers_sdpa
     log("mixed", batch, {k: round(v, 1) for k, v in times.items()})
     return times
 
@@ -730,16 +748,40 @@ def main(argv=None):
                 checks[f"error_{name}_b{batch}"] = traceback.format_exc()[-1500:]
                 log("case failed", name, batch, checks[f"error_{name}_b{batch}"][-300:])
             save()
-    for batch in BATCHES:
-        if left() < 40:
-            checks["skipped"].append(f"mixed_b{batch}")
-            continue
-        try:
-            summary.append(("mixed", batch, mixed_case(batch, records, checks, capacity, bw)))
-        except Exception:  # noqa: BLE001
-            checks[f"error_mixed_b{batch}"] = traceback.format_exc()[-1500:]
-            log("mixed failed", checks[f"error_mixed_b{batch}"][-300:])
-        save()
+    # the mixed steps: fixed policies first, the prefill model fitted to them, then LPT under it
+    fixed_rows, mixed_times, prefill_model = [], {}, None
+    for stage in ("fixed", "lpt"):
+        if stage == "lpt":
+            try:
+                f, prefill_model = fit_cost.fit_prefill_model(fixed_rows)
+                checks["prefill_fit"] = dict(rms=f["rms"], records=len(f["errors"]), model=vars(prefill_model))
+                log("prefill fit", checks["prefill_fit"])
+                write_fit(args.out, model, fit_records, dict(meta, copy_bandwidth_GBps=bw), args.commit,
+                          prefill=prefill_model)
+            except Exception:  # noqa: BLE001
+                checks["prefill_fit_error"] = traceback.format_exc()[-1500:]
+                log("prefill fit failed", checks["prefill_fit_error"][-300:])
+                break
+        for batch in BATCHES:
+            if left() < 40:
+                checks["skipped"].append(f"mixed_{stage}_b{batch}")
+                continue
+            try:
+                mixed_times.setdefault(batch, {}).update(mixed_case(batch, records, checks, capacity, bw, fixed_rows,
+                                                                    prefill_model))
+            except Exception:  # noqa: BLE001
+                checks[f"error_mixed_{stage}_b{batch}"] = traceback.format_exc()[-1500:]
+                log("mixed failed", checks[f"error_mixed_{stage}_b{batch}"][-300:])
+            save()
+    for batch, times in mixed_times.items():
+        summary.append(("mixed", batch, times))
+        fixed = {k: v for k, v in times.items() if k == "one_per_cta" or k.startswith("split_")}
+        if "lpt" in times and fixed:
+            best = min(fixed, key=fixed.get)
+            records.append(dict(case=dict(workload="mixed", batch=batch, policy="lpt", baseline=best),
+                                metric="slowdown_vs_best_fixed", value=times["lpt"] / fixed[best], unit="x",
+                                peers={k: times[k] / fixed[best] for k in ("lpt_default", "lpt_spec") if k in times}))
+    save()
 
     # -- 5. plan time ------------------------------------------------------------------
     if model is not None:

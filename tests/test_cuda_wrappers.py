@@ -13,6 +13,7 @@ import pytest
 import nbattn  # noqa: F401  (compat first)
 from nbattn import reference as R
 from nbattn.cuda.blocks.primitives import SIMULATOR
+from nbattn.cuda.tuning import DECODE
 from nbattn.cuda.wrappers import (BatchDecodeWithPagedKVCacheWrapper,
                                   BatchPrefillWithPagedKVCacheWrapper)
 
@@ -307,6 +308,23 @@ def _equal_outputs(a, b):
     np.testing.assert_array_equal(to(la), to(lb))
 
 
+def test_programmatic_tile_merge_changes_no_bit():
+    """MergeTuning.tiles_programmatic builds the decode wrapper's tile merge to wait for
+    the decode before it reads a partial; the answer is the same to the bit."""
+    rng = np.random.default_rng()
+    b = decode_batch(rng, [70, 3, 41, 0])
+    outs = []
+    for pdl in (False, True):
+        w = BatchDecodeWithPagedKVCacheWrapper(workspace(WS), num_ctas=4)
+        w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, chunk_limit=24, num_ctas=2, schedule="lpt",
+               tuning=DECODE.replace(merge=DECODE.merge.replace(tiles_programmatic=pdl)))
+        assert w.last_plan.num_merges >= 2
+        outs.append(w.run(b["q"], b["cache"], return_lse=True))
+        close(outs[-1], ref_decode(b))
+        assert w._bound_now[1].programmatic == pdl
+    _equal_outputs(*outs)
+
+
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
 def test_merge_grid_does_not_change_a_bit(kind):
     """The fixed merge grid takes units of R rows of a tile, R chosen from the merge
@@ -365,16 +383,19 @@ def test_gpu_100_runs_bitwise_equal():
 
 
 @gpu
-@pytest.mark.parametrize("schedule", ["auto", "lpt"])      # auto: the small-batch split shape here
+@pytest.mark.parametrize("schedule", ["auto", "lpt", "lpt_programmatic_merge"])  # auto: the split shape here
 def test_gpu_cuda_graph_replay_after_replan(schedule):
     import torch
+    tuning = None
+    if schedule == "lpt_programmatic_merge":        # the tile merge launched programmatically
+        schedule, tuning = "lpt", DECODE.replace(merge=DECODE.merge.replace(tiles_programmatic=True))
     hq, hk, d, page = 32, 8, 128, 16
     b1, q, cache = _torch_decode([4096, 100, 700, 3000], 21)
     rng = np.random.default_rng(22)
     pool = int(cache.shape[0])
     ws = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     w = BatchDecodeWithPagedKVCacheWrapper(ws, num_ctas=16)
-    w.plan(b1["indptr"], b1["indices"], b1["last"], hq, hk, d, page, schedule=schedule)
+    w.plan(b1["indptr"], b1["indices"], b1["last"], hq, hk, d, page, schedule=schedule, tuning=tuning)
     assert w._mode == ("split" if schedule == "auto" else "lpt")
     out = torch.empty_like(q)
     w.run(q, cache, out=out)          # compile before capture
@@ -388,7 +409,8 @@ def test_gpu_cuda_graph_replay_after_replan(schedule):
     indices2 = rng.permutation(pool)[:sum(n2)].astype(np.int32)
     indptr2 = np.concatenate([[0], np.cumsum(n2)]).astype(np.int32)
     last2 = np.array([n - (k - 1) * page for n, k in zip(lens2, n2)], np.int32)
-    w.plan(indptr2, indices2, last2, hq, hk, d, page, schedule=schedule)
+    w.plan(indptr2, indices2, last2, hq, hk, d, page, schedule=schedule, tuning=tuning)
+    assert schedule == "auto" or w.last_plan.num_merges >= 1
     q.copy_(torch.randn_like(q))
     out.fill_(float("nan"))
     g.replay()

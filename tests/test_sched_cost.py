@@ -56,24 +56,32 @@ def tiles_of(qo, kv, group, tile_q):
 
 def reference_span(tiles, limit, order_kind, slots, m: CostModel):
     """Predicted makespan of a plan, re-derived from the cost model's definition."""
-    chunks, counts = [], []
+    chunks, counts, in_split = [], [], []
     for rows, kv in tiles:
         k = max(1, -(-kv // limit))
         counts.append((rows, k))
         for c in range(k):
             chunks.append((rows, max(0, min(limit, kv - c * limit))))
+            in_split.append(k > 1)
     total = [m.chunk_overhead + m.alpha * r + m.beta * k for r, k in chunks]
     order = range(len(chunks))
     if order_kind == "lpt":
         order = sorted(order, key=lambda i: -total[i])      # stable: ties keep (tile, chunk) order
     heap = [(0.0, c) for c in range(slots)]
-    lat, work = [0.0] * slots, [0.0] * slots
+    # two_pass: the chunks of split tiles run first as their own launch, then the rest
+    passes = (True, False) if m.two_pass else (None,)
+    lat = {p: [0.0] * slots for p in passes}
+    work = {p: [0.0] * slots for p in passes}
     for i in order:
         load, c = heapq.heappop(heap)
         heapq.heappush(heap, (load + total[i], c))
-        lat[c] += m.chunk_overhead
-        work[c] += m.alpha * chunks[i][0] + m.beta * chunks[i][1]
-    span = (m.launch + max(fluid_finish(lat, work, slots, m.solo_speedup))) if chunks else 0.0
+        p = in_split[i] if m.two_pass else None
+        lat[p][c] += m.chunk_overhead
+        work[p][c] += m.alpha * chunks[i][0] + m.beta * chunks[i][1]
+    span = 0.0
+    if chunks:
+        used = [p for p in passes if any(in_split[i] == p or p is None for i in range(len(chunks)))]
+        span = m.launch + sum(max(fluid_finish(lat[p], work[p], slots, m.solo_speedup)) for p in used)
     jobs = [r * (m.merge_cost * k + m.merge_row) for r, k in counts if k > 1]
     if jobs:
         heap = [(0.0, c) for c in range(slots)]
@@ -113,6 +121,7 @@ models = st.builds(
     launch=st.sampled_from([0.0, 50.0]),
     solo_speedup=st.sampled_from([1.0, 1.7, 3.0]),
     search=st.just("plans"),
+    two_pass=st.booleans(),
 )
 
 

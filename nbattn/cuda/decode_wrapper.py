@@ -307,12 +307,14 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
                 self._view("merge_request"), self._view("merge_qo_tile"), self._view("merge_slots"),
                 self._view("cta_indptr"), po, pl, A.flat(out0), A.flat(lse0), code=code, head_dim=D,
                 num_qo_heads=hq, num_kv_heads=self._num_kv_heads, group=self._group, tile_q=self._plan.tile_q,
-                slot_rows=1, num_ctas=self.num_ctas, per_request_row=True, use_sigmoid=var.use_sigmoid)
+                slot_rows=1, num_ctas=self.num_ctas, per_request_row=True, use_sigmoid=var.use_sigmoid,
+                programmatic=cfg.tuning.merge.tiles_programmatic)
             ix = dict(ix, merge_out=8, merge_lse=9)
         if split and not self._plan.num_partials:
             merge = None
         else:
             mconv = {ix["merge_out"]: conv[ix["out"]], ix["merge_lse"]: conv[ix["lse"]]}
-            merge = BoundLaunch(k, g, t, a, convert=mconv)
+            merge = BoundLaunch(k, g, t, a, convert=mconv,
+                                programmatic=None if split else cfg.tuning.merge.tiles_programmatic)
         self._bound[key] = (dec, merge, ix)
         return self._bound[key]

@@ -38,6 +38,10 @@ is::
     launch + max_slot(lat + T(w))
            + [merges] * (merge_launch + merge_total * partials + max merge CTA load)
 
+With ``two_pass`` (the prefill wrapper, which launches the chunks of split tiles
+and the unsplit tiles as two kernels, each CTA's queue cut in two), the
+attention term is the sum of the two passes' ``max_slot(lat + T(w))``.
+
 "What a wave means": the planner balances over ``num_ctas`` CTAs per KV head,
 the slots resident at once.  ``ctas_per_sm`` and ``sm_count`` say how that
 number comes about for a path (:meth:`CostModel.resident`).
@@ -98,6 +102,7 @@ class CostModel:
     sm_count: int = 0
     search: str = "limits"
     unit: str = "KV tokens"
+    two_pass: bool = False
 
     def __post_init__(self):
         for f in ("alpha", "beta", "chunk_overhead", "merge_cost", "merge_row", "merge_launch", "merge_total",
@@ -111,6 +116,8 @@ class CostModel:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
                 raise ValueError(f"CostModel.{f}: must be an int >= 0, got {v!r}")
+        if not isinstance(self.two_pass, (bool, np.bool_)):
+            raise ValueError(f"CostModel.two_pass: must be a bool, got {self.two_pass!r}")
         if self.search not in SEARCHES:
             raise ValueError(f"CostModel.search: must be one of {SEARCHES}, got {self.search!r}")
 
@@ -142,7 +149,7 @@ class CostModel:
         """The numbers the compiled planner takes, in its argument order."""
         return (float(self.alpha), float(self.beta), float(self.chunk_overhead), float(self.merge_cost),
                 float(self.merge_row), float(self.merge_launch), float(self.merge_total), float(self.launch),
-                float(self.solo_speedup))
+                float(self.solo_speedup), float(self.two_pass))
 
 
 @dataclass(frozen=True)

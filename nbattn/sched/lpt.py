@@ -287,10 +287,12 @@ def _chunk_items(tile_rows, tile_kv, limit):
 
 @njit_cached
 def plan_span(tile_rows, tile_kv, limit, mode, num_ctas, alpha, beta, overhead, merge_cost, merge_row,
-              merge_launch, merge_total, launch, solo):
+              merge_launch, merge_total, launch, solo, two_pass=0.0):
     """Predicted makespan of the plan with chunk ``limit`` and placement ``mode``
     (:data:`LPT_ORDER` or :data:`REQUEST_ORDER`) under the cost model of
-    :mod:`nbattn.sched.cost`, merge pass included."""
+    :mod:`nbattn.sched.cost`, merge pass included.  ``two_pass``: the chunks of
+    split tiles run as one pass and the unsplit tiles as a second, each CTA's
+    queue cut in two (the prefill wrapper's two launches)."""
     rows, keys, count = _chunk_items(tile_rows, tile_kv, limit)
     work = alpha * rows + beta * keys
     total = work + overhead
@@ -299,12 +301,25 @@ def plan_span(tile_rows, tile_kv, limit, mode, num_ctas, alpha, beta, overhead, 
     else:
         order = np.arange(total.shape[0])
     assigned, _ = lpt_assign(total, order, num_ctas)
-    lat = np.zeros(num_ctas, np.float64)
-    cta_work = np.zeros(num_ctas, np.float64)
+    # pass 0: every item, or (two_pass) the unsplit tiles; pass 1: chunks of split tiles
+    is_split = np.empty(total.shape[0], np.bool_)
+    i = 0
+    for t in range(count.shape[0]):
+        for _c in range(count[t]):
+            is_split[i] = two_pass > 0.0 and count[t] > 1
+            i += 1
+    lat = np.zeros((2, num_ctas), np.float64)
+    cta_work = np.zeros((2, num_ctas), np.float64)
     for j in range(order.shape[0]):
-        lat[assigned[j]] += overhead
-        cta_work[assigned[j]] += work[order[j]]
-    span = launch + slot_finish(lat, cta_work, num_ctas, solo).max() if total.shape[0] else 0.0
+        k = 1 if is_split[order[j]] else 0
+        lat[k, assigned[j]] += overhead
+        cta_work[k, assigned[j]] += work[order[j]]
+    span = 0.0
+    if total.shape[0]:
+        span = launch
+        for k in range(2):
+            if lat[k].max() > 0.0 or cta_work[k].max() > 0.0:
+                span += slot_finish(lat[k], cta_work[k], num_ctas, solo).max()
     m = 0
     for t in range(count.shape[0]):
         if count[t] > 1:
@@ -367,7 +382,7 @@ def candidate_limits(tile_kv, spec_limit):
 
 @njit_cached
 def choose_plan(tile_rows, tile_kv, num_ctas, alpha, beta, overhead, merge_cost, merge_row, merge_launch,
-                merge_total, launch, solo, spec_limit):
+                merge_total, launch, solo, spec_limit, two_pass=0.0):
     """(limit, placement, predicted makespan) of the best candidate plan (module doc)."""
     limits = candidate_limits(tile_kv, spec_limit)
     best = np.inf
@@ -402,7 +417,7 @@ def choose_plan(tile_rows, tile_kv, num_ctas, alpha, beta, overhead, merge_cost,
             if mode == REQUEST_ORDER and not fixed:
                 continue
             span = plan_span(tile_rows, tile_kv, limit, mode, num_ctas, alpha, beta, overhead, merge_cost,
-                             merge_row, merge_launch, merge_total, launch, solo)
+                             merge_row, merge_launch, merge_total, launch, solo, two_pass)
             # Limits come largest first and LPT before request order: a tie keeps the earlier.
             if span < best * (1.0 - 1e-12):
                 best, best_limit, best_mode = span, limit, mode

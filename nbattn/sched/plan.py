@@ -460,11 +460,11 @@ def plan(
     mode, predicted = LPT_ORDER, float("nan")
     if cost is not None:
         _, _, t_rows, t_kv = query_tiles(qo, kv, group, tile_q, bool(causal))
-        _, _, _, mc, mr, ml, mt, launch, solo = cost.params()
+        _, _, _, mc, mr, ml, mt, launch, solo, two = cost.params()
         if limit == -1 and cost.search == "plans":
             spec = max(1, -(-int(t_kv.sum()) // num_ctas))
             limit, mode, predicted = choose_plan(t_rows, t_kv, num_ctas, alpha, beta, overhead, mc, mr, ml, mt,
-                                                 launch, solo, spec)
+                                                 launch, solo, spec, two)
             limit = int(limit)
     (chunk_limit, cta_indptr, request, qo_tile, kv_start, kv_end, out_slot, merge_indptr,
      merge_request, merge_qo_tile, merge_slots, num_partials, cta_cost,
@@ -472,7 +472,7 @@ def plan(
                                limit, mode)
     if cost is not None and not np.isfinite(predicted):
         predicted = float(plan_span(t_rows, t_kv, int(chunk_limit), mode, num_ctas, alpha, beta, overhead,
-                                    mc, mr, ml, mt, launch, solo))
+                                    mc, mr, ml, mt, launch, solo, two))
 
     arrays = dict(qo_lens=qo.astype(np.int32), kv_lens=kv.astype(np.int32), cta_indptr=cta_indptr,
                   request=request, qo_tile=qo_tile, kv_start=kv_start, kv_end=kv_end, out_slot=out_slot,

@@ -263,6 +263,19 @@ def _real_times(cta, start, lat, work, num_ctas, cost):
     return r_start, r_end
 
 
+def _queue_starts(cta, start, times):
+    """Additive start of each chunk when only these chunks run, each CTA's queue kept in
+    the order of ``start``."""
+    order = np.lexsort((start, cta))
+    c, t = cta[order], times[order]
+    cum = np.cumsum(t)
+    first = np.r_[True, c[1:] != c[:-1]] if c.size else np.zeros(0, bool)
+    base = np.maximum.accumulate(np.where(first, np.arange(c.size), 0)) if c.size else np.zeros(0, np.int64)
+    out = np.empty(c.size)
+    out[order] = cum - t - (cum - t)[base]
+    return out
+
+
 def _finish(policy, workload_name, num_ctas, tile_q, cost, chunks, tiles):
     """Common tail: wave timing, merge phase, busy time, bounds.
 
@@ -275,17 +288,30 @@ def _finish(policy, workload_name, num_ctas, tile_q, cost, chunks, tiles):
     times = cost.chunk_time(rows, kv)
     work = cost.work_time(rows, kv)
     lat = np.full(kv.shape, float(cost.chunk_overhead))
-    start, end = _real_times(np.asarray(chunks["cta"]), np.asarray(chunks["start"], np.float64), lat, work,
-                             num_ctas, cost)
+    # Tiles with more than one chunk need a merge (phase 2, below).
+    key = chunks["request"].astype(np.int64) * (1 << 31) + chunks["qo_tile"]
+    uniq, first, inverse, counts = np.unique(key, return_index=True, return_inverse=True, return_counts=True)
+    split = counts > 1
+    cta, add_start = np.asarray(chunks["cta"]), np.asarray(chunks["start"], np.float64)
     launch = float(cost.launch)
-    start, end = start + launch, end + launch
+    if cost.two_pass and split.any():
+        # Two launches: the chunks of split tiles, then the unsplit tiles, each CTA's queue in plan order.
+        start, end = np.empty(kv.shape), np.empty(kv.shape)
+        offset = launch
+        for sel in (split[inverse], ~split[inverse]):
+            if not sel.any():
+                continue
+            s, e = _real_times(cta[sel], _queue_starts(cta[sel], add_start[sel], times[sel]), lat[sel], work[sel],
+                               num_ctas, cost)
+            start[sel], end[sel] = s + offset, e + offset
+            offset = float(end[sel].max())
+    else:
+        start, end = _real_times(cta, add_start, lat, work, num_ctas, cost)
+        start, end = start + launch, end + launch
     busy = np.bincount(chunks["cta"], weights=end - start, minlength=num_ctas).astype(np.float64)
     phase1 = float(end.max()) if end.size else 0.0
 
-    # Tiles with more than one chunk need a merge; one job per tile, in tile order.
-    key = chunks["request"].astype(np.int64) * (1 << 31) + chunks["qo_tile"]
-    uniq, first, counts = np.unique(key, return_index=True, return_counts=True)
-    split = counts > 1
+    # One merge job per split tile, in tile order.
     merge_request = chunks["request"][first[split]]
     merge_tile = chunks["qo_tile"][first[split]]
     merge_rows = chunks["rows"][first[split]].astype(np.float64)
