@@ -225,7 +225,7 @@ print("@@" + json.dumps({"import_s": t1 - t0, "first_call_s": t3 - t2}))
 '''
 
 
-def bench_first_call(recs, quick):
+def bench_first_call(recs, quick, save=None):
     configs = [("decode", "f16", 4, 128, {}), ("decode", "bf16", 1, 64, {"logits_soft_cap": 30.0}),
                ("prefill", "f16", 4, 128, {"causal": True}), ("prefill", "f32", 1, 64, {"window_left": 64})]
     if quick:
@@ -248,6 +248,8 @@ def bench_first_call(recs, quick):
             recs.append({"case": case, "metric": "first_call_s", "value": res["first_call_s"], "unit": "s",
                          "peers": {}})
             print("first call", kind, code, group, d, variant, state, round(res["first_call_s"], 2), "s", flush=True)
+            if save is not None:
+                save(recs)             # a visit cut short keeps what ran
 
 
 def figure(recs, path):
@@ -335,7 +337,7 @@ def main(argv=None) -> int:
         bench_plan(recs)
         save(recs)
     if "first" not in args.skip:
-        bench_first_call(recs, args.quick)
+        bench_first_call(recs, args.quick, save)
     save(recs)
     figure(recs, Path(args.out) / "eager.png")
     return 0

@@ -13,7 +13,6 @@ import pytest
 import nbattn  # noqa: F401  (compat first)
 from nbattn import reference as R
 from nbattn.cuda.blocks.primitives import SIMULATOR
-from nbattn.cuda.tuning import DECODE
 from nbattn.cuda.wrappers import (BatchDecodeWithPagedKVCacheWrapper,
                                   BatchPrefillWithPagedKVCacheWrapper)
 
@@ -308,21 +307,30 @@ def _equal_outputs(a, b):
     np.testing.assert_array_equal(to(la), to(lb))
 
 
-def test_programmatic_tile_merge_changes_no_bit():
-    """MergeTuning.tiles_programmatic builds the decode wrapper's tile merge to wait for
-    the decode before it reads a partial; the answer is the same to the bit."""
+@pytest.mark.parametrize("graph", [False, True])
+def test_prefill_runs_on_the_configurations_grid(graph):
+    """Plans of one configuration share one bound grid: the configuration's planner
+    CTAs (every constructor CTA with use_cuda_graph), whatever each plan's num_ctas
+    below it; a plan over more CTAs binds a larger grid.  Every answer is right."""
+    from nbattn.cuda.prefill_wrapper import prefill_plan_ctas
+    from nbattn.cuda.tuning import PREFILL
     rng = np.random.default_rng()
-    b = decode_batch(rng, [70, 3, 41, 0])
-    outs = []
-    for pdl in (False, True):
-        w = BatchDecodeWithPagedKVCacheWrapper(workspace(WS), num_ctas=4)
-        w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, chunk_limit=24, num_ctas=2, schedule="lpt",
-               tuning=DECODE.replace(merge=DECODE.merge.replace(tiles_programmatic=pdl)))
-        assert w.last_plan.num_merges >= 2
-        outs.append(w.run(b["q"], b["cache"], return_lse=True))
-        close(outs[-1], ref_decode(b))
-        assert w._bound_now[1].programmatic == pdl
-    _equal_outputs(*outs)
+    b = prefill_batch(rng, [9, 1, 5], [40, 17, 5])
+    ref = ref_prefill(b, True)
+    w = BatchPrefillWithPagedKVCacheWrapper(workspace(WS), use_cuda_graph=graph, num_ctas=16, max_work_items=64)
+    want = 16 if graph else prefill_plan_ctas(HK, 16, PREFILL)
+    assert want < 16 or graph
+    first = None
+    for kw in ({}, {"num_ctas": 2}, {"chunk_limit": 8, "num_ctas": want}):
+        w.plan(b["qo_indptr"], b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, causal=True, **kw)
+        close(w.run(b["q"], b["cache"], return_lse=True), ref)
+        assert w._grid_ctas == want and w._bound_now[1][0].grid == (want, HK)
+        first = first or w._bound_now[1]
+        assert w._bound_now[1] is first          # one bound grid for the configuration
+    w.plan(b["qo_indptr"], b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, causal=True,
+           chunk_limit=8, num_ctas=min(16, want + 3))
+    close(w.run(b["q"], b["cache"], return_lse=True), ref)
+    assert w._grid_ctas == min(16, want + 3 if not graph else 16)
 
 
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
@@ -336,18 +344,20 @@ def test_merge_grid_does_not_change_a_bit(kind):
     for grid in (2, 32):
         if kind == "decode":
             b = decode_batch(np.random.default_rng(seed), [70, 3, 41])
-            w = BatchDecodeWithPagedKVCacheWrapper(workspace(WS), num_ctas=grid)
+            w = BatchDecodeWithPagedKVCacheWrapper(workspace(WS), num_ctas=grid, use_cuda_graph=True)
             w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, chunk_limit=40, num_ctas=2,
                    schedule="lpt")
             ref = ref_decode(b)
         else:
             b = prefill_batch(np.random.default_rng(seed), [9, 1, 5], [40, 17, 5])
-            w = BatchPrefillWithPagedKVCacheWrapper(workspace(WS), num_ctas=grid, max_work_items=64)
+            w = BatchPrefillWithPagedKVCacheWrapper(workspace(WS), num_ctas=grid, max_work_items=64,
+                                                    use_cuda_graph=True)
             w.plan(b["qo_indptr"], b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, causal=True,
                    chunk_limit=24, num_ctas=2)
             ref = ref_prefill(b, True)
         p = w.last_plan
         assert p.num_merges >= 1
+        assert w._grid_ctas == grid      # use_cuda_graph: the constructor's num_ctas
         rows.append(min(p.tile_q, -(-p.num_merges * p.tile_q // grid)))    # the kernel's R
         outs.append(w.run(b["q"], b["cache"], return_lse=True))
         close(outs[-1], ref)
@@ -383,19 +393,16 @@ def test_gpu_100_runs_bitwise_equal():
 
 
 @gpu
-@pytest.mark.parametrize("schedule", ["auto", "lpt", "lpt_programmatic_merge"])  # auto: the split shape here
+@pytest.mark.parametrize("schedule", ["auto", "lpt"])      # auto: the small-batch split shape here
 def test_gpu_cuda_graph_replay_after_replan(schedule):
     import torch
-    tuning = None
-    if schedule == "lpt_programmatic_merge":        # the tile merge launched programmatically
-        schedule, tuning = "lpt", DECODE.replace(merge=DECODE.merge.replace(tiles_programmatic=True))
     hq, hk, d, page = 32, 8, 128, 16
     b1, q, cache = _torch_decode([4096, 100, 700, 3000], 21)
     rng = np.random.default_rng(22)
     pool = int(cache.shape[0])
     ws = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     w = BatchDecodeWithPagedKVCacheWrapper(ws, num_ctas=16)
-    w.plan(b1["indptr"], b1["indices"], b1["last"], hq, hk, d, page, schedule=schedule, tuning=tuning)
+    w.plan(b1["indptr"], b1["indices"], b1["last"], hq, hk, d, page, schedule=schedule)
     assert w._mode == ("split" if schedule == "auto" else "lpt")
     out = torch.empty_like(q)
     w.run(q, cache, out=out)          # compile before capture
@@ -409,7 +416,7 @@ def test_gpu_cuda_graph_replay_after_replan(schedule):
     indices2 = rng.permutation(pool)[:sum(n2)].astype(np.int32)
     indptr2 = np.concatenate([[0], np.cumsum(n2)]).astype(np.int32)
     last2 = np.array([n - (k - 1) * page for n, k in zip(lens2, n2)], np.int32)
-    w.plan(indptr2, indices2, last2, hq, hk, d, page, schedule=schedule, tuning=tuning)
+    w.plan(indptr2, indices2, last2, hq, hk, d, page, schedule=schedule)
     assert schedule == "auto" or w.last_plan.num_merges >= 1
     q.copy_(torch.randn_like(q))
     out.fill_(float("nan"))

@@ -2,11 +2,15 @@
 ``BatchDecodeWithPagedKVCacheWrapper``: plan() once per generation step, run()
 once per layer, over the workspace of :mod:`nbattn.cuda.plan_run`.
 
-Decode runs one persistent launch of ``num_ctas`` CTAs per KV-head block; CTA
-``c`` walks its queue ``cta_indptr[c]:cta_indptr[c+1]``
+Decode runs one persistent launch of G CTAs per KV-head block; CTA ``c`` walks
+its queue ``cta_indptr[c]:cta_indptr[c+1]``
 (:func:`nbattn.cuda.decode.run_decode_work`), reading the queue bounds from the
-workspace; the merge is :func:`nbattn.cuda.merge.merge_tiles_launch`'s fixed
-grid (an LPT plan) or the one-round merge (a ``"split"`` plan).
+workspace; the merge is :func:`nbattn.cuda.merge.merge_tiles_launch` on G CTAs
+per KV head (an LPT plan) or the one-round merge (a ``"split"`` plan).  For an
+LPT plan G is the configuration's planner CTAs (:func:`decode_plan_ctas`, or the
+plan's ``num_ctas`` where that is larger), so every plan of one configuration
+runs on one bound grid; with ``use_cuda_graph=True`` G is the constructor's
+``num_ctas``, the largest any plan may use.
 
 fp8 caches (docs/concepts/layouts.md, "fp8 in the kernels"): ``plan(...,
 kv_data_type=torch.float8_e4m3fn)`` (or ``float8_e5m2``, or their names; q stays
@@ -68,9 +72,12 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
     >>> for layer in range(32):
     ...     o = w.run(q[layer], kv_cache[layer])
 
-    ``num_ctas`` is the fixed grid per KV head (the planner's C); the decode
-    kernel runs ``num_ctas * num_qo_heads // heads_per_cta`` CTAs (see
-    :func:`nbattn.cuda.decode.run_decode_work`).
+    ``num_ctas`` bounds the planner's C per KV head; the decode kernel runs
+    ``G * num_qo_heads // heads_per_cta`` CTAs (module doc: G is the
+    configuration's planner CTAs, or ``num_ctas`` with ``use_cuda_graph=True``).
+    A CUDA graph captured after one plan replays any later plan of the same
+    configuration and batch made without ``num_ctas``; one that passes a larger
+    ``num_ctas`` than the configuration's needs ``use_cuda_graph=True``.
 
     An fp8 cache: ``plan(..., q_data_type=torch.float16, kv_data_type=torch.float8_e4m3fn)``
     (or ``float8_e5m2``; head_dim a multiple of 16), then ``run(q, cache, k_scale=...,
@@ -108,7 +115,10 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
           merged by the one-round merge; both kernels launch programmatically.
           This is the standalone decode's split for small batches.
         * ``"auto"`` (default): ``"split"`` where the batch alone leaves the SMs
-          idle (the small-batch kernel shape applies), else ``"lpt"``.
+          idle (the small-batch kernel shape applies) and the split cuts every
+          request in two or more, else ``"lpt"``.  The choice depends on the batch
+          and the configuration, not on the lengths, so a CUDA graph captured after
+          one plan replays the next plans of the batch.
 
         ``cost`` (an ``"lpt"`` plan; a :class:`nbattn.sched.cost.CostModel`, e.g. a GPU
         fit's ``load_cost_fit(path).for_path("tc")``; None: the numbers above) is the
@@ -139,7 +149,10 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         hq, hk, D = int(num_qo_heads), int(num_kv_heads), int(head_dim)
         cfg = make_config(code, D, group, self._kv_layout, var, True, batch * hk, tuning, fp8)
         small = cfg.path == "tc" and cfg.min_blocks == 1          # the one-wave small-batch shape
-        mode = ("split" if small and batch <= self.num_ctas else "lpt") if schedule == "auto" else schedule
+        mode = schedule
+        if schedule == "auto":      # batch and configuration only: a captured graph replays re-plans
+            cuts = small and batch <= self.num_ctas and self._split_count(batch, hq // cfg.heads_per_cta, cfg) > 1
+            mode = "split" if cuts else "lpt"
         if mode == "split" and batch > self.num_ctas:
             raise ValueError(f"schedule: 'split' runs one work item per CTA of the constructor's grid, "
                              f"so batch ({batch}) must be at most num_ctas ({self.num_ctas})")
@@ -184,9 +197,21 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         self._kv_lens = kv_lens
         self._max_page = int(pkv.paged_kv_indices.max()) if pkv.paged_kv_indices.size else -1
         self._q_shape = (batch, hq, D)
-        self._bound_key = (cfg, mode, p.num_ctas if mode == "split" else self.num_ctas, batch, hq,
+        # An "lpt" plan runs on a grid of the configuration's planner CTAs (every CTA of
+        # the constructor's num_ctas with use_cuda_graph), so plans of one configuration
+        # share one bound grid and a captured graph replays any of them.
+        self._grid_ctas = (self.num_ctas if self._use_cuda_graph
+                           else max(p.num_ctas, decode_plan_ctas(cfg, hq, self.num_ctas)))
+        self._bound_key = (cfg, mode, p.num_ctas if mode == "split" else self._grid_ctas, batch, hq,
                            p.num_partials if mode == "split" else -1)
         self.plan_seconds = time.perf_counter() - t0
+
+    def _split_count(self, batch: int, head_blocks: int, cfg) -> int:
+        """Chunks a request of a ``"split"`` plan: as many as fill one wave of the
+        small-batch shape (at most the one-round merge's partials)."""
+        slots = cfg.min_blocks * sm_count()
+        return max(1, min(slots // max(batch * head_blocks, 1), self.num_ctas // max(batch, 1),
+                          cfg.tuning.merge.few_partials))
 
     def _split_plan(self, kv_lens: np.ndarray, batch: int, head_blocks: int, cfg) -> Plan:
         """Every request in ``splits`` chunks (one wave of the small-batch shape), the
@@ -194,9 +219,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         (empty chunks past a short request's end write an empty state).  The number of
         items depends on the batch and heads only, so a captured graph replays after a
         re-plan with other lengths."""
-        slots = cfg.min_blocks * sm_count()
-        splits = max(1, min(slots // max(batch * head_blocks, 1), self.num_ctas // max(batch, 1),
-                            cfg.tuning.merge.few_partials))
+        splits = self._split_count(batch, head_blocks, cfg)
         request, start, end, largest = HW.split_plan(kv_lens.astype(np.int32), splits)
         n = batch * splits
         direct = splits == 1
@@ -281,8 +304,9 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
                         self._view("kv_end"), self._view("out_slot"))
         po, pl = self._partials(1, hq, D)
         split = self._mode == "split"
-        if split:       # the persistent grid is the plan's items, one per CTA
-            work = work._replace(cta_indptr=self._view("cta_indptr")[:self._plan.num_ctas + 1])
+        # the persistent grid: a "split" plan's items, one per CTA; an "lpt" plan's bound grid
+        grid_ctas = self._plan.num_ctas if split else self._grid_ctas
+        work = work._replace(cta_indptr=self._view("cta_indptr")[:grid_ctas + 1])
         pdl = split and cfg.tuning.programmatic     # a "split" plan launches programmatically
         kern, grid, threads, args = launch_for(prob, cfg, work, po, pl, prefetch=pdl)
         ix = decode_arg_index(cfg)
@@ -307,14 +331,12 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
                 self._view("merge_request"), self._view("merge_qo_tile"), self._view("merge_slots"),
                 self._view("cta_indptr"), po, pl, A.flat(out0), A.flat(lse0), code=code, head_dim=D,
                 num_qo_heads=hq, num_kv_heads=self._num_kv_heads, group=self._group, tile_q=self._plan.tile_q,
-                slot_rows=1, num_ctas=self.num_ctas, per_request_row=True, use_sigmoid=var.use_sigmoid,
-                programmatic=cfg.tuning.merge.tiles_programmatic)
+                slot_rows=1, num_ctas=grid_ctas, per_request_row=True, use_sigmoid=var.use_sigmoid)
             ix = dict(ix, merge_out=8, merge_lse=9)
         if split and not self._plan.num_partials:
             merge = None
         else:
             mconv = {ix["merge_out"]: conv[ix["out"]], ix["merge_lse"]: conv[ix["lse"]]}
-            merge = BoundLaunch(k, g, t, a, convert=mconv,
-                                programmatic=None if split else cfg.tuning.merge.tiles_programmatic)
+            merge = BoundLaunch(k, g, t, a, convert=mconv)
         self._bound[key] = (dec, merge, ix)
         return self._bound[key]

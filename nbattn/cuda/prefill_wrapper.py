@@ -5,7 +5,10 @@
 Prefill runs persistent launches of the plan's CTAs per KV head
 (:func:`nbattn.cuda.prefill.persistent_entry`), CTA ``c`` walking its LPT
 queue; a plan balances over as many CTAs per KV head as fill the GPU once
-(:func:`prefill_plan_ctas`), at most the constructor's ``num_ctas``.  The
+(:func:`prefill_plan_ctas`), at most the constructor's ``num_ctas``, and runs on a
+grid of that many (or the plan's ``num_ctas`` where larger; every one of the
+constructor's ``num_ctas`` with ``use_cuda_graph=True``), so a CUDA graph captured
+after one plan replays any later plan of the configuration.  The
 queue is cut by output kind and run as two launches, first the
 chunks of split tiles (float32 partial states), then the unsplit tiles (final
 output): one kernel holding both bodies would need twice the static shared
@@ -49,8 +52,9 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
     :func:`nbattn.sched.tiles.choose_tile_q`, over the menu the built kernel
     offers: its ``T_q`` (fused rows, GQA heads fused).  Unsplit tiles write the final output directly; chunks of
     split tiles write float32 partial states that the merge kernel folds in
-    KV order.  Every launch of :meth:`run` has a fixed grid, so
-    ``use_cuda_graph`` (FlashInfer's flag) changes nothing here.
+    KV order.  Every launch of :meth:`run` has a grid fixed per configuration;
+    ``use_cuda_graph=True`` (FlashInfer's flag) makes it the constructor's
+    ``num_ctas``, for graphs replayed after plans that pass a larger ``num_ctas``.
     """
 
     _decode = False
@@ -151,6 +155,10 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         self._slopes_for(hq, stream)
         # a custom mask lives in its own device arrays, new with every plan that has one
         self._mask = None if mask is None else tuple(cuda.to_device(np.ascontiguousarray(x)) for x in mask)
+        # the bound grid: the configuration's planner CTAs (all of num_ctas with
+        # use_cuda_graph), so a captured graph replays every plan of the configuration
+        self._grid_ctas = (self.num_ctas if self._use_cuda_graph
+                           else max(p.num_ctas, prefill_plan_ctas(hk, self.num_ctas, tuning)))
         self._plan, self._variant, self._code = p, var, code
         self._user_state = user_state(var)
         self._spec, self._spec_part, self._slot_rows = spec, spec_part, slot_rows
@@ -199,7 +207,7 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         a fixed view of the workspace)."""
         from . import prefill as P
 
-        key = (self._spec, self._spec_part, self._slot_rows, self._q_shape, tuple(kv_dev.shape), self._plan.num_ctas,
+        key = (self._spec, self._spec_part, self._slot_rows, self._q_shape, tuple(kv_dev.shape), self._grid_ctas,
                None if self._mask is None else tuple(id(x) for x in self._mask))
         hit = self._bound.get(key)
         if hit is not None:
@@ -222,14 +230,14 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
             work = self._view(f"{name}_rows")[:8 * cap].reshape(cap, 8)
             args = (q_raw, kv_raw, kv_raw, self._view("kv_indices"), work, self._view(f"{name}_indptr"), *tail, o, l,
                     *(self._mask or ()))
-            bound.append(BoundLaunch(P.get_persistent_kernel(spec), (self._plan.num_ctas, self._num_kv_heads),
+            bound.append(BoundLaunch(P.get_persistent_kernel(spec), (self._grid_ctas, self._num_kv_heads),
                                      spec.threads, args, convert=conv))
         k, g, t, a = merge_tiles_launch(
             self._view("header")[H_NUM_MERGES:H_NUM_MERGES + 1], self._view("merge_indptr"),
             self._view("merge_request"), self._view("merge_qo_tile"), self._view("merge_slots"),
             self._view("qo_indptr"), po, pl, A.flat(out_raw), A.flat(lse_raw), code=code, head_dim=D,
             num_qo_heads=H, num_kv_heads=self._num_kv_heads, group=self._group, tile_q=self._plan.tile_q,
-            slot_rows=self._slot_rows, num_ctas=self.num_ctas, per_request_row=False,
+            slot_rows=self._slot_rows, num_ctas=self._grid_ctas, per_request_row=False,
             use_sigmoid=self._variant.use_sigmoid)
         merge = BoundLaunch(k, g, t, a, convert={8: lambda x: A.flat(raw["out"](x)),
                                                   9: lambda x: A.flat(raw["lse"](x))})

@@ -72,9 +72,6 @@ class MergeTuning(_Tuning):
     #: split decode that writes the partials runs, and waits for them).
     #: benchmarks/results/decode_b1.json, case "merge": "one_round_programmatic".
     few_programmatic: bool = not SIMULATOR
-    #: Whether the decode wrapper's tile merge (LPT plans) is launched programmatically
-    #: behind the persistent decode: its CTAs start as the decode's start and wait for it.
-    tiles_programmatic: bool = False
 
     def __post_init__(self):
         self._nonneg("few_partials")

@@ -324,8 +324,7 @@ def few_partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, s
     return KERNELS[key]
 
 
-def tile_merge_kernel(code: str, head_dim: int, per_request_row: bool, use_sigmoid: bool,
-                      programmatic: bool = False):
+def tile_merge_kernel(code: str, head_dim: int, per_request_row: bool, use_sigmoid: bool):
     """Kernel folding each split query tile's partial slots into its final rows.
 
     Grid ``(num_ctas, num_kv_heads)``, fixed: the launch does not depend on the
@@ -347,15 +346,11 @@ def tile_merge_kernel(code: str, head_dim: int, per_request_row: bool, use_sigmo
     issued before they are used.  A row whose partials are all empty gets o = 0,
     LSE = -inf.  The order of every sum is the thread layout's, not the unit's, so
     the result does not depend on ``R``.
-
-    ``programmatic``: the kernel may be launched programmatically behind the
-    attention pass that writes the partials; it reads the merge count (the plan's,
-    copied before that pass) and then waits for the pass before anything else.
     """
-    key = ("tile", code, head_dim, per_request_row, use_sigmoid, bool(programmatic))
+    key = ("tile", code, head_dim, per_request_row, use_sigmoid)
     if key in KERNELS:
         return KERNELS[key]
-    D, NT, DECODE, SIGMOID, PDL = head_dim, tile_threads(), per_request_row, use_sigmoid, bool(programmatic)
+    D, NT, DECODE, SIGMOID = head_dim, tile_threads(), per_request_row, use_sigmoid
     RMAX = TILE_ROWS_MAX
     _, store_elem, _ = element_io(code)
 
@@ -368,8 +363,6 @@ def tile_merge_kernel(code: str, head_dim: int, per_request_row: bool, use_sigmo
         tid = cuda.threadIdx.x
         kvh = cuda.blockIdx.y
         n_merges = num_merges[0]
-        if PDL:
-            grid_dependency_wait()          # the partials are the attention pass's
         R = min(tile_q, max(1, (n_merges * tile_q + cuda.gridDim.x - 1) // cuda.gridDim.x))
         per_merge = (tile_q + R - 1) // R            # units of one merge
         for u in range(cuda.blockIdx.x, n_merges * per_merge, cuda.gridDim.x):
