@@ -7,7 +7,8 @@
 # 4. benchmarks/gpu_eager.py: eager.json (decode, prefill, plan), then its first-call part
 #    alone into $OUT/first/eager.json (cold and on-disk-cached compiles).
 # Logs go to $OUT/visit.log (the device tool brings back at most 8 files; figures are
-# drawn again from the JSON).
+# drawn again from the JSON).  PARTS picks steps (default: tests sched diag eager first);
+# TEST_FILES the test files.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 OUT=${OUT:-/tmp/nbattn_out}; mkdir -p "$OUT/first"
@@ -20,17 +21,22 @@ step() {   # name, seconds, command...
     echo "== $name rc=$? at $(( $(date +%s) - t0 )) s" | tee -a "$OUT/visit.log"
     grep -v -E "Warning|warn\(|^\s*$" "$LOG/$name.log" >> "$OUT/visit.log"
 }
-step tests ${TESTS_S:-150} python3 -m pytest -p no:cacheprovider -q -rfE -n 15 tests/test_cuda_wrappers.py \
-    tests/test_sched_wrapper_cost.py tests/test_cuda_custom_mask.py tests/test_window_work.py tests/test_cuda_sinks.py \
-    tests/test_driver.py
+PARTS=${PARTS:-tests sched diag eager first}
+has() { [[ " $PARTS " == *" $1 "* ]]; }
+TEST_FILES=${TEST_FILES:-tests/test_cuda_wrappers.py tests/test_sched_wrapper_cost.py tests/test_cuda_custom_mask.py \
+    tests/test_window_work.py tests/test_cuda_sinks.py tests/test_driver.py}
+if has tests; then
+step tests ${TESTS_S:-150} python3 -m pytest -p no:cacheprovider -q -rfE -n 15 $TEST_FILES
+pkill -f "exec\(eval\(sys.stdin" ; sleep 1      # xdist workers a timeout left behind
 grep -E "passed|failed|FAILED" "$LOG/tests.log" | tail -6
-step sched ${SCHED_S:-150} python3 benchmarks/gpu_sched.py --out "$OUT" --commit "$COMMIT" --budget-s 140
-grep -E "lpt/best|prefill fit" "$LOG/sched.log" | tail -20
-step diag ${DIAG_S:-80} python3 benchmarks/diag_small_batch.py --out "$OUT" --commit "$COMMIT"
-grep -E "^\[|median" "$LOG/diag.log" | grep -v "\]     " | head -20
-step eager ${EAGER_S:-150} python3 benchmarks/gpu_eager.py --commit "$COMMIT" --out "$OUT" --skip first
-grep -E "^\s+\[|^plan" "$LOG/eager.log" | tail -12
+fi
+has sched && step sched ${SCHED_S:-150} python3 benchmarks/gpu_sched.py --out "$OUT" --commit "$COMMIT" --budget-s 140
+has sched && grep -E "lpt/best|prefill fit" "$LOG/sched.log" | tail -20
+has diag && step diag ${DIAG_S:-80} python3 benchmarks/diag_small_batch.py --out "$OUT" --commit "$COMMIT"
+has diag && grep -E "^\[|median" "$LOG/diag.log" | grep -v "\]     " | head -20
+has eager && step eager ${EAGER_S:-150} python3 benchmarks/gpu_eager.py --commit "$COMMIT" --out "$OUT" --skip first
+has eager && grep -E "^\s+\[|^plan" "$LOG/eager.log" | tail -12
 left=$(( ${TOTAL_S:-540} - ($(date +%s) - t0) ))
-step first $left python3 benchmarks/gpu_eager.py --commit "$COMMIT" --out "$OUT/first" --skip decode prefill plan
-grep "first call" "$LOG/first.log"
+has first && step first $left python3 benchmarks/gpu_eager.py --commit "$COMMIT" --out "$OUT/first" --skip decode prefill plan
+has first && grep "first call" "$LOG/first.log"
 rm -f "$OUT"/*.png "$OUT"/first/*.png
