@@ -45,7 +45,7 @@ The pieces of the longest tile are there for steps with one long request among
 short ones: its chunks then set the makespan, and when a merge has a price the
 best limit trades a longer chunk against fewer partials somewhere between one and
 two base limits, which the fixed sizes and the cuts in 2 to 8 straddle
-(docs/concepts/scheduler.md, "What the H200 showed").
+(docs/concepts/scheduler.md, "What the sweep showed").
 
 So every fixed-split policy with one of those chunk sizes, and one request per
 CTA (the longest tile as the limit), is itself a candidate: under the model, the
