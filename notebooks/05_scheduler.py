@@ -29,7 +29,7 @@
 #    lower bound, and the bound on the partial-state buffer.
 #
 # Everything here runs on the CPU. Part 2 (`06_scheduler_on_the_gpu`) runs plans on the
-# device, replays them in CUDA graphs, and compares the policies as the H200 measured them,
+# device, replays them in CUDA graphs, and compares the policies as the GPU measured them,
 # which is not always what the model predicts.
 
 # %% [markdown]
@@ -329,11 +329,10 @@ print(f"✓ the fullest plan used {worst:.0%} of the bound")
 # best fixed policy of the same run (above 1: LPT was slower). The planner can take a cost
 # model fitted on the GPU (`sched.plan(..., cost=model)`, `nbattn.sched.cost`): it then
 # prices the merge pass and the tail of the wave, and picks among its own plans and the
-# fixed splits it can express the one the model predicts fastest. On the H200 (2026-12-04)
-# that plan is at most 1.03x the best fixed policy on 8 of the 15 steps (and the fastest on
-# uniform lengths), and slower than that on 7: the skewed steps at batch 16 and 64 (1.30x,
-# 1.17x behind FlashDecoding's 1024-key split), constant lengths at batch 16 and 256, Zipf
-# at batch 16, and the mixed prefill + decode steps at batch 16 and 64 (1.54x, 1.39x).
+# fixed splits it can express the one the model predicts fastest. On an H100 (2026-12-06)
+# that plan is at most 1.03x the best fixed policy on 11 of the 15 steps (and the fastest on
+# 6 of them), and slower than that on 4: the skewed, constant and Zipf steps at batch 16
+# (1.105x, 1.048x, 1.096x) and the mixed prefill + decode step at batch 256 (1.038x).
 # Part 2 shows the measurement; docs/concepts/scheduler.md says why.
 
 # %%
@@ -367,4 +366,4 @@ print("cost model:", "fitted on " + fit.gpu + " at " + fit.commit if fit.measure
 # * The partial-state buffer has a bound that depends only on `C`, `T_q`, the heads and
 #   `head_dim`, so it can be allocated once.
 # * The simulator is a model. Part 2 (`06_scheduler_on_the_gpu`) runs plans on the GPU and
-#   shows where the H200 agrees with it and where it does not.
+#   shows where the GPU agrees with it and where it does not.

@@ -21,7 +21,7 @@
 # 1. Running a plan on the device: the decode kernel walks the plan's CTA queues, the merge
 #    kernel folds the reduction map, and one workspace serves every layer.
 # 2. FlashInfer's plan/run wrapper (`BatchDecodeWithPagedKVCacheWrapper`) doing the same.
-# 3. What the H200 measured for the policies of part 1 (`benchmarks/results/sched.json`):
+# 3. What the GPU measured for the policies of part 1 (`benchmarks/results/sched.json`):
 #    where LPT pays, and where a fixed split beat it.
 # 4. Why plan/run makes a step CUDA-graph capturable (GPU only).
 # 5. When planning pays for itself over the layers of a step.
@@ -127,7 +127,7 @@ for layer in range(2):                                                       # r
     assert err < TOL
 
 # %% [markdown]
-# ## 2. What the H200 measured
+# ## 2. What the GPU measured
 #
 # Part 1's simulator is a model. `benchmarks/gpu_sched.py` times the real kernels on a GPU
 # for five kinds of steps at batch 16, 64 and 256 (32 query / 8 KV heads, head_dim 128,
@@ -177,30 +177,28 @@ for (w, b), row in rows.items():
                                          for pol, us in order))
 
 # %% [markdown]
-# What the committed file (H200, 2026-12-04) says, step by step, LPT (the wrapper with the
+# What the committed file (H100, 2026-12-06) says, step by step, LPT (the wrapper with the
 # fitted cost model) against the best fixed policy of the same run:
 #
 # * **skewed** (one 32k request among short ones of 512 keys): not splitting is the disaster
-#   the model predicts, 710-739 us at every batch, because one CTA reads the long request
-#   alone. LPT is 8.3x, 6.7x and 3.3x faster than that at batch 16, 64 and 256. But
-#   FlashDecoding's fixed 1024-key split is faster still: 65.8 / 91.6 / 219.4 us against
-#   LPT's 85.6 / 107.0 / 225.7 (1.30x, 1.17x, 1.03x).
-# * **constant** (4096 keys each): at batch 64 nothing needs balancing; LPT does not split
-#   and lands 0.3% behind the best (267.2 against 266.5 us). At batch 16 the 2048-key split
-#   wins (80.1 us); LPT cuts the same chunks and takes 90.6 (1.13x). At batch 256 one
-#   request per CTA wins (1039.8 against 1108.7 us, 1.07x) with the same 256 work items.
+#   the model predicts, 461-566 us at every batch, because one CTA reads the long request
+#   alone. LPT is 6.0x, 4.3x and 2.2x faster than that at batch 16, 64 and 256. At batch 64
+#   and 256 it is within 1% of the best fixed split; at batch 16 FlashDecoding's 2048-key
+#   split is faster (69.9 against 77.2 us, 1.105x).
+# * **constant** (4096 keys each): nothing needs balancing; LPT is within 1% at batch 64
+#   and 256, and at batch 16 takes 102.1 us against 97.4 for the 4096-key split (1.048x).
 # * **uniform** (512-8192 keys) and **Zipf**: LPT beats every fixed policy on uniform
-#   lengths at every batch (0.86-0.99x) and on Zipf at batch 64 and 256 (0.91x, 0.96x). At
-#   batch 16 the 512-key split is 9% faster on Zipf (40.8 against 44.5 us).
+#   lengths at batch 64 and 256 (0.93x, 0.96x) and on Zipf at batch 256 (0.96x). At batch
+#   16 the 1024-key split is 9% faster on Zipf (38.2 against 41.9 us).
 # * **mixed** (decode requests and, every 8th, a 256-query prefill chunk, through the prefill
-#   wrapper): every plan that splits is slower than the unsplit one. At batch 16 not
-#   splitting takes 363.1 us and LPT, which splits 45 query tiles, 557.5 (1.54x); at batch
-#   64 1.39x; at batch 256 LPT does not split and ties.
+#   wrapper): a split costs the prefill wrapper a second launch, and LPT planned with a
+#   model that prices it does not split: 1.018x, 0.983x and 1.038x the best fixed policy at
+#   batch 16, 64 and 256 (the wrapper's uncalibrated default splits and takes 2.1x at batch 16).
 #
-# So LPT meets issue 21's target (at most 1.03x the best fixed policy) on 8 of the 15 steps
-# and misses it on 7. Part 1's Gantt charts are right about *why* splitting matters, but
-# not about what a split costs on the GPU: docs/concepts/scheduler.md ("What the H200
-# showed") takes the losses apart.
+# So LPT meets issue 21's target (at most 1.03x the best fixed policy) on 11 of the 15
+# steps and misses it on 4. Part 1's Gantt charts are right about *why* splitting matters,
+# but not about what a split costs on the GPU: docs/concepts/scheduler.md ("Why LPT loses
+# where it loses") takes the losses apart.
 
 # %% [markdown]
 # ## 3. Plan/run and CUDA graphs
@@ -281,9 +279,9 @@ for unit_ns in (5, 14, 50):          # what one cost unit is worth in time (the 
 #
 # Write `breakeven(u, v, p, h=0.0)`: the smallest whole number of layers `L` with
 # `L·(u − v) > p + h`, and `float("inf")` when the plan does not make a layer faster
-# (`u <= v`). Then apply it to the skewed step as the H200 measured it: without a plan
-# (one request per CTA, batch 64) `u = 716.8` us a layer, with the LPT plan `v = 107.0` us,
-# and the wrapper's `plan()` on the GPU machine's CPU taking `p = 688.9` us (`plan_us` of
+# (`u <= v`). Then apply it to the skewed step as the H100 measured it: without a plan
+# (one request per CTA, batch 64) `u = 485.1` us a layer, with the LPT plan `v = 111.7` us,
+# and the wrapper's `plan()` on the GPU machine's CPU taking `p = 923.6` us (`plan_us` of
 # that record in `sched.json`). Store that in `layers_needed`.
 
 # %% tags=["exercise"]
@@ -302,25 +300,24 @@ def breakeven(u, v, p, h=0.0):
         return float("inf")
     return max(1, math.floor((p + h) / (u - v)) + 1)
 
-layers_needed = breakeven(716.8, 107.0, 688.9)
+layers_needed = breakeven(485.1, 111.7, 923.6)
 
 # %% tags=["check"]
-for args in [(716.8, 107.0, 688.9), (10.0, 9.0, 0.5), (5.0, 4.0, 3.0), (3.0, 3.0, 1.0), (2.0, 3.0, 0.0),
+for args in [(485.1, 111.7, 923.6), (10.0, 9.0, 0.5), (5.0, 4.0, 3.0), (3.0, 3.0, 1.0), (2.0, 3.0, 0.0),
              (100.0, 1.0, 0.0), (7.0, 2.0, 10.0, 5.0)]:
     assert breakeven(*args) == rl.planning_breakeven_layers(*args), args
-assert layers_needed == 2
+assert layers_needed == 3
 print(f"✓ the LPT plan of the skewed step pays for itself from layer {layers_needed} on; a model "
-      f"of 32 layers repays it {32 * (716.8 - 107.0) / 688.9:.1f} times over")
+      f"of 32 layers repays it {32 * (485.1 - 111.7) / 923.6:.1f} times over")
 
 # %% [markdown]
 # ## Summary
 #
 # * One plan, one preallocated workspace, a fixed grid: the same launches serve every layer
 #   and replay in a CUDA graph after a re-plan.
-# * On the H200 (`sched.json`), splitting long requests is what matters: 3.3-8.3x on the
-#   skewed steps. LPT beats every fixed policy on uniform lengths, but is more than 3%
-#   behind the best fixed one on 7 of 15 steps: skewed at batch 16 and 64, constant at 16
-#   and 256, Zipf at 16, and mixed at 16 and 64, where every split measured was slower
-#   than none.
+# * On the H100 (`sched.json`), splitting long requests is what matters: 2.2-6.0x on the
+#   skewed steps. LPT beats every fixed policy on 6 of 15 steps, and is more than 3%
+#   behind the best fixed one on 4: skewed, constant and Zipf at batch 16 (the wrapper's
+#   merge pass) and mixed at batch 256.
 # * Planning costs host time once per step; the break-even tells how many layers pay it
 #   back.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The closing GPU visit of a session (issues 16, 17, 21), about 9 minutes:
-#   COMMIT=<sha> bash benchmarks/gpu_visit_final.sh
+# One GPU visit for the wrappers, the scheduler sweep and the public path (issues 16, 17, 21), about 9 minutes:
+#   COMMIT=<sha> bash benchmarks/gpu_visit_sched_eager.sh
 # 1. the GPU tests of the wrappers, masks, sinks, windows and the driver;
 # 2. benchmarks/gpu_sched.py: sched.json + cost_fit.json;
 # 3. benchmarks/diag_small_batch.py: the batch-16 decode pieces, plan() under cProfile;
