@@ -159,7 +159,35 @@ def test_every_record_of_the_committed_sweep_rebuilds():
     rows = fit_cost.rebuild_sweep(d, load_cost_fit(FIT).decode_tc)
     paths = [r["path"] for r in rows]
     assert len(rows) == sum(1 for r in d["records"] if r["metric"] == "latency_us" and "batch" in r["case"])
-    assert paths.count("wrapper") == 36 and paths.count("split") == 60 and paths.count("prefill") == 16
+    assert paths.count("wrapper") == 36 and paths.count("split") == 60 and paths.count("prefill") == 19
+
+
+def test_prefill_fit_recovers_the_two_launch_model():
+    """Times made by a two-launch model (fresh random prices) for the mixed steps' fixed
+    policies: fit_prefill_model finds the prices again, and the CostModel it returns
+    prices every plan as those times (the planner's and the simulator's view)."""
+    rng = np.random.default_rng()
+    rate = float(rng.uniform(0.03, 0.06))
+    ovh = int(rng.choice(fit_cost.PREFILL_OVERHEAD_GRID))
+    launch, m_launch, m_part = float(rng.uniform(20, 60)), float(rng.uniform(10, 100)), float(rng.uniform(0, 0.3))
+    rows = []
+    for b in (16, 64):
+        qo, kv = fit_cost.sweep_lengths("mixed", b)
+        for limit in (int(kv.max()), 4096, 2048):
+            p = plan(qo, kv, fit_cost.PREFILL_SLOTS, tile_q=fit_cost.PREFILL_TILE, group=fit_cost.SWEEP_GROUP,
+                     causal=True, chunk_limit=limit)
+            t = launch + rate * fit_cost.prefill_span(p, ovh, None, True)
+            if p.num_merges:
+                t += m_launch + m_part * p.num_partials
+            rows.append(dict(path="prefill", policy="one_per_cta" if limit == int(kv.max()) else f"split_{limit}",
+                             batch=b, plan=p, t=t))
+    assert sum(r["plan"].num_merges > 0 for r in rows) >= 2
+    f, model = fit_cost.fit_prefill_model(rows)
+    assert f["rms"] < 1e-9 and f["overhead_tokens"] == ovh
+    assert model.two_pass and model.beta == pytest.approx(rate, rel=1e-6)
+    assert model.launch == pytest.approx(launch, rel=1e-6) and model.merge_launch == pytest.approx(m_launch, rel=1e-6)
+    for r in rows:
+        assert simulate_plan(r["plan"], model).makespan == pytest.approx(r["t"], rel=1e-9)
 
 
 def test_split_items_are_flashdecodings_chunks():
