@@ -24,6 +24,18 @@ import time
 import torch
 
 
+def host_us(fn, reps: int = 200, warm: int = 5) -> float:
+    """Median host microseconds of single calls (``perf_counter``, no synchronization)."""
+    for _ in range(warm):
+        fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(statistics.median(times)) * 1e6
+
+
 def events_ms(fn, reps: int, warm: int = 2) -> float:
     """Median milliseconds of single calls."""
     for _ in range(warm):

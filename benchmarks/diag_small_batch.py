@@ -35,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_sched as G  # noqa: E402
+from _timing import host_us  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -112,14 +113,7 @@ def plan_profile(path):
         w = G.decode_wrapper(G.default_num_ctas())
         fn = lambda: w.plan(pkv.paged_kv_indptr, pkv.paged_kv_indices, pkv.paged_kv_last_page_len,  # noqa: E731
                             32, 8, 128, 16)
-        for _ in range(5):
-            fn()
-        ts = []
-        for _ in range(100):
-            t = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t)
-        text.write(f"batch {batch}: plan() median {np.median(ts) * 1e6:.1f} us over 100 calls\n")
+        text.write(f"batch {batch}: plan() median {host_us(fn, 100):.1f} us over 100 calls\n")
         pr = cProfile.Profile()
         pr.enable()
         for _ in range(100):
@@ -137,13 +131,7 @@ def plan_profile(path):
                        ("pageable", np.zeros(262144 + 4096, np.int32))):
         for what, fn in (("stage_arrays", lambda: HW.stage_arrays(host, offsets, (src,), 4096)),  # noqa: B023
                          ("np.copyto", lambda: np.copyto(host[:262144], src))):             # noqa: B023
-            fn()
-            ts = []
-            for _ in range(200):
-                t = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t)
-            text.write(f"{what} of 1 MB into {name} memory: median {np.median(ts) * 1e6:.1f} us\n")
+            text.write(f"{what} of 1 MB into {name} memory: median {host_us(fn, 200, 1):.1f} us\n")
     with open(path, "w") as f:
         f.write(text.getvalue())
     print("\n".join(ln for ln in text.getvalue().splitlines() if "median" in ln))

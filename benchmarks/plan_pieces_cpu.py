@@ -10,21 +10,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
-import statistics
-import time
+import sys
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import host_us  # noqa: E402
+
 
 def median_us(f, n=300):
-    f()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e6
+    return host_us(f, n, warm=1)
 
 
 def main(argv=None):

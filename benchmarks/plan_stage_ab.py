@@ -5,8 +5,8 @@ page 16; median of 200 calls, three rounds.
 
     PYTHONPATH=$PWD python3 benchmarks/plan_stage_ab.py
 """
-import statistics
-import time
+import os
+import sys
 
 import numpy as np
 from numba import njit
@@ -16,6 +16,9 @@ import nbattn.cuda as NC
 import torch
 from nbattn import layout as L
 from nbattn.cuda.host import hostwork as HW
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import host_us  # noqa: E402
 
 
 @njit(cache=False)
@@ -53,14 +56,7 @@ def main():
         for rnd in range(3):
             for name, writer in (("new", new), ("old", old)):
                 HW.stage_arrays = writer
-                for _ in range(5):
-                    fn()
-                ts = []
-                for _ in range(200):
-                    t = time.perf_counter()
-                    fn()
-                    ts.append(time.perf_counter() - t)
-                print(batch, rnd, name, round(statistics.median(ts) * 1e6, 1), flush=True)
+                print(batch, rnd, name, round(host_us(fn), 1), flush=True)
     HW.stage_arrays = new
 
 
