@@ -98,6 +98,13 @@ def merge_tiles_signature():
     return (i32,) * 6 + (_arr(T.float32), _arr(T.float32), _arr(T.uint16), _arr(T.float32)) + (T.int64,) * 4
 
 
+def merge_partials_signature(fixed_grid: bool):
+    """The split-KV contraction (``nbattn.cuda.merge.merge_partials_launch``; with
+    ``fixed_grid`` the merge count first)."""
+    i32, f32 = _arr(T.int32), _arr(T.float32)
+    return ((i32,) if fixed_grid else ()) + (f32, f32, i32, i32, i32, _arr(T.uint16), f32, T.int64)
+
+
 def configurations():
     """``{name: (build, signature)}``, built lazily (imports need GPU mode first)."""
     from nbattn.cuda.kernels.decode_common import make_config
@@ -105,7 +112,7 @@ def configurations():
     from nbattn.cuda.kernels.decode_tc import build_tc_kernel
     from nbattn.cuda.kernels.decode_warp import build_warp_kernel
     from nbattn.cuda.kernels.prefill_dispatch import get_kernel, get_persistent_kernel, make_spec
-    from nbattn.cuda.kernels.merge_split import tile_merge_kernel
+    from nbattn.cuda.kernels.merge_split import partials_kernel, tile_merge_kernel
     from nbattn.cuda.kernels.rope import rope_kernel
     from nbattn.cuda.kernels.wgmma_gemm import wgmma_gemm_kernel
     from nbattn.cuda.kernels.prefill_wgmma import prefill_wgmma_kernel
@@ -152,6 +159,10 @@ def configurations():
         "prefill_mma_window_d96": (lambda: tc_prefill(window, 96), tc_prefill_signature()),
         "merge_tiles_prefill": (lambda: tile_merge_kernel("f16", 128, False, False), merge_tiles_signature()),
         "merge_tiles_decode": (lambda: tile_merge_kernel("f16", 128, True, False), merge_tiles_signature()),
+        "merge_partials_32": (lambda: partials_kernel("f16", 128, False, 4, 32), merge_partials_signature(False)),
+        "merge_partials_256": (lambda: partials_kernel("f16", 128, False, 4, 256), merge_partials_signature(False)),
+        "merge_partials_fixed_32": (lambda: partials_kernel("f16", 128, False, 4, 32, fixed_grid=True),
+                                    merge_partials_signature(True)),
         "rope_f16": (lambda: rope_kernel("f16", False), rope_signature(u16)),
         "rope_bf16_interleaved": (lambda: rope_kernel("bf16", True), rope_signature(u16)),
         "rope_f32": (lambda: rope_kernel("f32", False), rope_signature(T.float32)),

@@ -40,7 +40,7 @@ from .host import arrays as A
 from .host import hostwork as HW
 from .host.driver import BoundLaunch, sm_count
 from .kernels.decode_common import WorkList, make_config
-from .merge import MergeMap, merge_partials_launch, merge_tiles_launch
+from .merge import MergeMap, merge_partials_fixed_launch, merge_partials_launch, merge_tiles_launch
 from .plan_run import H_NUM_MERGES, PlanRunWrapper, data_code, plan_page_table
 from .tuning import DECODE, DecodeTuning, check_tuning
 
@@ -325,7 +325,14 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
                                                mmap, out0, lse0, code=code, use_sigmoid=var.use_sigmoid,
                                                max_partials=self._plan.num_partials // B, tuning=cfg.tuning.merge)
             ix = dict(ix, merge_out=5, merge_lse=6)
-        elif not split:
+        elif cfg.tuning.merge.decode_wrapper_form == "contraction":
+            mmap = MergeMap(self._view("merge_indptr"), self._view("merge_request"), self._view("merge_slots"))
+            k, g, t, a = merge_partials_fixed_launch(
+                self._view("header")[H_NUM_MERGES:H_NUM_MERGES + 1], po.reshape(2 * self.num_ctas, hq, D),
+                pl.reshape(2 * self.num_ctas, hq), mmap, A.flat(out0), A.flat(lse0), code=code,
+                num_ctas=grid_ctas, use_sigmoid=var.use_sigmoid)
+            ix = dict(ix, merge_out=6, merge_lse=7)
+        else:
             k, g, t, a = merge_tiles_launch(
                 self._view("header")[H_NUM_MERGES:H_NUM_MERGES + 1], self._view("merge_indptr"),
                 self._view("merge_request"), self._view("merge_qo_tile"), self._view("merge_slots"),

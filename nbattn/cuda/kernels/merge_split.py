@@ -130,7 +130,8 @@ def vec_loader(vw: int):
     return KERNELS[key]
 
 
-def partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, threads: int):
+def partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, threads: int,
+                    fixed_grid: bool = False):
     """One CTA per (merge, head), in two passes so that no load waits on the
     previous partial.
 
@@ -143,8 +144,12 @@ def partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, threa
        vector: no overflow), four partials in flight per step; the KS sums
        are added in ks order.
 
-    All-empty rows (M = -inf) give o = 0, lse = -inf."""
-    key = ("partials", code, head_dim, use_sigmoid, vec, threads)
+    All-empty rows (M = -inf) give o = 0, lse = -inf.
+
+    ``fixed_grid``: the kernel takes the merge count ``num_merges[0]`` (read on
+    the device) as its first argument and CTA x merges ``x, x + gridDim.x, ...``,
+    so one launch serves every plan (the plan/run wrappers' fixed grid)."""
+    key = ("partials", code, head_dim, use_sigmoid, vec, threads, bool(fixed_grid))
     if key in KERNELS:
         return KERNELS[key]
     D, NB, SIGMOID, VW = head_dim, threads, use_sigmoid, vec
@@ -156,15 +161,10 @@ def partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, threa
 
     load_vec, weight, write_row = partial_pieces(code, D, VW, NB, KS, SIGMOID)
 
-    def kernel(part_o, part_lse, merge_indptr, merge_row, merge_slots, out, lse, num_heads):
-        red = cuda.shared.array(RED, np.float32)
-        sm_m = cuda.shared.array(NB, np.float32)
-        sm_l = cuda.shared.array(NB, np.float32)
-        acc = cuda.local.array(ACC, np.float32)
-        ov = cuda.local.array(ACC, np.float32)
-        h = cuda.blockIdx.y
-        tid = cuda.threadIdx.x
-        row, first, last = merge_span(merge_indptr, merge_row, cuda.blockIdx.x)
+    @device_fn
+    def merge_one(m, h, tid, red, sm_m, sm_l, acc, ov, part_o, part_lse, merge_indptr, merge_row, merge_slots,
+                  out, lse, num_heads):
+        row, first, last = merge_span(merge_indptr, merge_row, m)
 
         # pass 1: the row's max LSE and total mass (independent loads, tree combine)
         mx = NEG_INF
@@ -218,6 +218,27 @@ def partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, threa
                     red[ks * D + x * VW + e] = (acc[e] + acc[VW + e]) + (acc[2 * VW + e] + acc[3 * VW + e])
         cuda.syncthreads()
         write_row(tid, red, row, h, num_heads, mx, sm_l[0], out, lse)
+
+    if fixed_grid:
+        def kernel(num_merges, part_o, part_lse, merge_indptr, merge_row, merge_slots, out, lse, num_heads):
+            red = cuda.shared.array(RED, np.float32)
+            sm_m = cuda.shared.array(NB, np.float32)
+            sm_l = cuda.shared.array(NB, np.float32)
+            acc = cuda.local.array(ACC, np.float32)
+            ov = cuda.local.array(ACC, np.float32)
+            for m in range(cuda.blockIdx.x, num_merges[0], cuda.gridDim.x):
+                merge_one(m, cuda.blockIdx.y, cuda.threadIdx.x, red, sm_m, sm_l, acc, ov, part_o, part_lse,
+                          merge_indptr, merge_row, merge_slots, out, lse, num_heads)
+                cuda.syncthreads()      # the next merge reuses the shared arrays
+    else:
+        def kernel(part_o, part_lse, merge_indptr, merge_row, merge_slots, out, lse, num_heads):
+            red = cuda.shared.array(RED, np.float32)
+            sm_m = cuda.shared.array(NB, np.float32)
+            sm_l = cuda.shared.array(NB, np.float32)
+            acc = cuda.local.array(ACC, np.float32)
+            ov = cuda.local.array(ACC, np.float32)
+            merge_one(cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x, red, sm_m, sm_l, acc, ov, part_o,
+                      part_lse, merge_indptr, merge_row, merge_slots, out, lse, num_heads)
 
     KERNELS[key] = jit_kernel(kernel)
     return KERNELS[key]
