@@ -1,6 +1,7 @@
 """Host time of the pieces of a decode plan() that run on the CPU, for an A/B of two
 trees on one machine (no GPU needed): the page-table check, the LPT planner with
-``chunk_limit="auto"`` and the staging copy, at batch 64 and 1024 x 4096 keys, page 16.
+``chunk_limit="auto"``, the staging copy and a plain decode call's work list, at batch 64
+and 1024 x 4096 keys, page 16.
 
     PYTHONPATH=<tree> python benchmarks/plan_pieces_cpu.py --label <name> [--out FILE]
 
@@ -22,6 +23,15 @@ from _timing import host_us  # noqa: E402
 
 def median_us(f, n=300):
     return host_us(f, n, warm=1)
+
+
+def call_work(indptr, indices, last, buf):
+    """What ``nbattn.cuda.decode_call`` does on the host per plain decode call (64 planner
+    CTAs a wave of 264 slots, no window): the checked work list, then the page ids."""
+    from nbattn.cuda.host import hostwork as HW
+    info = HW.decode_call_work(indptr, indices, last, 16, 2**31 - 1, (len(indptr) - 1) * 8, 264, 16, 64, -1, buf)
+    o, n = int(info[7]), int(info[18])
+    np.copyto(buf[o:o + n], indices)
 
 
 def main(argv=None):
@@ -47,6 +57,8 @@ def main(argv=None):
             "plan_auto_us": median_us(lambda: plan(qo, kv, 33, tile_q=4, group=4, chunk_overhead=64.0,
                                                    chunk_limit="auto")),
             "stage_us": median_us(lambda: HW.stage_arrays(host, offsets, (indices, indptr), 4096)),
+            # a plain decode call's compiled work list plus its copy of the page ids
+            "call_work_us": median_us(lambda: call_work(indptr, indices, last, host)),
         }
     text = json.dumps(rec, indent=1)
     print(text)

@@ -180,6 +180,7 @@ def fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_l
             info = HW.decode_call_work(*tables, dims.page_size, dims.num_pages, *call.rule, stage.host.host)
         words, n_items, n_slots, n_merge, most = info[:5].tolist()
         offs, lens = info[6:17].tolist(), info[17:28].tolist()
+        np.copyto(stage.host.host[offs[1]:offs[1] + lens[1]], tables[1])     # the page ids (a memcpy)
         stage.send(words, stream)
         o_dev = out if out is not None else _alloc(q, kind, shape, code)
         l_dev = lse if lse is not None else (_alloc(q, kind, shape[:2], "f32") if return_lse
