@@ -197,11 +197,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         self._kv_lens = kv_lens
         self._max_page = int(pkv.paged_kv_indices.max()) if pkv.paged_kv_indices.size else -1
         self._q_shape = (batch, hq, D)
-        # An "lpt" plan runs on a grid of the configuration's planner CTAs (every CTA of
-        # the constructor's num_ctas with use_cuda_graph), so plans of one configuration
-        # share one bound grid and a captured graph replays any of them.
-        self._grid_ctas = (self.num_ctas if self._use_cuda_graph
-                           else max(p.num_ctas, decode_plan_ctas(cfg, hq, self.num_ctas)))
+        self._grid_ctas = self._bound_grid(p.num_ctas, decode_plan_ctas(cfg, hq, self.num_ctas))
         self._bound_key = (cfg, mode, p.num_ctas if mode == "split" else self._grid_ctas, batch, hq,
                            p.num_partials if mode == "split" else -1)
         self.plan_seconds = time.perf_counter() - t0

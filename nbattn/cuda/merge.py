@@ -78,6 +78,12 @@ class MergeMap(NamedTuple):
     merge_slots: Any
 
 
+def _partial_vec(po, head_dim: int) -> int:
+    """Floats a thread loads at once from the partial outputs: 4 (one 16-byte load) when
+    rows are whole vectors and the buffer is 16-byte aligned, else 1."""
+    return 4 if head_dim % 4 == 0 and (SIMULATOR or po.__cuda_array_interface__["data"][0] % 16 == 0) else 1
+
+
 def merge_partials_launch(partial_o, partial_lse, merge_map: MergeMap, out, lse, *, code: str,
                           use_sigmoid: bool = False, max_partials: int | None = None,
                           tuning: MergeTuning | None = None):
@@ -95,7 +101,7 @@ def merge_partials_launch(partial_o, partial_lse, merge_map: MergeMap, out, lse,
         return None
     num_heads, head_dim = int(partial_o.shape[1]), int(partial_o.shape[2])
     po = A.flat(partial_o)
-    vec = 4 if head_dim % 4 == 0 and (SIMULATOR or po.__cuda_array_interface__["data"][0] % 16 == 0) else 1
+    vec = _partial_vec(po, head_dim)
     if tuning.few_form and max_partials is not None and max_partials <= tuning.few_partials:
         cap = 1 << max(1, int(max_partials) - 1).bit_length()     # builds for 2, 4, ..., 64
         streams = 1 if cap <= 2 else (2 if cap <= 4 else (4 if cap <= 32 else 8))
@@ -119,7 +125,7 @@ def merge_partials_fixed_launch(num_merges, partial_o, partial_lse, merge_map: M
     ``lse`` at ``args[7]``."""
     num_heads, head_dim = int(partial_o.shape[1]), int(partial_o.shape[2])
     po = A.flat(partial_o)
-    vec = 4 if head_dim % 4 == 0 and (SIMULATOR or po.__cuda_array_interface__["data"][0] % 16 == 0) else 1
+    vec = _partial_vec(po, head_dim)
     nb = partials_threads(1.0)
     k = partials_kernel(code, head_dim, bool(use_sigmoid), vec, nb, fixed_grid=True)
     return k, (int(num_ctas), num_heads), nb, (

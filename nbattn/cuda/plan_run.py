@@ -311,12 +311,11 @@ class PlanRunWrapper:
 
     def _flush(self, stream) -> None:
         """Write the staged arrays into the pinned image and copy them to the workspace
-        (one compiled call, :func:`nbattn.cuda.host.hostwork.stage_arrays`): arrays
+        (:func:`nbattn.cuda.host.hostwork.stage_arrays`): arrays
         closer than 4096 words go in one copy, and the small ones sit together."""
         staged = sorted(self._dirty, key=lambda x: x[0])
         self._dirty = []
-        spans = HW.stage_arrays(self._host, np.array([o for o, _ in staged], np.int64),
-                                tuple(a for _, a in staged), 4096)
+        spans = HW.stage_arrays(self._host, [o for o, _ in staged], [a for _, a in staged], 4096)
         if self._ints_ptr is None and not SIMULATOR:
             self._ints_ptr = data_ptr(self._ints)
         for a, b in spans.tolist():
@@ -359,6 +358,13 @@ class PlanRunWrapper:
                                          and 1 <= int(num_ctas) <= self.num_ctas):
             raise ValueError(f"num_ctas: must be an int in 1..{self.num_ctas} (the constructor's grid), "
                              f"got {num_ctas!r}")
+
+    def _bound_grid(self, plan_ctas: int, config_ctas: int) -> int:
+        """CTAs per KV head (block) of the grid a plan runs on: the configuration's planner
+        CTAs, or the plan's where more; every constructor CTA with ``use_cuda_graph``.
+        Plans of one configuration thus share one bound grid, and a captured graph
+        replays any of them."""
+        return self.num_ctas if self._use_cuda_graph else max(int(plan_ctas), int(config_ctas))
 
     def _check_bound(self, p: Plan) -> None:
         C = self.num_ctas

@@ -155,10 +155,7 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         self._slopes_for(hq, stream)
         # a custom mask lives in its own device arrays, new with every plan that has one
         self._mask = None if mask is None else tuple(cuda.to_device(np.ascontiguousarray(x)) for x in mask)
-        # the bound grid: the configuration's planner CTAs (all of num_ctas with
-        # use_cuda_graph), so a captured graph replays every plan of the configuration
-        self._grid_ctas = (self.num_ctas if self._use_cuda_graph
-                           else max(p.num_ctas, prefill_plan_ctas(hk, self.num_ctas, tuning)))
+        self._grid_ctas = self._bound_grid(p.num_ctas, prefill_plan_ctas(hk, self.num_ctas, tuning))
         self._plan, self._variant, self._code = p, var, code
         self._user_state = user_state(var)
         self._spec, self._spec_part, self._slot_rows = spec, spec_part, slot_rows

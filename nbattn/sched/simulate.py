@@ -247,32 +247,27 @@ def _real_times(cta, start, lat, work, num_ctas, cost):
     if cost.solo_speedup <= 1.0 or cta.size == 0:
         return start, end_add
     order = np.lexsort((start, cta))
-    c = cta[order]
-    first = np.r_[True, c[1:] != c[:-1]]
-    group_start = np.maximum.accumulate(np.where(first, np.arange(c.size), 0))
-    def before(x):
-        cum = np.cumsum(x[order])
-        return cum - x[order] - (cum - x[order])[group_start]
-    lat_before, work_before = before(lat), before(work)
+    lat_before, work_before = _queue_prefix(cta, order, lat)[order], _queue_prefix(cta, order, work)[order]
     slot_work = np.bincount(cta, weights=work, minlength=num_ctas).astype(np.float64)
     levels, times = work_clock(slot_work, float(num_ctas), float(cost.solo_speedup))
-    r_start = np.empty(c.size)
-    r_end = np.empty(c.size)
+    r_start = np.empty(cta.size)
+    r_end = np.empty(cta.size)
     r_start[order] = lat_before + np.interp(work_before, levels, times)
     r_end[order] = lat_before + lat[order] + np.interp(work_before + work[order], levels, times)
     return r_start, r_end
 
 
-def _queue_starts(cta, start, times):
-    """Additive start of each chunk when only these chunks run, each CTA's queue kept in
-    the order of ``start``."""
-    order = np.lexsort((start, cta))
-    c, t = cta[order], times[order]
-    cum = np.cumsum(t)
-    first = np.r_[True, c[1:] != c[:-1]] if c.size else np.zeros(0, bool)
-    base = np.maximum.accumulate(np.where(first, np.arange(c.size), 0)) if c.size else np.zeros(0, np.int64)
+def _queue_prefix(cta, order, x):
+    """For each chunk, the sum of ``x`` over the chunks before it in its CTA's queue, the
+    queues in ``order`` (a permutation sorting chunks by CTA, then queue position)."""
+    c, v = cta[order], x[order]
+    if c.size == 0:
+        return np.zeros(0)
+    first = np.r_[True, c[1:] != c[:-1]]
+    base = np.maximum.accumulate(np.where(first, np.arange(c.size), 0))
+    cum = np.cumsum(v) - v
     out = np.empty(c.size)
-    out[order] = cum - t - (cum - t)[base]
+    out[order] = cum - cum[base]
     return out
 
 
@@ -301,7 +296,8 @@ def _finish(policy, workload_name, num_ctas, tile_q, cost, chunks, tiles):
         for sel in (split[inverse], ~split[inverse]):
             if not sel.any():
                 continue
-            s, e = _real_times(cta[sel], _queue_starts(cta[sel], add_start[sel], times[sel]), lat[sel], work[sel],
+            queue = np.lexsort((add_start[sel], cta[sel]))
+            s, e = _real_times(cta[sel], _queue_prefix(cta[sel], queue, times[sel]), lat[sel], work[sel],
                                num_ctas, cost)
             start[sel], end[sel] = s + offset, e + offset
             offset = float(end[sel].max())

@@ -215,7 +215,8 @@ def stage_arrays(host, offsets, arrays, gap):
     page ids of a batch-1024 plan (1 MB) in 657 us on an H100's host, ``np.copyto``
     in 55 us (benchmarks/results/experiments/small_batch_2026-12-06/plan_profile_e435824.txt)."""
     spans = []
-    for first, a in zip(np.asarray(offsets).tolist(), arrays):
+    for first, a in zip(offsets, arrays):
+        first = int(first)
         last = first + a.shape[0]
         if last == first:
             continue
