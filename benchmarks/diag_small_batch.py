@@ -3,8 +3,8 @@ diagnosis on the GPU; also where plan() spends its host time (issue 16).
 
     PYTHONPATH=$PWD python3 benchmarks/diag_small_batch.py --out $OUT --commit <sha>
 
-For each step (the sweep's lengths, ``gpu_sched.decode_lens``) and a chunk size, four
-runs of the *same items*:
+For each step (the sweep's lengths, ``gpu_sched.decode_lens``) and a chunk size, runs
+of the *same items*:
 
 * ``fixed``: the FlashDecoding baseline of ``gpu_sched.py`` (one CTA per item, the
   split merge only when a request is split);
@@ -12,8 +12,6 @@ runs of the *same items*:
   size over the sweep's 33 planner CTAs per head block;
 * ``wrapper_no_merge``: the same bound decode launch without the merge launch
   (diagnosis only: right only where the plan has no partials);
-* ``wrapper_contraction``: ``wrapper`` with ``MergeTuning.decode_wrapper_form="contraction"``
-  (the split-KV contraction on the wrapper's fixed grid), checked against ``fixed``;
 * ``wrapper_split``: the wrapper's ``schedule="split"``;
 * ``wrapper_auto``: the wrapper's default plan (``schedule="auto"``).
 
@@ -41,7 +39,6 @@ from _timing import host_us  # noqa: E402
 
 import torch  # noqa: E402
 
-from nbattn.cuda.tuning import DECODE  # noqa: E402
 
 
 STEPS = (("constant", 16, 4096), ("zipf", 16, 1024), ("skewed", 16, 2048), ("uniform", 16, 4096),
@@ -92,15 +89,6 @@ def step(name, batch, chunk, w, slots):
     run()
     torch.cuda.synchronize()
     res["max_abs_diff_wrapper_vs_fixed"] = float((out.float() - a.float()).abs().max())
-    # the same plan merged by the split-KV contraction on the wrapper's fixed grid
-    tun = DECODE.replace(merge=DECODE.merge.replace(decode_wrapper_form="contraction"))
-    w.plan(indptr, indices, last, G.HQ, G.HK, G.D, G.PAGE, schedule="lpt", num_ctas=slots, chunk_limit=int(chunk),
-           chunk_overhead=0.0, tuning=tun)
-    times["wrapper_contraction"] = G.bench(run)[0]
-    kern["wrapper_contraction"] = kernel_times(run)
-    run()
-    torch.cuda.synchronize()
-    res["max_abs_diff_contraction_vs_fixed"] = float((out.float() - a.float()).abs().max())
     w.plan(indptr, indices, last, G.HQ, G.HK, G.D, G.PAGE, schedule="split")
     sp = w.last_plan
     run_split = lambda: w.run(q, cache, out=out, lse=lse)  # noqa: E731

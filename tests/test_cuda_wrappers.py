@@ -308,28 +308,21 @@ def _equal_outputs(a, b):
 
 
 def test_decode_contraction_merge_matches_golden_across_replans():
-    """MergeTuning.decode_wrapper_form="contraction": the decode wrapper merges an LPT plan
-    with the split-KV contraction on its fixed grid, reading the merge count on the
-    device; one bound launch serves re-plans with other merge counts (an empty request,
-    a non-full last page, NaN-free random data), each against the golden model and the
-    tile merge."""
-    from nbattn.cuda.tuning import DECODE
+    """The decode wrapper merges an LPT plan with the split-KV contraction on its fixed
+    grid, reading the merge count on the device; one bound launch serves re-plans with
+    other merge counts (an empty request, a non-full last page, fresh random data), each
+    against the golden model."""
     rng = np.random.default_rng()
-    tunings = {f: DECODE.replace(merge=DECODE.merge.replace(decode_wrapper_form=f)) for f in ("tile", "contraction")}
-    ws = {f: BatchDecodeWithPagedKVCacheWrapper(workspace(WS), num_ctas=C) for f in tunings}
+    w = BatchDecodeWithPagedKVCacheWrapper(workspace(WS), num_ctas=C)
     bound = None
     for lens, limit in (([70, 3, 41, 0], 24), ([9, 60, 1, 33], 16), ([5, 5, 5, 5], 64)):
         b = decode_batch(rng, lens)
-        got = {}
-        for f, w in ws.items():
-            w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, chunk_limit=limit, num_ctas=2,
-                   schedule="lpt", tuning=tunings[f])
-            got[f] = w.run(b["q"], b["cache"], return_lse=True)
-            close(got[f], ref_decode(b))
-        merges = ws["contraction"].last_plan.num_merges
+        w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, chunk_limit=limit, num_ctas=2,
+               schedule="lpt")
+        close(w.run(b["q"], b["cache"], return_lse=True), ref_decode(b))
+        merges = w.last_plan.num_merges
         assert (merges >= 2) == (limit < 64), merges
-        close(got["contraction"], got["tile"])
-        now = ws["contraction"]._bound_now
+        now = w._bound_now
         assert bound is None or now is bound          # the same bound launches after a re-plan
         bound = now
 
@@ -421,20 +414,16 @@ def test_gpu_100_runs_bitwise_equal():
 
 
 @gpu
-@pytest.mark.parametrize("schedule", ["auto", "lpt", "lpt_contraction"])   # auto: the small-batch split shape
+@pytest.mark.parametrize("schedule", ["auto", "lpt"])   # auto: the small-batch split shape
 def test_gpu_cuda_graph_replay_after_replan(schedule):
     import torch
-    from nbattn.cuda.tuning import DECODE
-    tuning = None
-    if schedule == "lpt_contraction":               # the LPT plan merged by the fixed-grid contraction
-        schedule, tuning = "lpt", DECODE.replace(merge=DECODE.merge.replace(decode_wrapper_form="contraction"))
     hq, hk, d, page = 32, 8, 128, 16
     b1, q, cache = _torch_decode([4096, 100, 700, 3000], 21)
     rng = np.random.default_rng(22)
     pool = int(cache.shape[0])
     ws = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     w = BatchDecodeWithPagedKVCacheWrapper(ws, num_ctas=16)
-    w.plan(b1["indptr"], b1["indices"], b1["last"], hq, hk, d, page, schedule=schedule, tuning=tuning)
+    w.plan(b1["indptr"], b1["indices"], b1["last"], hq, hk, d, page, schedule=schedule)
     assert w._mode == ("split" if schedule == "auto" else "lpt")
     out = torch.empty_like(q)
     w.run(q, cache, out=out)          # compile before capture
@@ -448,7 +437,7 @@ def test_gpu_cuda_graph_replay_after_replan(schedule):
     indices2 = rng.permutation(pool)[:sum(n2)].astype(np.int32)
     indptr2 = np.concatenate([[0], np.cumsum(n2)]).astype(np.int32)
     last2 = np.array([n - (k - 1) * page for n, k in zip(lens2, n2)], np.int32)
-    w.plan(indptr2, indices2, last2, hq, hk, d, page, schedule=schedule, tuning=tuning)
+    w.plan(indptr2, indices2, last2, hq, hk, d, page, schedule=schedule)
     assert schedule == "auto" or w.last_plan.num_merges >= 1
     q.copy_(torch.randn_like(q))
     out.fill_(float("nan"))

@@ -73,7 +73,7 @@ def test_key_refuses_what_it_cannot_describe():
 
     assert D.stable_key(kernel) is None
     # real kernels of the package all have a key
-    assert D.stable_key(M.tile_merge_kernel("f16", 64, True, False).py_func) is not None
+    assert D.stable_key(M.tile_merge_kernel("f16", 64, False).py_func) is not None
     assert D.stable_key(DEC.decode_kernel(DEC.make_config("f16", 64, 2, "HND", Variant())).py_func)
 
 

@@ -5,8 +5,10 @@ once per layer, over the workspace of :mod:`nbattn.cuda.plan_run`.
 Decode runs one persistent launch of G CTAs per KV-head block; CTA ``c`` walks
 its queue ``cta_indptr[c]:cta_indptr[c+1]``
 (:func:`nbattn.cuda.decode.run_decode_work`), reading the queue bounds from the
-workspace; the merge is :func:`nbattn.cuda.merge.merge_tiles_launch` on G CTAs
-per KV head (an LPT plan) or the one-round merge (a ``"split"`` plan).  For an
+workspace; the merge is the split-KV contraction on a fixed grid of G CTAs
+(:func:`nbattn.cuda.merge.merge_partials_fixed_launch`, an LPT plan: the merge
+count is read on the device) or :func:`nbattn.cuda.merge.merge_partials_launch` sized
+to the plan (a ``"split"`` plan; the one-round form where it fits).  For an
 LPT plan G is the configuration's planner CTAs (:func:`decode_plan_ctas`, or the
 plan's ``num_ctas`` where that is larger), so every plan of one configuration
 runs on one bound grid; with ``use_cuda_graph=True`` G is the constructor's
@@ -40,7 +42,7 @@ from .host import arrays as A
 from .host import hostwork as HW
 from .host.driver import BoundLaunch, sm_count
 from .kernels.decode_common import WorkList, make_config
-from .merge import MergeMap, merge_partials_fixed_launch, merge_partials_launch, merge_tiles_launch
+from .merge import MergeMap, merge_partials_fixed_launch, merge_partials_launch
 from .plan_run import H_NUM_MERGES, PlanRunWrapper, data_code, plan_page_table
 from .tuning import DECODE, DecodeTuning, check_tuning
 
@@ -321,21 +323,13 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
                                                mmap, out0, lse0, code=code, use_sigmoid=var.use_sigmoid,
                                                max_partials=self._plan.num_partials // B, tuning=cfg.tuning.merge)
             ix = dict(ix, merge_out=5, merge_lse=6)
-        elif cfg.tuning.merge.decode_wrapper_form == "contraction":
+        else:       # an LPT plan: the split-KV contraction on the fixed grid
             mmap = MergeMap(self._view("merge_indptr"), self._view("merge_request"), self._view("merge_slots"))
             k, g, t, a = merge_partials_fixed_launch(
                 self._view("header")[H_NUM_MERGES:H_NUM_MERGES + 1], po.reshape(2 * self.num_ctas, hq, D),
                 pl.reshape(2 * self.num_ctas, hq), mmap, A.flat(out0), A.flat(lse0), code=code,
                 num_ctas=grid_ctas, use_sigmoid=var.use_sigmoid)
             ix = dict(ix, merge_out=6, merge_lse=7)
-        else:
-            k, g, t, a = merge_tiles_launch(
-                self._view("header")[H_NUM_MERGES:H_NUM_MERGES + 1], self._view("merge_indptr"),
-                self._view("merge_request"), self._view("merge_qo_tile"), self._view("merge_slots"),
-                self._view("cta_indptr"), po, pl, A.flat(out0), A.flat(lse0), code=code, head_dim=D,
-                num_qo_heads=hq, num_kv_heads=self._num_kv_heads, group=self._group, tile_q=self._plan.tile_q,
-                slot_rows=1, num_ctas=grid_ctas, per_request_row=True, use_sigmoid=var.use_sigmoid)
-            ix = dict(ix, merge_out=8, merge_lse=9)
         if split and not self._plan.num_partials:
             merge = None
         else:

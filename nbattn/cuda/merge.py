@@ -41,8 +41,8 @@ Internal entry point for split-KV runs (decode, the cascade, the plan/run wrappe
     run_merge_tiles(num_merges, merge_indptr, merge_request, merge_qo_tile, merge_slots,
                     qo_indptr, partial_o, partial_lse, out, lse, *, code, head_dim,
                     num_qo_heads, num_kv_heads, group, tile_q, slot_rows, num_ctas,
-                    per_request_row=False, use_sigmoid=False, stream=0)
-        the fixed-grid form the plan/run wrappers use (CUDA-graph capturable): grid
+                    use_sigmoid=False, stream=0)
+        the fixed-grid form the prefill wrapper uses (CUDA-graph capturable): grid
         (num_ctas, num_kv_heads) whatever the plan, merge count read on the device
         from ``num_merges[0]``; a merge is one query tile of fused rows (see
         :func:`~nbattn.cuda.kernels.merge_split.tile_merge_kernel`).
@@ -149,14 +149,14 @@ def run_merge_partials(partial_o, partial_lse, merge_map: MergeMap, out, lse, *,
 def merge_tiles_launch(num_merges, merge_indptr, merge_request, merge_qo_tile, merge_slots, qo_indptr,
                        partial_o, partial_lse, out, lse, *, code: str, head_dim: int, num_qo_heads: int,
                        num_kv_heads: int, group: int, tile_q: int, slot_rows: int, num_ctas: int,
-                       per_request_row: bool = False, use_sigmoid: bool = False):
+                       use_sigmoid: bool = False):
     """``(kernel, grid, threads, args)`` of
     :func:`~nbattn.cuda.kernels.merge_split.tile_merge_kernel` on its fixed grid
     (see module doc); every array is a flat device array (``out`` raw-typed, at
     ``args[8]``; ``lse`` at ``args[9]``)."""
     if tile_q > TILE_ROWS_MAX:
         raise ValueError(f"tile_q: at most {TILE_ROWS_MAX} rows per merged tile, got {tile_q}")
-    k = tile_merge_kernel(code, head_dim, bool(per_request_row), bool(use_sigmoid))
+    k = tile_merge_kernel(code, head_dim, bool(use_sigmoid))
     return k, (num_ctas, num_kv_heads), tile_threads(), (
         num_merges, merge_indptr, merge_request, merge_qo_tile, merge_slots, qo_indptr, partial_o,
         partial_lse, out, lse, num_qo_heads, group, tile_q, slot_rows)

@@ -40,10 +40,12 @@ Fixed grid, fixed addresses (what makes run() CUDA-graph capturable)
   and reading the queue bounds from the workspace (the decode and prefill
   launches: the module docs of :mod:`nbattn.cuda.decode_wrapper` and
   :mod:`nbattn.cuda.prefill_wrapper`).
-* Merge (:func:`nbattn.cuda.merge.merge_tiles_launch`): a fixed grid of
-  ``num_ctas`` CTAs per KV head (a plan has at most ``num_ctas`` split tiles,
-  since each has >= 2 of the <= 2*C partial slots);
-  the number of merges is read from the workspace header, extra CTAs exit.
+* Merge: a fixed grid whatever the plan (a plan has at most ``num_ctas``
+  split tiles, since each has >= 2 of the <= 2*C partial slots); the number of
+  merges is read from the workspace header, extra CTAs exit or take none.
+  Prefill uses the tile merge (:func:`nbattn.cuda.merge.merge_tiles_launch`,
+  ``num_ctas`` CTAs per KV head); decode the split-KV contraction
+  (:func:`nbattn.cuda.merge.merge_partials_fixed_launch`).
   Slots are folded in the plan's order (increasing KV), never with atomics,
   so equal lengths give bitwise-equal outputs.
 

@@ -234,7 +234,7 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
             self._view("merge_request"), self._view("merge_qo_tile"), self._view("merge_slots"),
             self._view("qo_indptr"), po, pl, A.flat(out_raw), A.flat(lse_raw), code=code, head_dim=D,
             num_qo_heads=H, num_kv_heads=self._num_kv_heads, group=self._group, tile_q=self._plan.tile_q,
-            slot_rows=self._slot_rows, num_ctas=self._grid_ctas, per_request_row=False,
+            slot_rows=self._slot_rows, num_ctas=self._grid_ctas,
             use_sigmoid=self._variant.use_sigmoid)
         merge = BoundLaunch(k, g, t, a, convert={8: lambda x: A.flat(raw["out"](x)),
                                                   9: lambda x: A.flat(raw["lse"](x))})

@@ -72,18 +72,7 @@ class MergeTuning(_Tuning):
     #: split decode that writes the partials runs, and waits for them).
     #: benchmarks/results/decode_b1.json, case "merge": "one_round_programmatic".
     few_programmatic: bool = not SIMULATOR
-    #: How the decode wrapper merges an LPT plan: ``"tile"`` (the tile merge of both
-    #: wrappers) or ``"contraction"`` (the split-KV contraction on a fixed grid).  At batch
-    #: 16 the tile merge took 8.6-10.5 us where the FlashDecoding baseline's contraction,
-    #: launched per plan, took 4.4-4.5 us
-    #: (benchmarks/results/experiments/small_batch_2026-12-06/diag_e435824.json); the
-    #: fixed-grid contraction is not measured yet, so the default stays.
-    decode_wrapper_form: str = "tile"
-
     def __post_init__(self):
-        if self.decode_wrapper_form not in ("tile", "contraction"):
-            raise ValueError(f"MergeTuning.decode_wrapper_form must be 'tile' or 'contraction', got "
-                             f"{self.decode_wrapper_form!r}")
         self._nonneg("few_partials")
         if self.few_partials > 64:
             raise ValueError(f"MergeTuning.few_partials must be <= 64 (two partials a lane), got {self.few_partials}")

@@ -345,7 +345,7 @@ def few_partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, s
     return KERNELS[key]
 
 
-def tile_merge_kernel(code: str, head_dim: int, per_request_row: bool, use_sigmoid: bool):
+def tile_merge_kernel(code: str, head_dim: int, use_sigmoid: bool):
     """Kernel folding each split query tile's partial slots into its final rows.
 
     Grid ``(num_ctas, num_kv_heads)``, fixed: the launch does not depend on the
@@ -356,8 +356,8 @@ def tile_merge_kernel(code: str, head_dim: int, per_request_row: bool, use_sigmo
     takes units ``x, x + gridDim.x, ...``.  Fused row ``f`` of tile ``t`` of request
     ``r`` is position ``f // group``, head ``kv_head*group + f % group``
     (docs/concepts/masks.md); in slot ``s`` its partial row is
-    ``s*slot_rows + f//group - first_position``.  With ``per_request_row`` (decode)
-    request r has one row, row r (``qo_indptr`` is not read), and a slot holds one row.
+    ``s*slot_rows + f//group - first_position``.  The prefill wrapper merges with it;
+    the decode wrapper uses the split-KV contraction instead (:func:`partials_kernel`).
 
     Two passes per unit, like :func:`partials_kernel` and for the same reason:
     (1) ``J = NT // rows`` threads per row (``rows``: the rows of the merge's tile)
@@ -368,10 +368,10 @@ def tile_merge_kernel(code: str, head_dim: int, per_request_row: bool, use_sigmo
     LSE = -inf.  The order of every sum is the thread layout's, not the unit's, so
     the result does not depend on ``R``.
     """
-    key = ("tile", code, head_dim, per_request_row, use_sigmoid)
+    key = ("tile", code, head_dim, use_sigmoid)
     if key in KERNELS:
         return KERNELS[key]
-    D, NT, DECODE, SIGMOID = head_dim, tile_threads(), per_request_row, use_sigmoid
+    D, NT, SIGMOID = head_dim, tile_threads(), use_sigmoid
     RMAX = TILE_ROWS_MAX
     _, store_elem, _ = element_io(code)
 
@@ -389,12 +389,8 @@ def tile_merge_kernel(code: str, head_dim: int, per_request_row: bool, use_sigmo
         for u in range(cuda.blockIdx.x, n_merges * per_merge, cuda.gridDim.x):
             m = u // per_merge
             r = merge_request[m]
-            if DECODE:
-                qo_start = r
-                qo_len = 1
-            else:
-                qo_start = qo_indptr[r]
-                qo_len = qo_indptr[r + 1] - qo_start
+            qo_start = qo_indptr[r]
+            qo_len = qo_indptr[r + 1] - qo_start
             f0 = merge_qo_tile[m] * tile_q
             n_rows = min(tile_q, qo_len * group - f0)
             e_lo = (u - m * per_merge) * R
