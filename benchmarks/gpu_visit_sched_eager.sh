@@ -30,7 +30,7 @@ step tests ${TESTS_S:-150} python3 -m pytest -p no:cacheprovider -q -rfE -n 15 $
 pkill -f "exec\(eval\(sys.stdin" ; sleep 1      # xdist workers a timeout left behind
 grep -E "passed|failed|FAILED" "$LOG/tests.log" | tail -6
 fi
-has sched && step sched ${SCHED_S:-150} python3 benchmarks/gpu_sched.py --out "$OUT" --commit "$COMMIT" --budget-s 140
+has sched && step sched $(( ${SCHED_S:-150} + 10 )) python3 benchmarks/gpu_sched.py --out "$OUT" --commit "$COMMIT" --budget-s ${SCHED_S:-150}
 has sched && grep -E "lpt/best|prefill fit" "$LOG/sched.log" | tail -20
 has diag && step diag ${DIAG_S:-80} python3 benchmarks/diag_small_batch.py --out "$OUT" --commit "$COMMIT"
 has diag && grep -E "^\[|median" "$LOG/diag.log" | grep -v "\]     " | head -20
