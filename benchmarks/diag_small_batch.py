@@ -12,8 +12,6 @@ of the *same items*:
   size over the sweep's 33 planner CTAs per head block;
 * ``wrapper_no_merge``: the same bound decode launch without the merge launch
   (diagnosis only: right only where the plan has no partials);
-* ``wrapper_in_order``: ``wrapper`` with ``DecodeTuning(programmatic=False)`` (the decode
-  launched in stream order, not programmatically);
 * ``wrapper_split``: the wrapper's ``schedule="split"``;
 * ``wrapper_auto``: the wrapper's default plan (``schedule="auto"``).
 
@@ -40,7 +38,8 @@ import gpu_sched as G  # noqa: E402
 from _timing import host_us  # noqa: E402
 
 import torch  # noqa: E402
-from nbattn.cuda.tuning import DECODE  # noqa: E402
+
+
 
 STEPS = (("constant", 16, 4096), ("zipf", 16, 1024), ("skewed", 16, 2048), ("uniform", 16, 4096),
          ("zipf", 64, 2048))
@@ -90,11 +89,6 @@ def step(name, batch, chunk, w, slots):
     run()
     torch.cuda.synchronize()
     res["max_abs_diff_wrapper_vs_fixed"] = float((out.float() - a.float()).abs().max())
-    # the same plan with the decode launched in stream order (not programmatically)
-    w.plan(indptr, indices, last, G.HQ, G.HK, G.D, G.PAGE, schedule="lpt", num_ctas=slots, chunk_limit=int(chunk),
-           chunk_overhead=0.0, tuning=DECODE.replace(programmatic=False))
-    times["wrapper_in_order"] = G.bench(run)[0]
-    kern["wrapper_in_order"] = kernel_times(run)
     w.plan(indptr, indices, last, G.HQ, G.HK, G.D, G.PAGE, schedule="split")
     sp = w.last_plan
     run_split = lambda: w.run(q, cache, out=out, lse=lse)  # noqa: E731

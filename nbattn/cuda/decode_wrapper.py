@@ -305,7 +305,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         # the persistent grid: a "split" plan's items, one per CTA; an "lpt" plan's bound grid
         grid_ctas = self._plan.num_ctas if split else self._grid_ctas
         work = work._replace(cta_indptr=self._view("cta_indptr")[:grid_ctas + 1])
-        pdl = cfg.tuning.programmatic     # it may start while the previous kernel ends (waits before reading)
+        pdl = split and cfg.tuning.programmatic     # a "split" plan launches programmatically
         kern, grid, threads, args = launch_for(prob, cfg, work, po, pl, prefetch=pdl)
         ix = decode_arg_index(cfg)
         conv = {ix["q"]: lambda x: A.words(A.to_device(x, "q", 0, code)),

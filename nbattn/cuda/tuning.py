@@ -112,9 +112,8 @@ class DecodeTuning(_Tuning):
     #: (warps a CTA, CTAs an SM) of the tensor-core path for small batches that split
     #: into one wave. benchmarks/results/decode_b1.json, fields "warps", "min_blocks".
     tc_split_shape: tuple = (8, 1)
-    #: Whether the tensor-core decode launches programmatically (FlashInfer's
-    #: ``enable_pdl``): the one-wave split shape (benchmarks/results/decode_b1.json,
-    #: field "decode_programmatic") and the decode wrapper's persistent launch.
+    #: Whether the one-wave split shape launches programmatically (FlashInfer's
+    #: ``enable_pdl``). benchmarks/results/decode_b1.json, field "decode_programmatic".
     programmatic: bool = not SIMULATOR
     #: K/V steps of the first work item prefetched into L2 before the programmatic
     #: dependency wait, for CTAs of at most ``prefetch_max_heads`` heads.
