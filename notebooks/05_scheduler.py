@@ -330,9 +330,9 @@ print(f"✓ the fullest plan used {worst:.0%} of the bound")
 # model fitted on the GPU (`sched.plan(..., cost=model)`, `nbattn.sched.cost`): it then
 # prices the merge pass and the tail of the wave, and picks among its own plans and the
 # fixed splits it can express the one the model predicts fastest. On an H100 (2026-12-06)
-# that plan is at most 1.03x the best fixed policy on 11 of the 15 steps (and the fastest on
-# 6 of them), and slower than that on 4: the skewed, constant and Zipf steps at batch 16
-# (1.105x, 1.048x, 1.096x) and the mixed prefill + decode step at batch 256 (1.038x).
+# that plan is at most 1.03x the best fixed policy on 12 of the 15 steps (and the fastest on
+# 10 of them), and slower than that on 3: the skewed and constant steps at batch 16
+# (1.072x, 1.056x) and the mixed prefill + decode step at batch 256 (1.040x).
 # Part 2 shows the measurement; docs/concepts/scheduler.md says why.
 
 # %%

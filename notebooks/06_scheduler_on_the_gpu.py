@@ -181,22 +181,25 @@ for (w, b), row in rows.items():
 # fitted cost model) against the best fixed policy of the same run:
 #
 # * **skewed** (one 32k request among short ones of 512 keys): not splitting is the disaster
-#   the model predicts, 461-566 us at every batch, because one CTA reads the long request
-#   alone. LPT is 6.0x, 4.3x and 2.2x faster than that at batch 16, 64 and 256. At batch 64
-#   and 256 it is within 1% of the best fixed split; at batch 16 FlashDecoding's 2048-key
-#   split is faster (69.9 against 77.2 us, 1.105x).
-# * **constant** (4096 keys each): nothing needs balancing; LPT is within 1% at batch 64
-#   and 256, and at batch 16 takes 102.1 us against 97.4 for the 4096-key split (1.048x).
+#   the model predicts, 460-558 us at every batch, because one CTA reads the long request
+#   alone. LPT is 6.2x, 4.5x and 2.3x faster than that at batch 16, 64 and 256. At batch 64
+#   and 256 it beats the best fixed split (0.980x, 0.975x); at batch 16 FlashDecoding's
+#   2048-key split is faster (69.7 against 74.7 us, 1.072x).
+# * **constant** (4096 keys each): nothing needs balancing; LPT is within 0.5% at batch 64
+#   and 256, and at batch 16 takes 102.6 us against 97.2 for the 4096-key split (1.056x).
+#   Nothing is merged there, yet the wrapper launches its merge (a captured graph may replay
+#   a later plan that merges), and that empty launch costs about 4 us.
 # * **uniform** (512-8192 keys) and **Zipf**: LPT beats every fixed policy on uniform
-#   lengths at batch 64 and 256 (0.93x, 0.96x) and on Zipf at batch 256 (0.96x). At batch
-#   16 the 1024-key split is 9% faster on Zipf (38.2 against 41.9 us).
+#   lengths at all three batches (0.973x, 0.931x, 0.964x) and on Zipf at batch 64 and 256
+#   (0.965x, 0.963x). At batch 16 the 1024-key split is 2% faster on Zipf (38.0 against
+#   38.9 us).
 # * **mixed** (decode requests and, every 8th, a 256-query prefill chunk, through the prefill
 #   wrapper): a split costs the prefill wrapper a second launch, and LPT planned with a
-#   model that prices it does not split: 1.018x, 0.983x and 1.038x the best fixed policy at
-#   batch 16, 64 and 256 (the wrapper's uncalibrated default splits and takes 2.1x at batch 16).
+#   model that prices it does not split: 0.979x, 0.981x and 1.040x the best fixed policy at
+#   batch 16, 64 and 256 (the wrapper's uncalibrated default splits and takes 2.0x at batch 16).
 #
-# So LPT meets issue 21's target (at most 1.03x the best fixed policy) on 11 of the 15
-# steps and misses it on 4. Part 1's Gantt charts are right about *why* splitting matters,
+# So LPT meets issue 21's target (at most 1.03x the best fixed policy) on 12 of the 15
+# steps and misses it on 3. Part 1's Gantt charts are right about *why* splitting matters,
 # but not about what a split costs on the GPU: docs/concepts/scheduler.md ("Why LPT loses
 # where it loses") takes the losses apart.
 
@@ -280,9 +283,10 @@ for unit_ns in (5, 14, 50):          # what one cost unit is worth in time (the 
 # Write `breakeven(u, v, p, h=0.0)`: the smallest whole number of layers `L` with
 # `L·(u − v) > p + h`, and `float("inf")` when the plan does not make a layer faster
 # (`u <= v`). Then apply it to the skewed step as the H100 measured it: without a plan
-# (one request per CTA, batch 64) `u = 485.1` us a layer, with the LPT plan `v = 111.7` us,
-# and the wrapper's `plan()` on the GPU machine's CPU taking `p = 923.6` us (`plan_us` of
-# that record in `sched.json`). Store that in `layers_needed`.
+# (one request per CTA, batch 64) `u = 490.7` us a layer, with the LPT plan `v = 108.0` us,
+# and the planner (`nbattn.sched.plan` with the fitted model) taking `p = 161.5` us on the
+# GPU machine's CPU (the `plan_us` record of the skewed batch-64 step in `sched.json`).
+# Store that in `layers_needed`.
 
 # %% tags=["exercise"]
 def breakeven(u, v, p, h=0.0):
@@ -300,24 +304,24 @@ def breakeven(u, v, p, h=0.0):
         return float("inf")
     return max(1, math.floor((p + h) / (u - v)) + 1)
 
-layers_needed = breakeven(485.1, 111.7, 923.6)
+layers_needed = breakeven(490.7, 108.0, 161.5)
 
 # %% tags=["check"]
-for args in [(485.1, 111.7, 923.6), (10.0, 9.0, 0.5), (5.0, 4.0, 3.0), (3.0, 3.0, 1.0), (2.0, 3.0, 0.0),
+for args in [(490.7, 108.0, 161.5), (10.0, 9.0, 0.5), (5.0, 4.0, 3.0), (3.0, 3.0, 1.0), (2.0, 3.0, 0.0),
              (100.0, 1.0, 0.0), (7.0, 2.0, 10.0, 5.0)]:
     assert breakeven(*args) == rl.planning_breakeven_layers(*args), args
-assert layers_needed == 3
+assert layers_needed == 1
 print(f"✓ the LPT plan of the skewed step pays for itself from layer {layers_needed} on; a model "
-      f"of 32 layers repays it {32 * (485.1 - 111.7) / 923.6:.1f} times over")
+      f"of 32 layers repays it {32 * (490.7 - 108.0) / 161.5:.1f} times over")
 
 # %% [markdown]
 # ## Summary
 #
 # * One plan, one preallocated workspace, a fixed grid: the same launches serve every layer
 #   and replay in a CUDA graph after a re-plan.
-# * On the H100 (`sched.json`), splitting long requests is what matters: 2.2-6.0x on the
-#   skewed steps. LPT beats every fixed policy on 6 of 15 steps, and is more than 3%
-#   behind the best fixed one on 4: skewed, constant and Zipf at batch 16 (the wrapper's
-#   merge pass) and mixed at batch 256.
+# * On the H100 (`sched.json`), splitting long requests is what matters: 2.3-6.2x on the
+#   skewed steps. LPT beats every fixed policy on 10 of 15 steps, and is more than 3%
+#   behind the best fixed one on 3: skewed and constant at batch 16 (the wrapper's second
+#   launch, its merge) and mixed at batch 256.
 # * Planning costs host time once per step; the break-even tells how many layers pay it
 #   back.

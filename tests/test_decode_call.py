@@ -99,7 +99,8 @@ def test_decode_work_equals_the_rule_and_the_loop():
 
 def test_page_table_ok_agrees_with_validate():
     """hostwork.page_table_ok is True exactly where PagedKV.validate accepts, over
-    random tables with one rule broken at a time (or none)."""
+    random tables with one rule broken at a time (or none), and page_table_check
+    returns the table's largest page id exactly then."""
     from nbattn import layout as L
     from nbattn.cuda.host import hostwork as HW
     rng = np.random.default_rng(75)
@@ -130,6 +131,9 @@ def test_page_table_ok_agrees_with_validate():
         except L.LayoutError:
             ok = False
         assert HW.page_table_ok(indptr, indices, last, ps, num_pages) == ok, (fault, indptr, indices, last)
+        # page_table_check: the largest page id of a valid table (-1 without pages), -2 otherwise
+        top = HW.page_table_check(indptr, indices, last, ps, num_pages)
+        assert top == ((int(indices.max()) if indices.size else -1) if ok else -2), (fault, top)
 
 
 @pytest.mark.skipif(not __import__("nbattn").simulator_enabled(), reason="counts the simulator's Python calls; on a GPU numba's allocator adds calls of its own")

@@ -37,7 +37,7 @@ def test_stage_arrays_writes_every_array_and_joins_close_spans(seed):
             joined[-1][1] = b
         else:
             joined.append([a, b])
-    assert spans.tolist() == joined
+    assert spans == joined
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -33,7 +33,7 @@ from numba import cuda
 
 from .. import layout as L
 from ..sched.plan import DIRECT, Plan, plan as lpt_plan
-from ..sched.tiles import choose_tile_q, decode_tiles
+from ..sched.tiles import decode_tiles
 from .decode_problem import (DecodeProblem, check_head_dim, decode_arg_index, first_visible, launch_for, split_rule,
                              window_edge)
 from .fp8 import check_run_dtypes, is_fp8, plan_kv_code, run_scales
@@ -145,7 +145,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         check_head_dim(int(head_dim), fp8)
         if schedule not in ("auto", "lpt", "split"):
             raise ValueError(f"schedule: must be 'auto', 'lpt' or 'split', got {schedule!r}")
-        pkv = plan_page_table(indptr, indices, last_page_len, page_size)
+        pkv, max_page = plan_page_table(indptr, indices, last_page_len, page_size)
         batch = pkv.batch_size
         kv_lens = HW.kv_lengths(pkv.paged_kv_indptr, pkv.paged_kv_last_page_len, pkv.page_size)
         hq, hk, D = int(num_qo_heads), int(num_kv_heads), int(head_dim)
@@ -172,8 +172,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
             # One query tile per request: its `group` fused rows are one decode CTA's heads.
             overhead = tuning.plan_chunk_overhead if chunk_overhead is None else chunk_overhead
             qo_lens = np.ones(batch, np.int64)
-            p = lpt_plan(qo_lens, seen, int(num_ctas), tile_q=choose_tile_q(qo_lens, group, decode_tiles(group)),
-                         group=group,
+            p = lpt_plan(qo_lens, seen, int(num_ctas), tile_q=decode_tiles(group)[0], group=group,
                          alpha=alpha, beta=beta, chunk_overhead=overhead, chunk_limit=chunk_limit,
                          cost=cost)
             self._check_bound(p)
@@ -197,7 +196,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         self._num_qo_heads, self._num_kv_heads, self._group = hq, hk, group
         self._head_dim, self._page_size, self._batch = D, int(page_size), batch
         self._kv_lens = kv_lens
-        self._max_page = int(pkv.paged_kv_indices.max()) if pkv.paged_kv_indices.size else -1
+        self._max_page = max_page
         self._q_shape = (batch, hq, D)
         self._grid_ctas = self._bound_grid(p.num_ctas, decode_plan_ctas(cfg, hq, self.num_ctas))
         self._bound_key = (cfg, mode, p.num_ctas if mode == "split" else self._grid_ctas, batch, hq,

@@ -124,11 +124,12 @@ def _run_signature(kind: str, q, cache) -> tuple:
     return (q.dtype, tuple(q.shape), tuple(q.strides), cache.dtype, tuple(cache.shape), tuple(cache.strides))
 
 
-def plan_page_table(indptr, indices, last_page_len, page_size) -> L.PagedKV:
-    """plan()'s page table; the cache is not known yet, so any page id fits (run() checks)."""
+def plan_page_table(indptr, indices, last_page_len, page_size) -> tuple:
+    """plan()'s page table and its largest page id (-1 without pages); the cache is
+    not known yet, so any page id fits (run() checks it against the largest)."""
     if int(page_size) < 1:
         raise ValueError(f"page_size: must be >= 1, got {page_size}")
-    return HW.page_table(indptr, indices, last_page_len, int(page_size), np.iinfo(np.int32).max)
+    return HW.checked_page_table(indptr, indices, last_page_len, int(page_size), np.iinfo(np.int32).max)
 
 
 # ---------------------------------------------------------------------------
@@ -303,12 +304,11 @@ class PlanRunWrapper:
         return 0 if SIMULATOR else stream_handle(self._ws_user)
 
     def _copy(self, name: str, host: np.ndarray) -> None:
-        """Stage ``host`` (int32) at the front of array ``name``; :meth:`_flush` writes
+        """Stage ``host`` (1-D, int32 values) at the front of array ``name``; :meth:`_flush` writes
         and sends it.  Kernels read each array only up to bounds the plan also writes
         (queue bounds, merge count), so stale entries past the front are never seen."""
-        if not (type(host) is np.ndarray and host.dtype == np.int32 and host.ndim == 1
-                and host.flags.c_contiguous and host.flags.writeable and host.flags.aligned):
-            host = np.array(host, dtype=np.int32).reshape(-1)      # one array type for the compiled writer
+        if type(host) is not np.ndarray or host.ndim != 1:
+            host = np.asarray(host, dtype=np.int32).reshape(-1)
         self._dirty.append((self.layout.arrays[name][0] // 4, host))
 
     def _flush(self, stream) -> None:
@@ -320,7 +320,7 @@ class PlanRunWrapper:
         spans = HW.stage_arrays(self._host, [o for o, _ in staged], [a for _, a in staged], 4096)
         if self._ints_ptr is None and not SIMULATOR:
             self._ints_ptr = data_ptr(self._ints)
-        for a, b in spans.tolist():
+        for a, b in spans:
             self._h2d.copy(self._ints, a, b, stream, self._ints_ptr)
         self._h2d.end(stream)
 

@@ -95,7 +95,7 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         code = data_code(q_data_type, kv_data_type)
         hq, hk, D = int(num_qo_heads), int(num_kv_heads), int(head_dim_qk)
         group = L.check_heads(hq, hk)
-        pkv = plan_page_table(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size)
+        pkv, max_page = plan_page_table(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size)
         qo = L.RaggedQ.validate(qo_indptr)
         if qo.batch_size != pkv.batch_size:
             raise L.LayoutError(f"paged_kv_indptr: has {pkv.batch_size} requests, qo_indptr has "
@@ -161,7 +161,7 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         self._spec, self._spec_part, self._slot_rows = spec, spec_part, slot_rows
         self._num_qo_heads, self._num_kv_heads, self._group = hq, hk, group
         self._head_dim, self._page_size, self._total_q = D, int(page_size), qo.total
-        self._max_page = int(pkv.paged_kv_indices.max()) if pkv.paged_kv_indices.size else -1
+        self._max_page = max_page
         self._q_shape = (qo.total, hq, D)
         self.plan_seconds = time.perf_counter() - t0
 

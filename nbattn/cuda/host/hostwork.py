@@ -24,7 +24,7 @@ from ..._jit import njit_cached
 
 from ... import layout as L
 
-__all__ = ["page_table", "page_table_ok", "decode_work", "DECODE_PARTS", "stage_arrays", "split_plan", "kv_lengths",
+__all__ = ["page_table", "checked_page_table", "page_table_check", "page_table_ok", "decode_work", "DECODE_PARTS", "stage_arrays", "split_plan", "kv_lengths",
            "int32_tables", "decode_call_work"]
 
 #: The arrays :func:`decode_work` writes, in order, each at a 16-byte aligned offset.
@@ -37,13 +37,19 @@ _NAMES = ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
 
 def page_table(indptr, indices, last, page_size: int, num_pages: int) -> L.PagedKV:
     """:meth:`nbattn.layout.PagedKV.validate` with the rules checked by the compiled
-    :func:`page_table_ok`; only a table that breaks one goes through ``validate``,
+    :func:`page_table_check`; only a table that breaks one goes through ``validate``,
     which raises the message naming the argument and the rule."""
+    return checked_page_table(indptr, indices, last, page_size, num_pages)[0]
+
+
+def checked_page_table(indptr, indices, last, page_size: int, num_pages: int) -> tuple:
+    """:func:`page_table` and the table's largest page id (-1 without pages)."""
     tables = int32_tables(indptr, indices, last)
-    if not page_table_ok(*tables, page_size, num_pages):
+    top = page_table_check(*tables, page_size, num_pages)
+    if top < -1:
         L.PagedKV.validate(indptr, indices, last, page_size, num_pages)
-        raise AssertionError("nbattn: hostwork.page_table_ok and PagedKV.validate disagree")
-    return L.PagedKV(*tables, int(page_size), int(num_pages))
+        raise AssertionError("nbattn: hostwork.page_table_check and PagedKV.validate disagree")
+    return L.PagedKV(*tables, int(page_size), int(num_pages)), int(top)
 
 
 def int32_tables(indptr, indices, last) -> tuple:
@@ -60,14 +66,15 @@ def int32_tables(indptr, indices, last) -> tuple:
 
 
 @njit_cached
-def page_table_ok(indptr, indices, last, page_size, num_pages):
-    """Whether a page table obeys every rule of ``PagedKV.validate``: ``indptr``
-    starts at 0, never decreases and ends at ``len(indices)``; one ``last`` per
-    request; page ids in ``[0, num_pages)``; a request without pages has
-    ``last == 0``, one with pages ``1 <= last <= page_size``."""
+def page_table_check(indptr, indices, last, page_size, num_pages):
+    """The largest page id of a page table that obeys every rule of
+    ``PagedKV.validate`` (-1 when it has no pages), or -2 when it breaks one:
+    ``indptr`` starts at 0, never decreases and ends at ``len(indices)``; one
+    ``last`` per request; page ids in ``[0, num_pages)``; a request without pages
+    has ``last == 0``, one with pages ``1 <= last <= page_size``."""
     batch = indptr.shape[0] - 1
     if batch < 0 or indptr[0] != 0 or indptr[batch] != indices.shape[0] or last.shape[0] != batch:
-        return False
+        return -2
     # No early exit in the loops: branch-free bodies and min/max reductions vectorize.
     bad = False
     for r in range(batch):
@@ -75,13 +82,20 @@ def page_table_ok(indptr, indices, last, page_size, num_pages):
         lr = last[r]
         bad |= (n < 0) | ((n == 0) & (lr != 0)) | ((n > 0) & ((lr < 1) | (lr > page_size)))
     if indices.shape[0] == 0:
-        return not bad
+        return -2 if bad else -1
     lo = indices[0]
     hi = indices[0]
     for i in range(indices.shape[0]):
         lo = min(lo, indices[i])
         hi = max(hi, indices[i])
-    return not bad and lo >= 0 and hi < num_pages
+    return hi if not bad and lo >= 0 and hi < num_pages else -2
+
+
+@njit_cached
+def page_table_ok(indptr, indices, last, page_size, num_pages):
+    """Whether a page table obeys every rule of ``PagedKV.validate``
+    (:func:`page_table_check`)."""
+    return page_table_check(indptr, indices, last, page_size, num_pages) >= -1
 
 
 @njit_cached
@@ -206,10 +220,10 @@ def decode_call_work(indptr, indices, last, page_size, num_pages, ctas, slots, g
 
 
 def stage_arrays(host, offsets, arrays, gap):
-    """Write ``arrays[i]`` (int32) into ``host`` at word ``offsets[i]`` and return the
-    spans to copy, ``[first, last)`` word pairs in increasing order (int64
-    ``[k, 2]``): the written ranges, neighbours closer than ``gap`` words joined
-    into one so a plan is a few copies.  ``offsets`` must increase.
+    """Write ``arrays[i]`` (1-D integer arrays) into ``host`` (int32) at word
+    ``offsets[i]`` and return the spans to copy, a list of ``[first, last)`` word
+    pairs in increasing order: the written ranges, neighbours closer than ``gap``
+    words joined into one so a plan is a few copies.  ``offsets`` must increase.
 
     Plain Python over ``np.copyto`` (a memcpy): a compiled element loop wrote the
     page ids of a batch-1024 plan (1 MB) in 657 us on an H100's host, ``np.copyto``
@@ -225,7 +239,7 @@ def stage_arrays(host, offsets, arrays, gap):
             spans[-1][1] = max(spans[-1][1], last)
         else:
             spans.append([first, last])
-    return np.array(spans, np.int64).reshape(-1, 2)
+    return spans
 
 
 @njit_cached
