@@ -212,20 +212,37 @@ if kind == "decode":
     pkv = L.PagedKV.allocate([300, 17], 16)
     cache = torch.randn((pkv.num_pages, 2, 16, hkv, d), dtype=dt, device="cuda")
     q = torch.randn((2, hkv * group, d), dtype=dt, device="cuda")
-    t2 = time.perf_counter()
-    NC.batch_decode_paged(q, cache, pkv.paged_kv_indptr, pkv.paged_kv_indices, pkv.paged_kv_last_page_len, **variant)
+prof = None
+if len(sys.argv) > 6:                  # a profile of the call, written to that file
+    import cProfile
+    prof = cProfile.Profile()
+if kind == "decode":
+    call = lambda: NC.batch_decode_paged(q, cache, pkv.paged_kv_indptr, pkv.paged_kv_indices,
+                                         pkv.paged_kv_last_page_len, **variant)
 else:
     q = torch.randn((100, hkv * group, d), dtype=dt, device="cuda")
     k, v = (torch.randn((300, hkv, d), dtype=dt, device="cuda") for _ in range(2))
-    t2 = time.perf_counter()
-    NC.single_prefill(q, k, v, **variant)
+    call = lambda: NC.single_prefill(q, k, v, **variant)
+t2 = time.perf_counter()
+if prof is not None:
+    prof.enable()
+call()
 torch.cuda.synchronize()
 t3 = time.perf_counter()
+if prof is not None:
+    import io, pstats
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
+    open(sys.argv[6], "w").write(f"first call {t3 - t2:.3f} s under the profiler\n" + text.getvalue())
 print("@@" + json.dumps({"import_s": t1 - t0, "first_call_s": t3 - t2}))
 '''
 
 
-def bench_first_call(recs, quick, save=None):
+def bench_first_call(recs, quick, save=None, profile_dir=None):
+    """First-call latency of each configuration in a new process, cold and from the
+    on-disk cache; with ``profile_dir``, one more cached call of each runs under
+    cProfile and writes ``first_profile_<op>_<dtype>.txt`` there (not a record)."""
     configs = [("decode", "f16", 4, 128, {}), ("decode", "bf16", 1, 64, {"logits_soft_cap": 30.0}),
                ("prefill", "f16", 4, 128, {"causal": True}), ("prefill", "f32", 1, 64, {"window_left": 64})]
     if quick:
@@ -250,6 +267,10 @@ def bench_first_call(recs, quick, save=None):
             print("first call", kind, code, group, d, variant, state, round(res["first_call_s"], 2), "s", flush=True)
             if save is not None:
                 save(recs)             # a visit cut short keeps what ran
+        if profile_dir is not None:
+            path = Path(profile_dir) / f"first_profile_{kind}_{code}.txt"
+            subprocess.run([sys.executable, str(script), kind, code, str(group), str(d), json.dumps(variant),
+                            str(path)], env=env, capture_output=True, text=True, timeout=300)
 
 
 def figure(recs, path):
@@ -302,6 +323,8 @@ def main(argv=None) -> int:
     ap.add_argument("--commit", required=True, help="the nbattn commit measured (recorded in the file)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/nbattn_out"))
     ap.add_argument("--quick", action="store_true", help="fewer cases")
+    ap.add_argument("--profile-first", default=None, metavar="DIR",
+                    help="also profile one cached first call per configuration into DIR")
     ap.add_argument("--skip", nargs="*", default=[], help="parts to skip: decode prefill plan first")
     ap.add_argument("--prefill", choices=("both", "full", "causal"), default="both",
                     help="which 8k prefill cases to run (default both)")
@@ -337,7 +360,7 @@ def main(argv=None) -> int:
         bench_plan(recs)
         save(recs)
     if "first" not in args.skip:
-        bench_first_call(recs, args.quick, save)
+        bench_first_call(recs, args.quick, save, args.profile_first)
     save(recs)
     figure(recs, Path(args.out) / "eager.png")
     return 0

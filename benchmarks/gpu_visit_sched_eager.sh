@@ -13,7 +13,7 @@ set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 OUT=${OUT:-/tmp/nbattn_out}; mkdir -p "$OUT/first"
 LOG=/tmp/nbattn_visit; mkdir -p $LOG
-COMMIT=${COMMIT:-unknown}
+COMMIT=${COMMIT:?pass COMMIT=<sha> (the device copy's git may be stale)}
 t0=$(date +%s)
 step() {   # name, seconds, command...
     local name=$1 secs=$2; shift 2
@@ -37,6 +37,6 @@ has diag && grep -E "^\[|median" "$LOG/diag.log" | grep -v "\]     " | head -20
 has eager && step eager ${EAGER_S:-150} python3 benchmarks/gpu_eager.py --commit "$COMMIT" --out "$OUT" --skip first
 has eager && grep -E "^\s+\[|^plan" "$LOG/eager.log" | tail -12
 left=$(( ${TOTAL_S:-540} - ($(date +%s) - t0) ))
-has first && step first $left python3 benchmarks/gpu_eager.py --commit "$COMMIT" --out "$OUT/first" --skip decode prefill plan
+has first && step first $left python3 benchmarks/gpu_eager.py --commit "$COMMIT" --out "$OUT/first" --skip decode prefill plan --profile-first "$OUT/first"
 has first && grep "first call" "$LOG/first.log"
 rm -f "$OUT"/*.png "$OUT"/first/*.png
