@@ -13,7 +13,7 @@ set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 OUT=${OUT:-/tmp/nbattn_out}; mkdir -p "$OUT/first"
 LOG=/tmp/nbattn_visit; mkdir -p $LOG
-COMMIT=${COMMIT:?pass COMMIT=<sha> (the device copy's git may be stale)}
+COMMIT=${COMMIT:?pass COMMIT=<sha>, since the git of the device copy may be stale}
 t0=$(date +%s)
 step() {   # name, seconds, command...
     local name=$1 secs=$2; shift 2
