@@ -1,0 +1,68 @@
+"""The decode wrapper's plan() host time of several source trees, alternated on one
+machine (host timings of the lent machines vary up to 2x between visits, so an A/B
+runs in one visit): each round runs every tree in a fresh process, batch 1 / 64 / 1024,
+lengths 1..8191, page 16, 32/8 heads, head_dim 128; median of 200 calls after 20.
+
+    PYTHONPATH=$PWD python3 benchmarks/plan_tree_ab.py --trees _ab/<old> . --rounds 3 [--out FILE]
+
+On a GPU the workspace is a torch CUDA tensor and the copies are real; in the
+simulator they are not comparable. Prints (and writes) one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+_ONE = r'''
+import json, sys, os
+sys.path.append(os.environ["NBATTN_AB_HERE"])          # _timing
+import numpy as np, torch
+import nbattn, nbattn.cuda as NC
+from nbattn import layout as L
+from _timing import host_us
+rng = np.random.default_rng(5)
+res = {"nbattn": os.path.dirname(nbattn.__file__)}       # which tree was imported
+for batch in (1, 64, 1024):
+    pkv = L.PagedKV.allocate(rng.integers(1, 8192, size=batch), 16, rng=rng)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    w = NC.BatchDecodeWithPagedKVCacheWrapper(ws if dev == "cuda" else ws.numpy(), "NHD")
+    fn = lambda: w.plan(pkv.paged_kv_indptr, pkv.paged_kv_indices, pkv.paged_kv_last_page_len, 32, 8, 128, 16)
+    fn()
+    res[str(batch)] = host_us(fn, 200, 20)
+print("@@" + json.dumps(res))
+'''
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trees", nargs="+", required=True, help="source trees, each holding an nbattn/ package")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    here = os.path.dirname(os.path.abspath(__file__))
+    runs = []
+    for r in range(args.rounds):
+        for tree in args.trees:
+            env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), NBATTN_AB_HERE=here)
+            out = subprocess.run([sys.executable, "-c", _ONE], env=env, cwd=os.path.abspath(tree),  # "" on sys.path is the tree
+                                 capture_output=True, text=True, timeout=300)
+            line = next((ln for ln in out.stdout.splitlines() if ln.startswith("@@")), None)
+            if line is None:
+                print("failed:", tree, out.stderr[-800:], flush=True)
+                continue
+            rec = dict(json.loads(line[2:]), tree=tree, round=r)
+            runs.append(rec)
+            print(json.dumps(rec), flush=True)
+    result = {"what": "decode wrapper plan() host us, median of 200", "runs": runs}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
