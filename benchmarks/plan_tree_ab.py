@@ -5,8 +5,10 @@ lengths 1..8191, page 16, 32/8 heads, head_dim 128; median of 200 calls after 20
 
     PYTHONPATH=$PWD python3 benchmarks/plan_tree_ab.py --trees _ab/<old> . --rounds 3 [--out FILE]
 
-On a GPU the workspace is a torch CUDA tensor and the copies are real; in the
-simulator they are not comparable. Prints (and writes) one JSON object.
+On a GPU the workspace is a torch CUDA tensor and the copies are real. In the
+simulator the copies are skipped (staging still runs), and the planner sees the
+simulator's 4 SMs, so a CPU run compares the trees' Python work only, not what a
+GPU host measures.  Prints (and writes) one JSON object.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ for batch in (1, 64, 1024):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     w = NC.BatchDecodeWithPagedKVCacheWrapper(ws if dev == "cuda" else ws.numpy(), "NHD")
+    if dev == "cpu":                # the simulator's copies are Python loops: time the host work alone
+        w._h2d.copy = lambda *a, **k: None
     fn = lambda: w.plan(pkv.paged_kv_indptr, pkv.paged_kv_indices, pkv.paged_kv_last_page_len, 32, 8, 128, 16)
     fn()
     res[str(batch)] = host_us(fn, 200, 20)
@@ -37,11 +41,26 @@ print("@@" + json.dumps(res))
 '''
 
 
+def _commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def _has_gpu() -> bool:
+    return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0 if _which("nvidia-smi") else False
+
+
+def _which(cmd: str) -> bool:
+    import shutil
+    return shutil.which(cmd) is not None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trees", nargs="+", required=True, help="source trees, each holding an nbattn/ package")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--commit", default=None, help="the commit measured (default: git HEAD here)")
     args = ap.parse_args(argv)
     here = os.path.dirname(os.path.abspath(__file__))
     runs = []
@@ -57,7 +76,8 @@ def main(argv=None) -> int:
             rec = dict(json.loads(line[2:]), tree=tree, round=r)
             runs.append(rec)
             print(json.dumps(rec), flush=True)
-    result = {"what": "decode wrapper plan() host us, median of 200", "runs": runs}
+    result = {"what": "decode wrapper plan() host us, median of 200", "runs": runs,
+              "commit": args.commit or _commit(), "machine": "gpu" if _has_gpu() else "cpu (simulator, copies skipped)"}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -16,9 +16,10 @@ __all__ = ["int_arg", "count_arg"]
 def int_arg(name: str, x, *, minimum: int | None = None) -> int:
     """``x`` as a Python int: an integer (or an integral NumPy scalar), not a
     bool, a float or a string; ``>= minimum`` when given."""
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (numbers.Integral, np.integer)):
-        raise ValueError(f"{name}: must be an integer, got {x!r} ({type(x).__name__})")
-    x = int(x)
+    if type(x) is not int:              # the common case skips the abstract-class checks
+        if isinstance(x, (bool, np.bool_)) or not isinstance(x, (numbers.Integral, np.integer)):
+            raise ValueError(f"{name}: must be an integer, got {x!r} ({type(x).__name__})")
+        x = int(x)
     if minimum is not None and x < minimum:
         raise ValueError(f"{name}: must be >= {minimum}, got {x}")
     return x

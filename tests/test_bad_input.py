@@ -77,6 +77,11 @@ CUDA_ONLY = [
     ("wrapper_num_ctas_float", "num_ctas", lambda d: C.BatchDecodeWithPagedKVCacheWrapper(WS, num_ctas=2.7)),
     ("plan_q_data_type_float64", "q_data_type", lambda d: C.BatchDecodeWithPagedKVCacheWrapper(WS, num_ctas=2).plan(
         *PAGES, 2, 1, 8, 2, q_data_type="float64")),
+    # 3 pages of 2**30 slots: request 1 holds 2**31 + 5 keys (the table itself is valid)
+    ("plan_kv_length_over_int32", "paged_kv_indptr", lambda d: C.BatchDecodeWithPagedKVCacheWrapper(
+        WS, num_ctas=2).plan([0, 1, 4], [0, 1, 2, 3], [1, 5], 2, 1, 8, 1 << 30)),
+    ("prefill_plan_kv_length_over_int32", "paged_kv_indptr", lambda d: C.BatchPrefillWithPagedKVCacheWrapper(
+        WS, num_ctas=2).plan([0, 1, 2], [0, 1, 4], [0, 1, 2, 3], [1, 5], 2, 1, 8, 1 << 30)),
 ]
 SCHED = [
     ("plan_num_ctas_float", "num_ctas", lambda: P.plan([1], [5], 2.7)),

@@ -19,6 +19,7 @@ from nbattn.sched import (
     partial_buffer_bound,
     plan,
     plan_from_indptr,
+    plan_lengths,
     resident_ctas,
     smem_bytes,
 )
@@ -196,6 +197,26 @@ def test_plan_is_deterministic(lens, num_ctas, tile_q, group, alpha, beta):
         assert x.dtype == y.dtype and np.array_equal(x, y), name
     assert (a.makespan, a.lower_bound, a.num_partials) == (b.makespan, b.lower_bound,
                                                            b.num_partials)
+
+
+@SETTINGS
+@given(lens=batches(), overhead=st.sampled_from([0.0, 50.0]), limit=st.sampled_from([None, "auto", 7]),
+       **plan_args)
+def test_plan_lengths_is_plan_without_the_array_checks(lens, overhead, limit, num_ctas, tile_q, group, alpha,
+                                                       beta):
+    # The wrappers' entry: checked int64 lengths in, the very plan plan() makes out.
+    qo, kv = lens
+    kw = dict(group=group, alpha=alpha, beta=beta, chunk_overhead=overhead, chunk_limit=limit)
+    a = plan(qo, kv, num_ctas, tile_q, **kw)
+    b = plan_lengths(np.array(qo, np.int64), np.array(kv, np.int64), num_ctas, tile_q, **kw)
+    for name in ("qo_lens", "kv_lens", "cta_indptr", "request", "qo_tile", "kv_start", "kv_end", "out_slot",
+                 "merge_indptr", "merge_request", "merge_qo_tile", "merge_slots", "cta_cost"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and np.array_equal(x, y) and not y.flags.writeable, name
+    assert (a.chunk_limit, a.tile_q, a.makespan, a.num_partials) == (b.chunk_limit, b.tile_q, b.makespan,
+                                                                     b.num_partials)
+    with pytest.raises(ValueError, match="num_ctas"):        # its scalar arguments are still checked
+        plan_lengths(np.array(qo, np.int64), np.array(kv, np.int64), 0, tile_q, **kw)
 
 
 @settings(max_examples=400, deadline=None)

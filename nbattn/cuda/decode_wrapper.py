@@ -32,7 +32,7 @@ import numpy as np
 from numba import cuda
 
 from .. import layout as L
-from ..sched.plan import DIRECT, Plan, plan as lpt_plan
+from ..sched.plan import DIRECT, Plan, plan_lengths
 from ..sched.tiles import decode_tiles
 from .decode_problem import (DecodeProblem, check_head_dim, decode_arg_index, first_visible, launch_for, split_rule,
                              window_edge)
@@ -171,10 +171,11 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
                 num_ctas = decode_plan_ctas(cfg, hq, self.num_ctas)
             # One query tile per request: its `group` fused rows are one decode CTA's heads.
             overhead = tuning.plan_chunk_overhead if chunk_overhead is None else chunk_overhead
+            # The lengths come from the page table checked above: int64, non-negative, < 2**31.
             qo_lens = np.ones(batch, np.int64)
-            p = lpt_plan(qo_lens, seen, int(num_ctas), tile_q=decode_tiles(group)[0], group=group,
-                         alpha=alpha, beta=beta, chunk_overhead=overhead, chunk_limit=chunk_limit,
-                         cost=cost)
+            p = plan_lengths(qo_lens, seen, int(num_ctas), tile_q=decode_tiles(group)[0], group=group,
+                             alpha=alpha, beta=beta, chunk_overhead=overhead, chunk_limit=chunk_limit,
+                             cost=cost)
             self._check_bound(p)
         if first.any():
             at = first[p.request].astype(np.int32)

@@ -18,6 +18,7 @@ from .plan import (
     partial_buffer_bound,
     plan,
     plan_from_indptr,
+    plan_lengths,
 )
 from .simulate import (
     POLICIES,
@@ -44,7 +45,7 @@ from .tiles import (
 
 __all__ = [
     "DEFAULT_ALPHA", "DEFAULT_BETA", "DIRECT", "Plan", "check_partial_capacity",
-    "partial_buffer_bound", "plan", "plan_from_indptr",
+    "partial_buffer_bound", "plan", "plan_from_indptr", "plan_lengths",
     "POLICIES", "WORKLOADS", "CostModel", "Schedule", "SimResult", "Workload",
     "compare_policies", "make_workload", "simulate", "simulate_plan",
     "KV_TILES", "QUERY_TILES", "choose_tile_kv", "choose_tile_q", "choose_tiles", "decode_tiles",

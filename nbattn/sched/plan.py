@@ -110,6 +110,7 @@ __all__ = [
     "DEFAULT_BETA",
     "Plan",
     "plan",
+    "plan_lengths",
     "partial_buffer_bound",
     "check_partial_capacity",
     "plan_from_indptr",
@@ -120,6 +121,8 @@ DIRECT = -1
 
 DEFAULT_ALPHA = 1.0
 DEFAULT_BETA = 1.0
+
+_INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -366,7 +369,7 @@ def _lengths(values, name: str) -> np.ndarray:
     arr = arr.astype(np.int64, copy=False)
     if arr.size and arr.min() < 0:
         raise ValueError(f"{name} must be non-negative")
-    if arr.size and arr.max() > np.iinfo(np.int32).max:
+    if arr.size and arr.max() > _INT32_MAX:
         raise ValueError(f"{name} must fit in int32")
     return arr
 
@@ -428,6 +431,44 @@ def plan(
     kv = _lengths(kv_lens, "kv_lens")
     if qo.shape != kv.shape:
         raise ValueError(f"qo_lens and kv_lens differ in length: {qo.size} vs {kv.size}")
+    group = count_arg("group", group)
+    if causal and np.any((kv > 0) & (qo > kv)):
+        raise ValueError("causal plan needs qo_len <= kv_len for every request with keys")
+    if qo.size and int(qo.max()) * group > _INT32_MAX:
+        raise ValueError("qo_lens * group must fit in int32")
+    return plan_lengths(qo, kv, num_ctas, tile_q, group=group, alpha=alpha, beta=beta,
+                        chunk_overhead=chunk_overhead, chunk_limit=chunk_limit, causal=causal,
+                        num_qo_heads=num_qo_heads, head_dim=head_dim, partial_capacity=partial_capacity,
+                        cost=cost)
+
+
+def plan_lengths(
+    qo: np.ndarray,
+    kv: np.ndarray,
+    num_ctas: int,
+    tile_q: int | None = None,
+    *,
+    group: int = 1,
+    alpha: float = DEFAULT_ALPHA,
+    beta: float = DEFAULT_BETA,
+    chunk_overhead: float = 0.0,
+    chunk_limit: int | str | None = None,
+    causal: bool = False,
+    num_qo_heads: int | None = None,
+    head_dim: int | None = None,
+    partial_capacity: int | None = None,
+    cost: CostModel | None = None,
+) -> Plan:
+    """:func:`plan` over lengths its caller has already checked.
+
+    ``qo`` and ``kv`` are int64 arrays of one shape ``[batch]``, non-negative,
+    with ``qo * group`` and ``kv`` within int32 and, for a ``causal`` plan,
+    ``qo <= kv`` wherever ``kv > 0``: what :func:`plan` checks of
+    ``qo_lens`` / ``kv_lens`` before it calls this.  The wrappers' ``plan()``
+    call it with lengths they derived from a page table they validated, which
+    saves the array checks on every step.  Every other argument is checked here,
+    with :func:`plan`'s messages.
+    """
     num_ctas = count_arg("num_ctas", num_ctas)
     group = count_arg("group", group)
     if tile_q is None:
@@ -452,10 +493,6 @@ def plan(
         limit = int(chunk_limit)
         if limit < 1 or limit != chunk_limit:
             raise ValueError(f'chunk_limit must be None, "auto" or a positive int, got {chunk_limit!r}')
-    if causal and np.any((kv > 0) & (qo > kv)):
-        raise ValueError("causal plan needs qo_len <= kv_len for every request with keys")
-    if qo.size and int(qo.max()) * group > np.iinfo(np.int32).max:
-        raise ValueError("qo_lens * group must fit in int32")
 
     mode, predicted = LPT_ORDER, float("nan")
     if cost is not None:
