@@ -26,7 +26,8 @@ import nbattn, nbattn.cuda as NC
 from nbattn import layout as L
 from _timing import host_us
 rng = np.random.default_rng(5)
-res = {"nbattn": os.path.dirname(nbattn.__file__)}       # which tree was imported
+res = {"nbattn": os.path.dirname(nbattn.__file__),      # which tree was imported
+       "device": "gpu" if torch.cuda.is_available() else "cpu (simulator, copies skipped)"}
 for batch in (1, 64, 1024):
     pkv = L.PagedKV.allocate(rng.integers(1, 8192, size=batch), 16, rng=rng)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -44,15 +45,6 @@ print("@@" + json.dumps(res))
 def _commit() -> str:
     out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     return out.stdout.strip() or "unknown"
-
-
-def _has_gpu() -> bool:
-    return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0 if _which("nvidia-smi") else False
-
-
-def _which(cmd: str) -> bool:
-    import shutil
-    return shutil.which(cmd) is not None
 
 
 def main(argv=None) -> int:
@@ -77,7 +69,7 @@ def main(argv=None) -> int:
             runs.append(rec)
             print(json.dumps(rec), flush=True)
     result = {"what": "decode wrapper plan() host us, median of 200", "runs": runs,
-              "commit": args.commit or _commit(), "machine": "gpu" if _has_gpu() else "cpu (simulator, copies skipped)"}
+              "commit": args.commit or _commit()}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

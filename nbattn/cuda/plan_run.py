@@ -64,7 +64,7 @@ from numba import cuda
 
 from .. import layout as L
 from .._checks import count_arg
-from ..sched.plan import Plan
+from ..sched.plan import INT32_MAX, Plan
 from ..variants import check_return_lse
 from .blocks.primitives import SIMULATOR
 from .blocks.variants import check_user_state
@@ -124,23 +124,20 @@ def _run_signature(kind: str, q, cache) -> tuple:
     return (q.dtype, tuple(q.shape), tuple(q.strides), cache.dtype, tuple(cache.shape), tuple(cache.strides))
 
 
-_INT32_MAX = 2**31 - 1
-
-
 def plan_page_table(indptr, indices, last_page_len, page_size) -> tuple:
     """plan()'s page table and its largest page id (-1 without pages); the cache is
     not known yet, so any page id fits (run() checks it against the largest)."""
     page_size = int(page_size)
     if page_size < 1:
         raise ValueError(f"page_size: must be >= 1, got {page_size}")
-    pkv, top = HW.checked_page_table(indptr, indices, last_page_len, page_size, _INT32_MAX)
-    if pkv.paged_kv_indices.size * page_size > _INT32_MAX:      # only then may a KV length pass int32
+    pkv, top = HW.checked_page_table(indptr, indices, last_page_len, page_size, INT32_MAX)
+    if pkv.paged_kv_indices.size * page_size > INT32_MAX:      # only then may a KV length pass int32
         pages = np.diff(pkv.paged_kv_indptr.astype(np.int64))
         lens = np.where(pages > 0, (pages - 1) * page_size + pkv.paged_kv_last_page_len, 0)
-        if lens.max() > _INT32_MAX:
+        if lens.max() > INT32_MAX:
             r = int(np.argmax(lens))
             raise ValueError(f"paged_kv_indptr: request {r} holds {int(lens[r])} keys; a KV length must "
-                             f"fit in int32 (at most {_INT32_MAX})")
+                             f"fit in int32 (at most {INT32_MAX})")
     return pkv, top
 
 

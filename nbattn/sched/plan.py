@@ -122,7 +122,8 @@ DIRECT = -1
 DEFAULT_ALPHA = 1.0
 DEFAULT_BETA = 1.0
 
-_INT32_MAX = 2**31 - 1
+INT32_MAX = 2**31 - 1
+"""The largest length (and page id) a plan's int32 arrays hold."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -369,7 +370,7 @@ def _lengths(values, name: str) -> np.ndarray:
     arr = arr.astype(np.int64, copy=False)
     if arr.size and arr.min() < 0:
         raise ValueError(f"{name} must be non-negative")
-    if arr.size and arr.max() > _INT32_MAX:
+    if arr.size and arr.max() > INT32_MAX:
         raise ValueError(f"{name} must fit in int32")
     return arr
 
@@ -434,7 +435,7 @@ def plan(
     group = count_arg("group", group)
     if causal and np.any((kv > 0) & (qo > kv)):
         raise ValueError("causal plan needs qo_len <= kv_len for every request with keys")
-    if qo.size and int(qo.max()) * group > _INT32_MAX:
+    if qo.size and int(qo.max()) * group > INT32_MAX:
         raise ValueError("qo_lens * group must fit in int32")
     return plan_lengths(qo, kv, num_ctas, tile_q, group=group, alpha=alpha, beta=beta,
                         chunk_overhead=chunk_overhead, chunk_limit=chunk_limit, causal=causal,
@@ -464,9 +465,9 @@ def plan_lengths(
     ``qo`` and ``kv`` are int64 arrays of one shape ``[batch]``, non-negative,
     with ``qo * group`` and ``kv`` within int32 and, for a ``causal`` plan,
     ``qo <= kv`` wherever ``kv > 0``: what :func:`plan` checks of
-    ``qo_lens`` / ``kv_lens`` before it calls this.  The wrappers' ``plan()``
-    call it with lengths they derived from a page table they validated, which
-    saves the array checks on every step.  Every other argument is checked here,
+    ``qo_lens`` / ``kv_lens`` before it calls this.  The decode wrapper's
+    ``plan()`` calls it with lengths it derived from a page table it validated,
+    which saves the array checks on every step.  Every other argument is checked here,
     with :func:`plan`'s messages.
     """
     num_ctas = count_arg("num_ctas", num_ctas)
