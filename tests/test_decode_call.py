@@ -110,7 +110,7 @@ def test_page_table_ok_agrees_with_validate():
         pkv = L.PagedKV.allocate(lens, ps, num_pages=int(-(-lens // ps).sum()) + 3, rng=rng)
         indptr, indices = pkv.paged_kv_indptr.copy(), pkv.paged_kv_indices.copy()
         last, num_pages = pkv.paged_kv_last_page_len.copy(), pkv.num_pages
-        fault = int(rng.integers(0, 9))
+        fault = int(rng.integers(0, 10))
         if fault == 1 and indptr.size:
             indptr[0] = 1
         elif fault == 2 and indptr.size > 2:
@@ -125,6 +125,8 @@ def test_page_table_ok_agrees_with_validate():
             last = np.append(last, 1).astype(np.int32)
         elif fault == 7:
             indptr = np.zeros(0, np.int32)
+        elif fault == 8:        # pages of 2**30 slots: a request of 3 pages or more passes int32
+            ps = 1 << 30
         try:
             L.PagedKV.validate(indptr, indices, last, ps, num_pages)
             ok = True

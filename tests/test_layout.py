@@ -213,3 +213,27 @@ def test_allocate_and_locate():
     with pytest.raises(L.LayoutError, match="^num_pages"):
         L.PagedKV.allocate([9], 4, num_pages=2)
     assert L.as_int32("x", [1, 2]).dtype == np.int32
+
+
+@pytest.mark.parametrize("last_len,ok", [((1 << 30) - 1, True), (1 << 30, False)])
+def test_a_kv_length_past_int32_is_refused_by_every_page_table_check(last_len, ok):
+    """Two pages of 2**30 slots hold 2**31 - 1 keys with 2**30 - 1 in the last page
+    (the most an int32 KV length holds) and 2**31 with a full one.  The golden
+    validate, the compiled check of the plain calls and a wrapper's plan() draw the
+    line at the same place, and name paged_kv_indptr."""
+    from nbattn.cuda.host import hostwork as HW
+    import nbattn.cuda as C
+    indptr, indices, last = np.array([0, 1, 3], I32), np.array([0, 1, 2], I32), np.array([1, last_len], I32)
+    ps = 1 << 30
+    assert HW.page_table_ok(indptr, indices, last, ps, 3) == ok
+    ws = np.zeros(1 << 20, np.uint8)
+    if ok:
+        assert L.PagedKV.validate(indptr, indices, last, ps, 3).kv_lens[1] == 2**31 - 1
+        C.BatchDecodeWithPagedKVCacheWrapper(ws, num_ctas=2).plan(indptr, indices, last, 2, 1, 8, ps)
+        return
+    for fn in (lambda: L.PagedKV.validate(indptr, indices, last, ps, 3),
+               lambda: HW.page_table(indptr, indices, last, ps, 3),
+               lambda: C.BatchDecodeWithPagedKVCacheWrapper(ws, num_ctas=2).plan(indptr, indices, last, 2, 1, 8, ps)):
+        with pytest.raises(L.LayoutError, match=r"^paged_kv_indptr: request 1 holds 2147483648 keys; a KV length "
+                                                r"must fit in int32"):
+            fn()

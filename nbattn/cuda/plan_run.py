@@ -64,7 +64,8 @@ from numba import cuda
 
 from .. import layout as L
 from .._checks import count_arg
-from ..sched.plan import INT32_MAX, Plan
+from ..layout import INT32_MAX
+from ..sched.plan import Plan
 from ..variants import check_return_lse
 from .blocks.primitives import SIMULATOR
 from .blocks.variants import check_user_state
@@ -130,15 +131,7 @@ def plan_page_table(indptr, indices, last_page_len, page_size) -> tuple:
     page_size = int(page_size)
     if page_size < 1:
         raise ValueError(f"page_size: must be >= 1, got {page_size}")
-    pkv, top = HW.checked_page_table(indptr, indices, last_page_len, page_size, INT32_MAX)
-    if pkv.paged_kv_indices.size * page_size > INT32_MAX:      # only then may a KV length pass int32
-        pages = np.diff(pkv.paged_kv_indptr.astype(np.int64))
-        lens = np.where(pages > 0, (pages - 1) * page_size + pkv.paged_kv_last_page_len, 0)
-        if lens.max() > INT32_MAX:
-            r = int(np.argmax(lens))
-            raise ValueError(f"paged_kv_indptr: request {r} holds {int(lens[r])} keys; a KV length must "
-                             f"fit in int32 (at most {INT32_MAX})")
-    return pkv, top
+    return HW.checked_page_table(indptr, indices, last_page_len, page_size, INT32_MAX)
 
 
 # ---------------------------------------------------------------------------

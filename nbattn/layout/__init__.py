@@ -15,7 +15,8 @@ Names follow FlashInfer: ``qo_indptr``, ``paged_kv_indptr``,
 from __future__ import annotations
 
 from .checks import (KV_LAYOUTS, CacheDims, LayoutError, as_int32, cache_dims, check_heads, check_indptr,
-                     check_kv_layout, check_q, check_same_device, check_same_dtype, dtype_of, is_torch, to_numpy)
+                     check_kv_layout, check_q, check_same_device, check_same_dtype, dtype_of, is_torch, to_numpy,
+                     INT32_MAX)
 from .ragged import IndptrRows, RaggedQ
 from .paged import (PagedKV, append_slots, check_append, check_causal_lengths, gather_kv,
                     get_batch_indices_positions, kv_lengths)
@@ -24,7 +25,7 @@ from .cascade import CascadeLevel, cascade_decompose, cascade_keys, validate_cas
 
 __all__ = ["KV_LAYOUTS", "LayoutError", "is_torch", "to_numpy", "dtype_of", "as_int32", "check_indptr",
            "check_kv_layout", "CacheDims", "cache_dims", "check_heads", "check_q", "check_same_device",
-           "check_same_dtype", "IndptrRows", "RaggedQ", "PagedKV", "kv_lengths", "gather_kv",
+           "check_same_dtype", "INT32_MAX", "IndptrRows", "RaggedQ", "PagedKV", "kv_lengths", "gather_kv",
            "check_causal_lengths", "get_batch_indices_positions", "append_slots", "check_append", "BSR",
            "page_table_to_bsr", "bsr_to_page_table", "CascadeLevel", "validate_cascade", "cascade_keys",
            "cascade_decompose"]

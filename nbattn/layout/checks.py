@@ -15,7 +15,7 @@ import numpy as np
 
 __all__ = ["KV_LAYOUTS", "LayoutError", "is_torch", "to_numpy", "dtype_of", "as_int32", "check_indptr",
            "check_kv_layout", "CacheDims", "cache_dims", "check_heads", "check_q", "check_same_device",
-           "check_same_dtype"]
+           "check_same_dtype", "INT32_MAX"]
 
 KV_LAYOUTS = ("NHD", "HND")
 
@@ -57,6 +57,9 @@ def dtype_of(x: Any) -> str:
 
 
 _I32 = np.iinfo(np.int32)
+
+INT32_MAX = int(_I32.max)
+"""The largest value an int32 metadata array holds: a page id, an indptr entry, a KV length."""
 
 
 def _on_device(x: Any) -> bool:

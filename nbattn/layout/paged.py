@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .checks import CacheDims, LayoutError, as_int32, cache_dims, check_indptr, check_same_dtype, to_numpy
+from .checks import INT32_MAX, CacheDims, LayoutError, as_int32, cache_dims, check_indptr, check_same_dtype, to_numpy
 from .ragged import IndptrRows
 
 __all__ = ["PagedKV", "kv_lengths", "gather_kv", "check_causal_lengths", "get_batch_indices_positions",
@@ -59,6 +59,12 @@ class PagedKV(IndptrRows):
             r = int(np.argmax(bad))
             raise LayoutError(f"paged_kv_last_page_len: must be in 1..page_size ({page_size}) for a request "
                               f"with pages, got {int(last[r])} at request {r}")
+        if indices.size * int(page_size) > INT32_MAX:      # only then may a KV length pass int32
+            lens = np.where(empty, 0, (n_pages.astype(np.int64) - 1) * int(page_size) + last)
+            if lens.max() > INT32_MAX:
+                r = int(np.argmax(lens))
+                raise LayoutError(f"paged_kv_indptr: request {r} holds {int(lens[r])} keys; a KV length must "
+                                  f"fit in int32 (at most {INT32_MAX})")
         return cls(indptr, indices, last, int(page_size), int(num_pages))
 
     @classmethod

@@ -100,6 +100,7 @@ import numpy as np
 from .._jit import njit_cached
 
 from .._checks import count_arg, int_arg
+from ..layout.checks import INT32_MAX
 from .cost import CostModel
 from .lpt import LPT_ORDER, auto_limit, choose_plan, lpt_assign, plan_span, query_tiles
 from .tiles import choose_tile_q
@@ -122,8 +123,6 @@ DIRECT = -1
 DEFAULT_ALPHA = 1.0
 DEFAULT_BETA = 1.0
 
-INT32_MAX = 2**31 - 1
-"""The largest length (and page id) a plan's int32 arrays hold."""
 
 
 @dataclass(frozen=True, eq=False)

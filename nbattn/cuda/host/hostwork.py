@@ -71,7 +71,8 @@ def page_table_check(indptr, indices, last, page_size, num_pages):
     ``PagedKV.validate`` (-1 when it has no pages), or -2 when it breaks one:
     ``indptr`` starts at 0, never decreases and ends at ``len(indices)``; one
     ``last`` per request; page ids in ``[0, num_pages)``; a request without pages
-    has ``last == 0``, one with pages ``1 <= last <= page_size``."""
+    has ``last == 0``, one with pages ``1 <= last <= page_size``; every KV length
+    ``(pages - 1) * page_size + last`` fits in int32."""
     batch = indptr.shape[0] - 1
     if batch < 0 or indptr[0] != 0 or indptr[batch] != indices.shape[0] or last.shape[0] != batch:
         return -2
@@ -80,7 +81,8 @@ def page_table_check(indptr, indices, last, page_size, num_pages):
     for r in range(batch):
         n = indptr[r + 1] - indptr[r]
         lr = last[r]
-        bad |= (n < 0) | ((n == 0) & (lr != 0)) | ((n > 0) & ((lr < 1) | (lr > page_size)))
+        kv = (np.int64(n) - 1) * page_size + lr
+        bad |= (n < 0) | ((n == 0) & (lr != 0)) | ((n > 0) & ((lr < 1) | (lr > page_size) | (kv > 2147483647)))
     if indices.shape[0] == 0:
         return -2 if bad else -1
     lo = indices[0]
