@@ -298,9 +298,10 @@ print(f"✓ if only attention changed, it was at least {f_min:.0%} of the step b
 #
 # These three change what goes *into* the scores or the softmax, not the mask. The golden
 # model has all three (docs: "Rotary position embeddings", "fp8 KV caches" in "Layouts",
-# "Learnable attention sinks"). The kernels take them too (RoPE in the teaching kernels,
-# fp8 caches in decode, sinks merged after the kernels); one cell below checks the kernels'
-# RoPE against the golden model, the rest of the section runs on NumPy and torch.
+# "Learnable attention sinks"). The kernels take them too (RoPE in the warp decode path and
+# the teaching kernels, fp8 caches in decode, sinks merged after the kernels); one cell below
+# checks the kernels' RoPE against the golden model, the rest of the section runs on NumPy and
+# torch.
 #
 # ### RoPE: a score that only knows the distance
 #
@@ -345,7 +346,7 @@ print("standalone RoPE kernel vs golden, largest |difference|:",
       float(np.abs(q_rot_gpu - q_rot).max()), float(np.abs(k_rot_gpu - k_rot).max()))
 
 # %%
-# The kernels turn q and every key inside attention as well (the teaching tile; docs: "RoPE at
+# The kernels turn q and every key inside attention as well (the teaching tile here; docs: "RoPE at
 # attention time"), so the cache can hold keys unrotated:
 print("kernel vs golden, RoPE at attention time:", compare(pos_encoding_mode="ROPE_LLAMA", rope_theta=100.0))
 print("kernel vs golden, RoPE + causal:         ", compare(pos_encoding_mode="ROPE_LLAMA", causal=True))

@@ -486,3 +486,15 @@ def test_gpu_wrapper_realistic_shapes(fmt):
     got = w.run(dev["q"], dev["cache"], k_scale=b["ks"], v_scale=b["vs"], return_lse=True)
     torch.cuda.synchronize()
     check(got, want, "f16", "fixed", f"wrapper {fmt}")
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_rope_turns_the_dequantized_keys(path):
+    """RoPE at attention time over an fp8 cache: each key is dequantized, then turned (16 fp8
+    values a lane on the warp path, so the partner chunk is NX/2 = 1 lane away at head_dim 32)."""
+    rng, seed = fresh()
+    b = fp8_batch(rng, "e4m3", "f16", [13, 0, 30], page_size=4, group=2, ks=0.07, vs=0.03)
+    tuning = DECODE.replace(path=path)
+    kw = dict(pos_encoding_mode="ROPE_LLAMA", rope_theta=60.0, rope_scale=1.5)
+    assert config_of(b, tuning=tuning, **kw).path == path
+    check(decode(b, tuning=tuning, **kw), golden(b, **kw), "f16", seed, f"rope {path}")

@@ -4,8 +4,10 @@ Every case is checked against tests/brute.py's complex-number rotation and float
 attention loop (:func:`brute.brute_rope`), not against :mod:`nbattn.reference`:
 q turns to its own position (bottom-right aligned), each key to its position in
 the request, and the cache holds keys unrotated.  The kernels that rotate are
-the teaching ones (decode ``path="smem"``, the CUDA-core teaching prefill tile);
-a call that asks for a fast path gets the teaching kernel.
+the decode teaching kernel (``path="smem"``) and the warp decode path, and the
+CUDA-core teaching prefill tile; a call that asks for another fast path gets a
+teaching kernel.  The warp path's turn (float32 cos/sin of an angle reduced in
+float64) is also checked alone at positions up to 10**6.
 """
 import numpy as np
 import pytest
@@ -55,8 +57,74 @@ def test_paged_decode_kernel_rotates_q_and_every_key(kv_lens, page_size, group, 
     _check_decode(b, kv_lens, o, lse, scale, theta, TOL[dtype])
 
 
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kv_lens=st.lists(st.integers(0, 40), min_size=1, max_size=4), page_size=st.sampled_from([1, 3, 16]),
+       group=st.sampled_from([1, 2, 4]), theta=st.sampled_from([1e4, 5e5, 37.0]),
+       scale=st.sampled_from([1.0, 2.5]), head_dim=st.sampled_from([8, 16, 32]),
+       dtype=st.sampled_from([np.float32, np.float16]), seed=st.integers(0, 2 ** 31))
+def test_the_warp_decode_path_rotates_q_and_every_key(kv_lens, page_size, group, theta, scale, head_dim, dtype,
+                                                       seed):
+    """The warp path: partner chunks NX/2 lanes away (one chunk holds the row at fp16 head_dim 8)."""
+    rng = np.random.default_rng(seed)
+    b = random_paged_batch(rng, qo_lens=[1] * len(kv_lens), kv_lens=kv_lens, page_size=page_size,
+                           num_kv_heads=2, group=group, head_dim=head_dim, share_first_page=True, dtype=dtype)
+    kw = dict(pos_encoding_mode="ROPE_LLAMA", rope_scale=scale, rope_theta=theta)
+    tuning = DECODE.replace(path="warp")
+    p = DEC.prepare_decode(b["q"], b["cache"], b["indptr"], b["indices"], b["last"], tuning=tuning, **kw)
+    assert p.config().path == "warp"
+    o, lse = C.batch_decode_paged(b["q"], b["cache"], b["indptr"], b["indices"], b["last"], return_lse=True,
+                                  tuning=tuning, **kw)
+    _check_decode(b, kv_lens, o, lse, scale, theta, TOL[dtype])
+
+
+def test_the_warp_turn_is_float32_accurate_at_large_positions():
+    """blocks.rope.fast_rotation alone, against the rotation in float64 (NumPy): positions
+    up to 10**6, the frequencies of theta 5e5 and 10, every element of a row of 32."""
+    from nbattn.cuda.blocks.primitives import device_fn
+    from nbattn.cuda.blocks.rope import fast_rotation, rope_frequency
+    D, VEC = 32, 8
+    turn = fast_rotation(D, VEC)
+    rng, seed = fresh()
+    for theta in (5e5, 10.0):
+        freq_of = rope_frequency(D, 1.0, theta)
+
+        @device_fn
+        def one(x, xp, out, freqs, d0, pos):
+            turn(x, 0, xp, out, d0, pos, freqs)
+
+        @cuda.jit
+        def kern(x, pos, freqs_out, out):
+            xp = cuda.local.array(VEC, np.float32)
+            xo = cuda.local.array(VEC, np.float32)
+            freqs = cuda.local.array(16, np.float64)
+            for i in range(16):
+                freqs[i] = freq_of(i)
+                freqs_out[i] = freqs[i]
+            c = cuda.threadIdx.x              # chunk c of row b: partners are chunk c ^ 2
+            b = cuda.blockIdx.x
+            xs = cuda.local.array(VEC, np.float32)
+            for e in range(VEC):
+                xs[e] = x[b, c * VEC + e]
+                xp[e] = x[b, (c ^ 2) * VEC + e]
+            one(xs, xp, xo, freqs, c * VEC, pos[b])
+            for e in range(VEC):
+                out[b, c * VEC + e] = xo[e]
+
+        pos = np.array([0, 1, 777, 65_537, 999_999], np.int64)
+        x = rng.standard_normal((pos.size, D)).astype(np.float32)
+        out = np.zeros_like(x)
+        freqs = np.zeros(16)
+        kern[pos.size, D // VEC](x, pos, freqs, out)
+        i = np.arange(D // 2)
+        np.testing.assert_allclose(freqs, theta ** (-2.0 * i / D), rtol=1e-14)
+        ang = pos[:, None].astype(np.float64) * theta ** (-2.0 * i / D)
+        z = (x[:, :D // 2] + 1j * x[:, D // 2:].astype(np.float64)) * np.exp(1j * ang)
+        want = np.concatenate([z.real, z.imag], axis=1)
+        np.testing.assert_allclose(out, want, atol=2e-6, rtol=2e-6, err_msg=f"theta {theta} (seed={seed})")
+
+
 @pytest.mark.parametrize("path", ["warp", "tc", "auto"])
-def test_a_decode_that_asks_for_a_fast_path_rotates_on_the_teaching_kernel(path):
+def test_a_decode_that_asks_for_a_fast_path_rotates_on_the_warp_or_teaching_kernel(path):
     rng, seed = fresh()
     kv_lens = [9, 0, 33]
     b = random_paged_batch(rng, qo_lens=[1] * 3, kv_lens=kv_lens, page_size=4, num_kv_heads=1, group=4,
@@ -65,7 +133,7 @@ def test_a_decode_that_asks_for_a_fast_path_rotates_on_the_teaching_kernel(path)
     tuning = DECODE.replace(path=path)
     p = DEC.prepare_decode(b["q"], b["cache"], b["indptr"], b["indices"], b["last"], return_lse=True,
                            tuning=tuning, **kw)
-    assert p.config().path == "smem"
+    assert p.config().path == ("warp" if path == "warp" else "smem")     # the simulator's choice
     o, lse = C.batch_decode_paged(b["q"], b["cache"], b["indptr"], b["indices"], b["last"], return_lse=True,
                                   tuning=tuning, **kw)
     _check_decode(b, kv_lens, o, lse, 1.0, 300.0, TOL[np.float32])
@@ -191,10 +259,11 @@ def test_bad_rope_requests_are_refused_before_any_kernel_runs():
                              pos_encoding_mode="ROPE_LLAMA")
 
 
-def test_on_a_gpu_the_dispatch_still_sends_rope_and_masks_to_the_teaching_kernels(monkeypatch):
+def test_on_a_gpu_the_dispatch_sends_rope_to_the_warp_path_and_masks_to_the_teaching_tile(monkeypatch):
     """The simulator never offers the fast paths, so the choice is checked with the GPU's
-    answers patched in: the same shapes take tensor cores without RoPE or a mask, and the
-    teaching kernels with them."""
+    answers patched in: the same shapes take tensor cores without RoPE or a mask; with
+    RoPE decode takes the warp path and prefill the teaching tile, with a mask the
+    teaching tile."""
     from nbattn.cuda.kernels import decode_common as DC
     from nbattn.cuda.kernels import prefill_dispatch as PD
     monkeypatch.setattr(DC, "SIMULATOR", False)
@@ -204,7 +273,9 @@ def test_on_a_gpu_the_dispatch_still_sends_rope_and_masks_to_the_teaching_kernel
         tuning = DECODE.replace(path=path)
         assert DC.make_config("f16", 128, 4, "NHD", Variant(), tuning=tuning).path in ("tc", "warp")
         assert DC.make_config("f16", 128, 4, "NHD", Variant(pos_encoding_mode="ROPE_LLAMA"),
-                              tuning=tuning).path == "smem"
+                              tuning=tuning).path == "warp"
+    assert DC.make_config("f16", 128, 4, "NHD", Variant(pos_encoding_mode="ROPE_LLAMA"),
+                          tuning=DECODE.replace(path="smem")).path == "smem"
     assert PD.make_spec("paged", "NHD", "f16", 128, 32, 8, Variant()).tensor_cores
     assert not PD.make_spec("paged", "NHD", "f16", 128, 32, 8, Variant(pos_encoding_mode="ROPE_LLAMA")).tensor_cores
     assert not PD.make_spec("paged", "NHD", "f16", 128, 32, 8, Variant(), custom_mask=True).tensor_cores

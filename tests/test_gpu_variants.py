@@ -242,6 +242,30 @@ def _nan_batch(rng, head_dim, group, qo_lens, kv_lens):
     return b
 
 
+
+@pytest.mark.parametrize("code,head_dim,group", [("f16", 128, 4), ("bf16", 128, 8), ("f32", 64, 2), ("f16", 64, 1)])
+def test_decode_rope_on_the_warp_path(code, head_dim, group):
+    """RoPE at attention time on a GPU: the default dispatch sends it to the warp path,
+    unsplit and split + merge, against the golden model in float64 (keys up to 2500
+    positions, theta 5e5 and 1e4 with a scale)."""
+    for theta, scale in ((5e5, 1.0), (1e4, 2.0)):
+        kw = dict(pos_encoding_mode="ROPE_LLAMA", rope_theta=theta, rope_scale=scale)
+        rng = np.random.default_rng([zlib.crc32(code.encode()), head_dim, group, int(theta)])
+        b = random_paged_batch(rng, qo_lens=[1] * len(DECODE_LENS), kv_lens=DECODE_LENS, page_size=16,
+                               num_kv_heads=2, group=group, head_dim=head_dim, share_first_page=True)
+        q, cache = _cast(b["q"], code), _cast(b["cache"], code)
+        qg, cg = _golden_inputs(q, cache)
+        ro, rlse = R.batch_decode_paged(qg, cg, b["indptr"], b["indices"], b["last"], return_lse=True,
+                                        dtype=np.float64, **kw)
+        for chunk in (None, 256):
+            p = DEC.prepare_decode(q, cache, b["indptr"], b["indices"], b["last"], return_lse=True, **kw)
+            assert p.config().path == "warp"
+            DEC.run_split(p, chunk)
+            o, lse = DEC.finish_decode(p, True)
+            _check(o, lse, ro, rlse, code, False)
+        o, lse = batch_decode_paged(q, cache, b["indptr"], b["indices"], b["last"], return_lse=True, **kw)
+        _check(o, lse, ro, rlse, code, False)
+
 @pytest.mark.parametrize("variant", list(NAN_VARIANTS))
 @pytest.mark.parametrize("path", list(NAN_PATHS))
 def test_paged_prefill_nan_rule_on_path(path, variant):

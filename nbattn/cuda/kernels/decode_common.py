@@ -165,7 +165,7 @@ def _make_config(code: str, head_dim: int, group: int, kv_layout: str, variant: 
                  kv_code: str | None = None) -> DecodeConfig:
     key = kernel_variant_key(variant)
     kv = kv_code or code
-    rope = variant.has_rope          # RoPE turns q and K in the teaching kernel only (blocks/rope.py)
+    rope = variant.has_rope          # RoPE turns q and K in the warp and teaching kernels (blocks/rope.py)
     if rope and not rope_supported(head_dim, 4 * ELEMS_PER_WORD[kv]):
         raise ValueError(f"pos_encoding_mode: 'ROPE_LLAMA' on the decode kernels needs head_dim / 2 to be a "
                          f"multiple of {4 * ELEMS_PER_WORD[kv]} (the elements of a 16-byte chunk), got "
@@ -177,7 +177,7 @@ def _make_config(code: str, head_dim: int, group: int, kv_layout: str, variant: 
         if batch_kv_heads is not None and 2 * batch_kv_heads * (group // hg) <= sm_count():
             nw, mb = tuning.tc_split_shape      # the unsplit grid fills at most half the SMs
         return DecodeConfig(code, head_dim, hg, kv_layout, key, 32 * nw, 16 * nw, aligned, "tc", 1, mb, tuning)
-    if not rope and _use_warp(kv, head_dim, aligned, tuning):
+    if _use_warp(kv, head_dim, aligned, tuning):
         most = tuning.fp8_warp_max_heads if kv_code else tuning.warp_max_heads
         hg = warp_heads_per_cta(group, most, warp_geometry(kv, head_dim, 1, 1, 1)[0])
         nw = tuning.warp_warps

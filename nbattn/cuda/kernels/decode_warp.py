@@ -47,17 +47,23 @@ An fp8 cache (``cfg.kv_code``) changes the widths only: a lane's 16-byte load ho
 16 fp8 values (``VEC = 16``, ``NX = D / 16`` lanes a token, q read with two loads),
 unpacked to float32 by :mod:`nbattn.cuda.blocks.fp8`; ``sm_scale`` carries
 ``k_scale`` and the accumulators are scaled by ``v_scale`` before the rows meet.
+
+RoPE at attention time (``pos_encoding_mode="ROPE_LLAMA"``) turns q once per item
+and every key as it arrives: a chunk's partner elements (``± D/2``) sit ``NX / 2``
+lanes away, one shuffle each, and the turn is
+:func:`~nbattn.cuda.blocks.rope.fast_rotation`.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32, int64, uint32
+from numba import cuda, float32, float64, int64, uint32
 
 from ..blocks import nanrule as NR
 from ..blocks.fp8 import fp8_unpack4
 from ..blocks.mma import grid_dependents_launch
-from ..blocks.primitives import (ELEMS_PER_WORD, SHARED_ALIGN, element_io, load_v4, shfl_idx_f32,
+from ..blocks.primitives import (ELEMS_PER_WORD, SHARED_ALIGN, device_fn, element_io, load_v4, shfl_idx_f32,
                                  shfl_xor_f32, st_v4)
+from ..blocks.rope import fast_rotation, rope_frequency
 from ..blocks.softmax import online_step
 from ..blocks.variants import LOG2E, sigmoid_weight, variant_device_fns
 from ..host.driver import jit_kernel
@@ -102,7 +108,22 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
     unpack4 = fp8_unpack4(cfg.kv_code) if cfg.kv_code else q_unpack4   # K/V words -> VEC floats
     SCALE_V = cfg.kv_code is not None    # fp8: the accumulators are scaled by v_scale before they meet
     transform, keep = variant_device_fns(var)
+    ROPE = var.has_rope
+    WHOLE = NX == 1                  # RoPE: one chunk holds the row, partners included
+    FREQ_LEN = D // 2 if ROPE else 1
+    turn = fast_rotation(D, VEC)
+    freq_of = rope_frequency(D, var.rope_scale, var.rope_theta)
     poison = NR.poison_kv(cfg.kv)
+
+    @device_fn
+    def turn_chunk(x, xo, xp, xr, d0, pos, freqs):
+        """x[xo:xo + VEC] turned to ``pos`` in place; the partner chunk comes from lane x ^ NX/2."""
+        for e in range(VEC):
+            xp[e] = x[xo + e] if WHOLE else shfl_xor_f32(x[xo + e], HALF)
+        turn(x, xo, xp, xr, d0, pos, freqs)
+        for e in range(VEC):
+            x[xo + e] = xr[e]
+
     write_states = make_state_writer(HG, D, NT, R, HG, SIGMOID, store_elem)
     kv_addressing = make_kv_addressing(W, NHD)
 
@@ -120,6 +141,9 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
         pg = cuda.local.array(U, np.int64)
         sc = cuda.local.array(U, np.float32)
         xf = cuda.local.array(VEC, np.float32)
+        xp = cuda.local.array(VEC, np.float32)      # RoPE: the partner chunk
+        xr = cuda.local.array(VEC, np.float32)      # RoPE: my chunk, turned
+        st_freq = cuda.shared.array(FREQ_LEN, float64)
 
         grid_dependents_launch()     # a programmatically launched merge may start its prologue now
         tid = cuda.threadIdx.x
@@ -134,6 +158,10 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
         v_off, page_words, slot_words, my_off = kv_addressing(page_size, num_kv_heads, kvh, x)
         qscale = float32(sm_scale * float32(LOG2E))
         slope = slopes[h_mine] if ALIBI else float32(0.0)
+        if ROPE:
+            for i in range(tid, FREQ_LEN, NT):
+                st_freq[i] = freq_of(i)
+            cuda.syncthreads()
 
         for item in range(cta_indptr[cta], cta_indptr[cta + 1]):
             r, kv_start, kv_end, slot, page_base, q_idx = work_item(
@@ -146,6 +174,12 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
                     for c in range(QL):
                         w0, w1, w2, w3 = load_v4(q_w, (int64(r) * num_qo_heads + h0 + g) * QW + (x * QL + c) * 4)
                         q_unpack4(w0, w1, w2, w3, qv, g * VEC + c * QE)
+                    if PLAIN and not ROPE:
+                        for e in range(VEC):
+                            qv[g * VEC + e] *= qscale
+            if ROPE:        # q turned to its position q_idx, then scaled
+                for g in range(HG):
+                    turn_chunk(qv, g * VEC, xp, xr, x * VEC, q_idx, st_freq)
                     if PLAIN:
                         for e in range(VEC):
                             qv[g * VEC + e] *= qscale
@@ -201,6 +235,8 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
                     # shuffles per token instead of HP*log2(NX)
                     for u in range(U):
                         unpack4(kw[4 * u], kw[4 * u + 1], kw[4 * u + 2], kw[4 * u + 3], xf, 0)
+                        if ROPE:    # the key turned to its position
+                            turn_chunk(xf, 0, xp, xr, x * VEC, base + u * R + row, st_freq)
                         for g in range(HP):
                             d = float32(0.0)
                             for e in range(VEC):
