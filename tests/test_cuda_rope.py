@@ -152,14 +152,15 @@ def test_split_decode_with_rope_equals_the_unsplit_one():
     _check_decode(b, kv_lens, o, lse, 2.0, 50.0, TOL[np.float32])
 
 
-def test_decode_wrapper_plans_rope_and_runs_it():
+@pytest.mark.parametrize("path", ["smem", "warp"])
+def test_decode_wrapper_plans_rope_and_runs_it(path):
     rng, seed = fresh()
     kv_lens = [12, 30, 1]
     b = random_paged_batch(rng, qo_lens=[1] * 3, kv_lens=kv_lens, page_size=4, num_kv_heads=2, group=2,
                            head_dim=8, share_first_page=True)
     w = C.BatchDecodeWithPagedKVCacheWrapper(cuda.device_array(8 << 20, np.uint8))
     w.plan(b["indptr"], b["indices"], b["last"], 4, 2, 8, 4, pos_encoding_mode="ROPE_LLAMA", rope_theta=80.0,
-           q_data_type=np.float32, kv_data_type=np.float32)
+           q_data_type=np.float32, kv_data_type=np.float32, tuning=DECODE.replace(path=path), chunk_limit=7)
     o, lse = w.run(b["q"], b["cache"], return_lse=True)
     _check_decode(b, kv_lens, o, lse, 1.0, 80.0, TOL[np.float32])
 
