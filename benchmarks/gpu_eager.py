@@ -17,7 +17,8 @@ the same data in the same process:
 
     PYTHONPATH=$PWD python3 benchmarks/gpu_eager.py --commit SHA [--out DIR] [--quick]
 
-writes ``<out>/eager.json`` and ``<out>/eager.png``.
+writes ``<out>/eager.json`` and ``<out>/eager.png``, and the ``first_call_s`` records
+to ``<out>/first_call.json``.
 """
 from __future__ import annotations
 
@@ -335,14 +336,18 @@ def main(argv=None) -> int:
     recs: list = []
 
     def save(recs):
-        """Write eager.json with what has run so far (a visit cut short keeps it)."""
+        """Write eager.json and first_call.json with what has run so far (a visit cut short
+        keeps it)."""
         from nbattn.perf import results
-        results.write_suite(
-            "eager", recs, gpu=torch.cuda.get_device_name(),
-            command="PYTHONPATH=$PWD python3 benchmarks/gpu_eager.py " + " ".join(argv or sys.argv[1:]),
-            versions={"nbattn_commit": args.commit, "torch": torch.__version__, "numpy": np.__version__,
-                      "python": platform.python_version()},
-            date=datetime.date.today().isoformat(), root=Path(args.out), copy_bandwidth_GBps=copy_bw)
+        for suite, part in (("eager", [r for r in recs if r["metric"] != "first_call_s"]),
+                            ("first_call", [r for r in recs if r["metric"] == "first_call_s"])):
+            if part:
+                results.write_suite(
+                    suite, part, gpu=torch.cuda.get_device_name(),
+                    command="PYTHONPATH=$PWD python3 benchmarks/gpu_eager.py " + " ".join(argv or sys.argv[1:]),
+                    versions={"nbattn_commit": args.commit, "torch": torch.__version__, "numpy": np.__version__,
+                              "python": platform.python_version()},
+                    date=datetime.date.today().isoformat(), root=Path(args.out), copy_bandwidth_GBps=copy_bw)
     cases = [(64, 4096, 8), (64, 4096, 4), (64, 16384, 8), (64, 16384, 4), (1, 32768, 8), (1, 32768, 4),
              (16, 2048, 8)]
     if args.quick:
