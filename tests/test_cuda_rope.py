@@ -42,36 +42,23 @@ def _check_decode(b, kv_lens, o, lse, scale, theta, tol):
         np.testing.assert_allclose(lse[r], want_lse[0], atol=tol, rtol=tol, err_msg=f"request {r}")
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(kv_lens=st.lists(st.integers(0, 40), min_size=1, max_size=4), page_size=st.sampled_from([1, 3, 16]),
-       group=st.sampled_from([1, 2, 4]), theta=st.sampled_from([1e4, 5e5, 37.0]),
-       scale=st.sampled_from([1.0, 2.5]), head_dim=st.sampled_from([8, 16]),
-       dtype=st.sampled_from([np.float32, np.float16]), seed=st.integers(0, 2 ** 31))
-def test_paged_decode_kernel_rotates_q_and_every_key(kv_lens, page_size, group, theta, scale, head_dim, dtype,
-                                                     seed):
-    rng = np.random.default_rng(seed)
-    b = random_paged_batch(rng, qo_lens=[1] * len(kv_lens), kv_lens=kv_lens, page_size=page_size,
-                           num_kv_heads=2, group=group, head_dim=head_dim, share_first_page=True, dtype=dtype)
-    kw = dict(pos_encoding_mode="ROPE_LLAMA", rope_scale=scale, rope_theta=theta)
-    o, lse = C.batch_decode_paged(b["q"], b["cache"], b["indptr"], b["indices"], b["last"], return_lse=True, **kw)
-    _check_decode(b, kv_lens, o, lse, scale, theta, TOL[dtype])
-
-
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kv_lens=st.lists(st.integers(0, 40), min_size=1, max_size=4), page_size=st.sampled_from([1, 3, 16]),
        group=st.sampled_from([1, 2, 4]), theta=st.sampled_from([1e4, 5e5, 37.0]),
        scale=st.sampled_from([1.0, 2.5]), head_dim=st.sampled_from([8, 16, 32]),
-       dtype=st.sampled_from([np.float32, np.float16]), seed=st.integers(0, 2 ** 31))
-def test_the_warp_decode_path_rotates_q_and_every_key(kv_lens, page_size, group, theta, scale, head_dim, dtype,
-                                                       seed):
-    """The warp path: partner chunks NX/2 lanes away (one chunk holds the row at fp16 head_dim 8)."""
+       dtype=st.sampled_from([np.float32, np.float16]), path=st.sampled_from(["smem", "warp"]),
+       seed=st.integers(0, 2 ** 31))
+def test_paged_decode_kernel_rotates_q_and_every_key(kv_lens, page_size, group, theta, scale, head_dim, dtype,
+                                                     path, seed):
+    """On the teaching kernel and on the warp path (partner chunks NX/2 lanes away; one
+    chunk holds the row at fp16 head_dim 8)."""
     rng = np.random.default_rng(seed)
     b = random_paged_batch(rng, qo_lens=[1] * len(kv_lens), kv_lens=kv_lens, page_size=page_size,
                            num_kv_heads=2, group=group, head_dim=head_dim, share_first_page=True, dtype=dtype)
     kw = dict(pos_encoding_mode="ROPE_LLAMA", rope_scale=scale, rope_theta=theta)
-    tuning = DECODE.replace(path="warp")
+    tuning = DECODE.replace(path=path)
     p = DEC.prepare_decode(b["q"], b["cache"], b["indptr"], b["indices"], b["last"], tuning=tuning, **kw)
-    assert p.config().path == "warp"
+    assert p.config().path == path
     o, lse = C.batch_decode_paged(b["q"], b["cache"], b["indptr"], b["indices"], b["last"], return_lse=True,
                                   tuning=tuning, **kw)
     _check_decode(b, kv_lens, o, lse, scale, theta, TOL[dtype])
