@@ -243,3 +243,50 @@ def test_cascade_chunk_size_fills_one_wave_in_whole_tiles(monkeypatch):
     causal = P.KernelSpec("paged", "NHD", "f16", "f32", 128, 4, 32, Variant(causal=True), True, 64, 64, 128)
     assert C.split_blocks(spec) == CASCADE.min_blocks_split and C.split_blocks(causal) == CASCADE.min_blocks
     assert C.split_blocks(spec, CASCADE.replace(min_blocks_split=4)) == 4
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(causal=True, rope_scale=2.0, rope_theta=300.0)])
+def test_cascade_with_rope_turns_each_key_by_its_position_in_its_request(kw):
+    """RoPE at attention time in a cascade: a shared prefix's keys sit at positions 0.., each
+    suffix's after them; two levels (a decode step's rows and a prefill's), three nested levels
+    with a split, against the golden cascade and flat attention."""
+    kw = dict(kw, pos_encoding_mode="ROPE_LLAMA")
+    rng = np.random.default_rng(31)
+    for suffix, qo_lens in (([3, 5, 1], [2, 1, 3]), ([5, 0, 7, 2], [1, 1, 1, 1])):
+        q, cache, qo, pkv = shared_prefix_batch(rng, 2, suffix, qo_lens)
+        levels = L.cascade_decompose(qo, pkv)
+        got = cuda_cascade(q, levels, cache, return_lse=True, **kw)
+        check(got, R.cascade(q, levels, cache, return_lse=True, **kw))
+        check(got, R.batch_prefill_paged(q, cache, qo, pkv.paged_kv_indptr, pkv.paged_kv_indices,
+                                         pkv.paged_kv_last_page_len, return_lse=True, **kw))
+    q, cache, qo, pkv = shared_prefix_batch(rng, 3, [2, 6, 4, 1], [1, 2, 1, 1])
+    p = L.cascade_decompose(qo, pkv)[0].paged_kv_indices
+    lv0 = L.CascadeLevel(np.array([0, 5], np.int32), np.array([0, 1], np.int32), p[:1], np.array([4], np.int32))
+    lv1 = L.CascadeLevel(np.array([0, 3, 5], np.int32), np.array([0, 2, 4], np.int32),
+                         np.concatenate([p[1:3], p[1:3]]), np.array([4, 4], np.int32))
+    levels = [lv0, lv1, L.cascade_decompose(qo, pkv)[1]]
+    got = cuda_cascade(q, levels, cache, return_lse=True, kv_chunk=3, **kw)
+    check(got, R.cascade(q, levels, cache, return_lse=True, **kw))
+
+
+def test_cascade_with_rope_refuses_a_group_whose_requests_see_its_keys_at_different_positions():
+    """Level 1's one group serves two requests whose level 0 held 8 and 4 keys: one turned copy
+    of its keys cannot serve both.  Refused naming the level, before any kernel, out= unchanged;
+    the golden model, which turns per request, takes it."""
+    rng = np.random.default_rng(32)
+    q, cache, qo, pkv = shared_prefix_batch(rng, 3, [1, 1], [1, 1])
+    p = np.concatenate([pkv.paged_kv_indices[:3], pkv.paged_kv_indices[[3, 7]]])   # 3 shared, 2 own pages
+    lv0 = L.CascadeLevel(np.array([0, 1, 2], np.int32), np.array([0, 2, 3], np.int32), p[[0, 1, 0]],
+                         np.array([4, 4], np.int32))
+    lv1 = L.CascadeLevel(np.array([0, 2], np.int32), np.array([0, 1], np.int32), p[2:3], np.array([4], np.int32))
+    lv2 = L.CascadeLevel(np.array([0, 1, 2], np.int32), np.array([0, 1, 2], np.int32), p[3:5],
+                         np.array([1, 1], np.int32))
+    levels = [lv0, lv1, lv2]
+    kw = dict(pos_encoding_mode="ROPE_LLAMA")
+    R.cascade(q, levels, cache, **kw)
+    out = np.full(q.shape, 7.0, q.dtype)
+    with pytest.raises(NotImplementedError, match=r"^levels\[1\]: with pos_encoding_mode='ROPE_LLAMA' the requests "
+                                                  r"of a group must find its keys at one position.* 4 and 8 keys"):
+        cuda_cascade(q, levels, cache, out=out, **kw)
+    assert np.all(out == 7.0)
+    check(cuda_cascade(q, levels, cache, return_lse=True), R.cascade(q, levels, cache, return_lse=True))

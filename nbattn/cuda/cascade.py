@@ -19,7 +19,10 @@ How it runs:
    decode step) is a batch decode over the level's page table instead
    (:mod:`nbattn.cuda.decode`, writing its states into the same slots) when
    no variant needs key positions: a query tile of one row would waste all
-   but a few of its rows.
+   but a few of its rows.  RoPE at attention time turns each key by its
+   position in its request, so a group's rows must agree on where the level's
+   keys sit (:func:`check_rope_positions`); its levels run on the teaching tile
+   (correct, not fast), as every RoPE prefill does.
 2. A level whose work is too little to fill the GPU (a long shared prefix
    read by one group) has its keys split into chunks; each chunk writes a
    partial state (float32).
@@ -41,7 +44,7 @@ from numba import cuda
 
 from .. import layout as L
 from ..variants import check_return_lse
-from .blocks.variants import kernel_variant, refuse_rope
+from .blocks.variants import kernel_variant
 from .host import arrays as A
 from . import merge as M
 from . import prefill as P
@@ -51,7 +54,32 @@ from .host.driver import jit_kernel, sm_count
 from .blocks.primitives import SIMULATOR
 from .tuning import CASCADE, CascadeTuning, check_tuning
 
-__all__ = ["cascade", "chunk_size", "split_blocks", "decode_level"]
+__all__ = ["cascade", "chunk_size", "split_blocks", "decode_level", "check_rope_positions"]
+
+
+def check_rope_positions(req_q: L.RaggedQ, group_of: list, offsets: np.ndarray) -> None:
+    """RoPE turns a key by its position in its request, and a level's group shares
+    one turned copy of its keys among its rows: every request with query rows in a
+    group must find the level's keys at the same offset (true of a cascade whose
+    groups nest: a shared prefix, then each request's own pages).  Raises
+    NotImplementedError naming the level otherwise, before anything is built."""
+    live = req_q.lengths > 0
+    for li, groups in enumerate(group_of):
+        g, off = groups[live], offsets[li][live]
+        if g.size == 0:
+            continue
+        n = int(g.max()) + 1
+        lo = np.full(n, np.iinfo(np.int64).max)
+        hi = np.full(n, -1, np.int64)
+        np.minimum.at(lo, g, off)
+        np.maximum.at(hi, g, off)
+        bad = (hi >= 0) & (lo != hi)
+        if bad.any():
+            k = int(np.argmax(bad))
+            raise NotImplementedError(
+                f"levels[{li}]: with pos_encoding_mode='ROPE_LLAMA' the requests of a group must find its keys at "
+                f"one position, but group {k} serves requests whose earlier levels hold {int(lo[k])} and "
+                f"{int(hi[k])} keys; give such requests groups of their own at this level")
 
 
 def cascade(q, levels, paged_kv_cache, *, kv_layout: str = "NHD", return_lse: bool = False,
@@ -65,7 +93,6 @@ def cascade(q, levels, paged_kv_cache, *, kv_layout: str = "NHD", return_lse: bo
     passes it runs."""
     tuning = check_tuning(tuning, CascadeTuning, CASCADE)
     var = kernel_variant(variant)
-    refuse_rope(var, "cascade")
     check_return_lse(var, return_lse)
     L.check_same_device(q=q, paged_kv_cache=paged_kv_cache)
     kind = P.check_kind_match(q=q, paged_kv_cache=paged_kv_cache)
@@ -76,9 +103,11 @@ def cascade(q, levels, paged_kv_cache, *, kv_layout: str = "NHD", return_lse: bo
     L.check_heads(shape[1], dims.num_kv_heads)
     req_q = lv[-1][0]
     rows, hq, d = shape
-    _, total, offsets = L.cascade_keys(lv)
+    group_of, total, offsets = L.cascade_keys(lv)
     if var.causal:
         L.check_causal_lengths(req_q.lengths, total, name=f"levels[{len(lv) - 1}].qo_indptr")
+    if var.has_rope:
+        check_rope_positions(req_q, group_of, offsets)
 
     spec = P.make_spec("paged", kv_layout, kind, d, hq, dims.num_kv_heads, var, tensor_cores, out_kind="f32",
                        tuning=tuning.prefill)
@@ -167,8 +196,8 @@ def decode_level(qo: L.RaggedQ, pkv: L.PagedKV, n_states: int, var, code: str, k
     to slot ``slot0 + g``; the decode kernel follows ``tuning.decode``."""
     from . import decode as Dec
 
-    positional = (int(var.window_left) >= 0 or var.sink_size or var.has_alibi or var.score_mod is not None
-                  or var.mask_mod is not None or var.use_sigmoid)
+    positional = (int(var.window_left) >= 0 or var.sink_size or var.has_alibi or var.has_rope
+                  or var.score_mod is not None or var.mask_mod is not None or var.use_sigmoid)
     if (not tuning.decode_levels or positional or n_states != 1 or not np.all(qo.lengths == 1)
             or not (dq.is_c_contiguous() and cache.is_c_contiguous())):
         return False

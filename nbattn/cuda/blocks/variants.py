@@ -95,7 +95,7 @@ def refuse_rope(var: Variant, form: str) -> None:
         raise NotImplementedError(
             f"pos_encoding_mode='ROPE_LLAMA': {form} does not rotate q and k at attention time; rotate them "
             "first (nbattn.reference.apply_rope_pos_ids) and pass pos_encoding_mode='NONE', or use "
-            "batch_decode_paged / batch_prefill_paged / batch_prefill_ragged / single_prefill, which do")
+            "batch_decode_paged / batch_prefill_paged / batch_prefill_ragged / single_prefill / cascade, which do")
 
 
 _VARIANTS: dict = {}
