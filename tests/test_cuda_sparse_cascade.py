@@ -290,3 +290,21 @@ def test_cascade_with_rope_refuses_a_group_whose_requests_see_its_keys_at_differ
         cuda_cascade(q, levels, cache, out=out, **kw)
     assert np.all(out == 7.0)
     check(cuda_cascade(q, levels, cache, return_lse=True), R.cascade(q, levels, cache, return_lse=True))
+
+
+@pytest.mark.parametrize("block, kw", [((3, 3), dict()), ((2, 5), dict(causal=True, rope_theta=50.0)),
+                                       ((4, 2), dict(rope_scale=3.0))])
+def test_block_sparse_with_rope_turns_rows_and_keys_by_their_positions(block, kw):
+    """Query row i turns to N - M + i, key j to j: against the golden block_sparse, and a full
+    block mask against the golden single_prefill; tensor_cores=True is refused."""
+    kw = dict(kw, pos_encoding_mode="ROPE_LLAMA")
+    rng = np.random.default_rng(19)
+    m, n = 7, 12
+    q, k, v = qkv(rng, m, n)
+    mask = rng.random((-(-m // block[0]), -(-n // block[1]))) < 0.6
+    bsr = L.BSR.from_block_mask(mask, block, (m, n))
+    check(block_sparse(q, k, v, bsr, return_lse=True, **kw), R.block_sparse(q, k, v, bsr, return_lse=True, **kw))
+    full = L.BSR.from_block_mask(np.ones_like(mask), block, (m, n))
+    check(block_sparse(q, k, v, full, return_lse=True, **kw), R.single_prefill(q, k, v, return_lse=True, **kw))
+    with pytest.raises(ValueError, match="^tensor_cores: pos_encoding_mode='ROPE_LLAMA'"):
+        block_sparse(q, k, v, bsr, tensor_cores=True, **kw)

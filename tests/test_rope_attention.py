@@ -94,19 +94,3 @@ def test_bad_rope_numbers_are_refused_naming_the_argument(name, value):
         R.single_decode(q, k, k, pos_encoding_mode="ROPE_LLAMA", **{name: value})
     with pytest.raises(ValueError, match=f"^{name}:"):
         Variant(pos_encoding_mode="ROPE_LLAMA", **{name: value})
-
-
-def test_the_form_that_does_not_rotate_refuses_rope_before_any_kernel_runs():
-    """block_sparse does not rotate at attention time: a clear NotImplementedError naming
-    pos_encoding_mode, raised before anything is built, and out= left as it was.  (cascade
-    rotates: tests/test_cuda_sparse_cascade.py.)"""
-    from nbattn import cuda as C
-    from nbattn import layout as L
-    rng = np.random.default_rng(3)
-    q = rng.standard_normal((4, 2, 8)).astype(np.float32)
-    k = rng.standard_normal((4, 2, 8)).astype(np.float32)
-    out = np.full((4, 2, 8), 7.0, np.float32)
-    bsr = L.BSR.from_block_mask(np.ones((2, 2), bool), (2, 2))
-    with pytest.raises(NotImplementedError, match="pos_encoding_mode='ROPE_LLAMA': block_sparse"):
-        C.block_sparse(q, k, k, bsr, pos_encoding_mode="ROPE_LLAMA", out=out)
-    assert np.all(out == 7.0)

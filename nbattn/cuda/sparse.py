@@ -9,6 +9,10 @@ row's non-zero column blocks only -- they are gathered into the KV tiles the
 way pages are, ``B_c`` playing the page size -- so zero blocks cost nothing.
 A block row taller than the query tile (with GQA, ``B_r*group`` fused rows)
 is split into several query tiles that read the same blocks.
+
+RoPE at attention time turns query row i to its position ``N - M + i`` and key j
+to ``j`` (its row in k), the positions the causal mask uses; it runs on the
+prefill teaching tile (correct, not fast).
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import numpy as np
 
 from .. import layout as L
 from ..variants import check_return_lse
-from .blocks.variants import kernel_variant, refuse_rope
+from .blocks.variants import kernel_variant
 from . import prefill as P
 from .tuning import PREFILL, PrefillTuning, check_tuning
 
@@ -30,7 +34,6 @@ def block_sparse(q, k, v, bsr: L.BSR, *, kv_layout: str = "NHD", return_lse: boo
     :class:`nbattn.cuda.tuning.PrefillTuning`, default ``PREFILL``) shapes the kernel."""
     tuning = check_tuning(tuning, PrefillTuning, PREFILL)
     var = kernel_variant(variant)
-    refuse_rope(var, "block_sparse")
     check_return_lse(var, return_lse)
     bsr = L.BSR.check(bsr)
     L.check_same_device(q=q, k=k, v=v)

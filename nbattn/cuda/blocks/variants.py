@@ -38,7 +38,7 @@ from numba import cuda, float32
 from ...layout import LayoutError
 from ...variants import Variant, variant_from_kwargs
 
-__all__ = ["kernel_variant", "frozen_user_fn", "user_state", "check_user_state", "refuse_rope", "cached_variant", "variant_device_fns", "kernel_variant_key", "compile_user_fn", "LOG2E", "sigmoid_weight"]
+__all__ = ["kernel_variant", "frozen_user_fn", "user_state", "check_user_state", "cached_variant", "variant_device_fns", "kernel_variant_key", "compile_user_fn", "LOG2E", "sigmoid_weight"]
 
 LOG2E = 1.4426950408889634  # natural-exp scores -> base-2 exponent
 
@@ -47,8 +47,7 @@ def kernel_variant(kwargs: dict) -> Variant:
     """The Variant a kernel call's ``**variant`` keywords ask for
     (:func:`nbattn.variants.variant_from_kwargs`, which consumes ``kwargs``), with its
     checks (bad values raise a ValueError naming the argument).  Every public
-    operation of nbattn.cuda gets its variant here, before anything is built; a form
-    that does not compute part of it refuses with :func:`refuse_rope`.  User
+    operation of nbattn.cuda gets its variant here, before anything is built.  User
     functions come back as :func:`frozen_user_fn` gives them."""
     var = variant_from_kwargs(kwargs)
     if var.score_mod is None and var.mask_mod is None:
@@ -86,16 +85,6 @@ def frozen_user_fn(fn):
                                                       fn.__defaults__, fn.__closure__)
     _frozen[fn] = (state, copy)
     return copy
-
-
-def refuse_rope(var: Variant, form: str) -> None:
-    """NotImplementedError naming ``pos_encoding_mode`` when ``form`` (a public
-    operation whose kernels do not rotate q and k) is asked for RoPE."""
-    if var.has_rope:
-        raise NotImplementedError(
-            f"pos_encoding_mode='ROPE_LLAMA': {form} does not rotate q and k at attention time; rotate them "
-            "first (nbattn.reference.apply_rope_pos_ids) and pass pos_encoding_mode='NONE', or use "
-            "batch_decode_paged / batch_prefill_paged / batch_prefill_ragged / single_prefill / cascade, which do")
 
 
 _VARIANTS: dict = {}

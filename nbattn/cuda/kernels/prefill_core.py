@@ -66,7 +66,7 @@ def core_tile(spec: KernelSpec):
     neg_inf = float32(-math.inf)
     inv_ln2 = float32(LOG2E)
     store_dtype = float32
-    ROPE = var.has_rope and positional     # RoPE at attention time (blocks/rope.py)
+    ROPE = var.has_rope                    # RoPE at attention time (blocks/rope.py)
     MASKED = spec.custom_mask               # a runtime custom mask (masked_entry's two arrays)
     HALF = D // 2
     rotate_pair = row_rotation(D, var.rope_scale, var.rope_theta)
@@ -150,8 +150,8 @@ def core_tile(spec: KernelSpec):
                     if d == 0:
                         s_kpos[j] = NO_KEY
             cuda.syncthreads()
-            if ROPE:    # each key turned to its position kv_idx = kvoff + t (one request a tile)
-                kvoff = s_qpos[0] - s_diag[0]
+            if ROPE:    # each key turned to its position kv_idx = kvoff + t (one request a tile; "bsr": its row)
+                kvoff = s_qpos[0] - s_diag[0] if positional else 0
                 for e in range(tid, T_k * HALF, NT):
                     j = e // HALF
                     if s_kpos[j] != NO_KEY:
