@@ -210,6 +210,24 @@ def test_gpu_pipelined_sparse_and_cascade(d):
     check(got, R.cascade(q, levels, cache, causal=True, return_lse=True), tol=2e-2)
 
 
+
+@pytest.mark.skipif(SIM, reason="needs a real GPU")
+@pytest.mark.gpu
+def test_gpu_rope_block_sparse_and_cascade():
+    """RoPE in block_sparse and in a split cascade on a GPU (the teaching tile, head_dim 128,
+    keys at positions up to about 800), against the golden model."""
+    rng = np.random.default_rng(128)
+    kw = dict(pos_encoding_mode="ROPE_LLAMA", rope_theta=5e5, causal=True)
+    m, n = 150, 700
+    q, k, v = qkv(rng, m, n, hq=8, hk=2, d=128)
+    bsr = L.BSR.from_block_mask(rng.random((-(-m // 7), -(-n // 9))) < 0.5, (7, 9), (m, n))
+    check(block_sparse(q, k, v, bsr, return_lse=True, **kw), R.block_sparse(q, k, v, bsr, return_lse=True, **kw),
+          tol=2e-2)
+    q, cache, qo, pkv = shared_prefix_batch(rng, 160, [30, 70, 5], [3, 1, 20], page_size=4, hq=8, hk=2, d=128)
+    levels = L.cascade_decompose(qo, pkv)
+    got = cuda_cascade(q, levels, cache, return_lse=True, kv_chunk=128, **kw)
+    check(got, R.cascade(q, levels, cache, return_lse=True, **kw), tol=2e-2)
+
 def test_cascade_chunk_size_fills_one_wave_in_whole_tiles(monkeypatch):
     """The prefix split (GPU only): as many chunks as one wave of CTAs holds,
     each a whole number of KV tiles, never below CascadeTuning.min_chunk; no split
