@@ -374,24 +374,13 @@ def _lengths(values, name: str) -> np.ndarray:
     return arr
 
 
-def plan(
-    qo_lens,
-    kv_lens,
-    num_ctas: int,
-    tile_q: int | None = None,
-    *,
-    group: int = 1,
-    alpha: float = DEFAULT_ALPHA,
-    beta: float = DEFAULT_BETA,
-    chunk_overhead: float = 0.0,
-    chunk_limit: int | str | None = None,
-    causal: bool = False,
-    num_qo_heads: int | None = None,
-    head_dim: int | None = None,
-    partial_capacity: int | None = None,
-    cost: CostModel | None = None,
-) -> Plan:
+def plan(qo_lens, kv_lens, num_ctas: int, tile_q: int | None = None, *, group: int = 1, causal: bool = False,
+         **options) -> Plan:
     """Plan one generation step with the LPT algorithm (docs/concepts/scheduler.md).
+
+    ``options`` are the keyword arguments of :func:`plan_lengths` (``alpha``,
+    ``beta``, ``chunk_overhead``, ``chunk_limit``, ``num_qo_heads``, ``head_dim``,
+    ``partial_capacity``, ``cost``; defaults there), described below.
 
     Parameters
     ----------
@@ -436,10 +425,7 @@ def plan(
         raise ValueError("causal plan needs qo_len <= kv_len for every request with keys")
     if qo.size and int(qo.max()) * group > INT32_MAX:
         raise ValueError("qo_lens * group must fit in int32")
-    return plan_lengths(qo, kv, num_ctas, tile_q, group=group, alpha=alpha, beta=beta,
-                        chunk_overhead=chunk_overhead, chunk_limit=chunk_limit, causal=causal,
-                        num_qo_heads=num_qo_heads, head_dim=head_dim, partial_capacity=partial_capacity,
-                        cost=cost)
+    return plan_lengths(qo, kv, num_ctas, tile_q, group=group, causal=causal, **options)
 
 
 def plan_lengths(

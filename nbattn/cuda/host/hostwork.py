@@ -33,6 +33,7 @@ DECODE_PARTS = ("kv_indptr", "kv_indices", "kv_last", "cta_indptr", "request", "
 
 
 _NAMES = ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
+_INT32_MAX = L.INT32_MAX      # a compile-time constant of the compiled checks
 
 
 def page_table(indptr, indices, last, page_size: int, num_pages: int) -> L.PagedKV:
@@ -82,7 +83,7 @@ def page_table_check(indptr, indices, last, page_size, num_pages):
         n = indptr[r + 1] - indptr[r]
         lr = last[r]
         kv = (np.int64(n) - 1) * page_size + lr
-        bad |= (n < 0) | ((n == 0) & (lr != 0)) | ((n > 0) & ((lr < 1) | (lr > page_size) | (kv > 2147483647)))
+        bad |= (n < 0) | ((n == 0) & (lr != 0)) | ((n > 0) & ((lr < 1) | (lr > page_size) | (kv > _INT32_MAX)))
     if indices.shape[0] == 0:
         return -2 if bad else -1
     lo = indices[0]
