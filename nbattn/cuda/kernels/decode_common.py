@@ -372,7 +372,7 @@ def make_merge_fold(HG: int, D: int, NT: int, sigmoid: bool, store_elem):
         arrived = 0
         if tid == 0:
             arrived = cuda.atomic.add(arrivals, counter, 1) + 1
-        if cuda.syncthreads_or(int32(arrived == last - first)) == 0:
+        if cuda.syncthreads_or(int32(1) if arrived == last - first else int32(0)) == 0:
             return                           # another CTA's state completes the merge
         cuda.threadfence()                   # every partial of the merge is visible now
 
