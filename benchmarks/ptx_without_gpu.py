@@ -56,15 +56,14 @@ def decode_signature(cfg, out_dtype):
     """The warp / tensor-core decode kernel's argument types (``launch_for``)."""
     i32, i64, f32 = _arr(T.int32), T.int64, T.float32
     return (_arr(T.uint32), _arr(T.uint32), i32, i32, i32, i64, i64, i64, i64, i64, i64,
-            i32, i32, i32, i32, i32, _arr(out_dtype), _arr(f32), _arr(f32), _arr(f32), _arr(f32), f32, f32, f32,
-            i32, i32, i32, i32)
+            i32, i32, i32, i32, i32, _arr(out_dtype), _arr(f32), _arr(f32), _arr(f32), _arr(f32), f32, f32, f32)
 
 
 def smem_signature(out_dtype):
     """The teaching decode kernel's argument types (``launch_for``, grid of two dimensions)."""
     i32, i64, f32 = _arr(T.int32), T.int64, T.float32
     return (_arr(T.uint32), _arr(T.uint32), i32, i32, i32, i64, i64, i64, i32, i32, i32, i32, i32,
-            _arr(out_dtype), _arr(f32), _arr(f32), _arr(f32), _arr(f32), f32, f32, f32, i32, i32, i32, i32)
+            _arr(out_dtype), _arr(f32), _arr(f32), _arr(f32), _arr(f32), f32, f32, f32)
 
 
 def prefill_signature(masked: bool):
@@ -99,10 +98,11 @@ def merge_tiles_signature():
     return (i32,) * 6 + (_arr(T.float32), _arr(T.float32), _arr(T.uint16), _arr(T.float32)) + (T.int64,) * 4
 
 
-def merge_partials_signature():
-    """The split-KV contraction (``nbattn.cuda.merge.merge_partials_launch``)."""
+def merge_partials_signature(fixed_grid: bool):
+    """The split-KV contraction (``nbattn.cuda.merge.merge_partials_launch``; with
+    ``fixed_grid`` the merge count first)."""
     i32, f32 = _arr(T.int32), _arr(T.float32)
-    return (f32, f32, i32, i32, i32, _arr(T.uint16), f32, T.int64)
+    return ((i32,) if fixed_grid else ()) + (f32, f32, i32, i32, i32, _arr(T.uint16), f32, T.int64)
 
 
 def configurations():
@@ -158,8 +158,10 @@ def configurations():
         "prefill_pipelined_window": (lambda: tc_prefill(window, 128), tc_prefill_signature()),
         "prefill_mma_window_d96": (lambda: tc_prefill(window, 96), tc_prefill_signature()),
         "merge_tiles_prefill": (lambda: tile_merge_kernel("f16", 128, False), merge_tiles_signature()),
-        "merge_partials_32": (lambda: partials_kernel("f16", 128, False, 4, 32), merge_partials_signature()),
-        "merge_partials_256": (lambda: partials_kernel("f16", 128, False, 4, 256), merge_partials_signature()),
+        "merge_partials_32": (lambda: partials_kernel("f16", 128, False, 4, 32), merge_partials_signature(False)),
+        "merge_partials_256": (lambda: partials_kernel("f16", 128, False, 4, 256), merge_partials_signature(False)),
+        "merge_partials_fixed_32": (lambda: partials_kernel("f16", 128, False, 4, 32, fixed_grid=True),
+                                    merge_partials_signature(True)),
         "rope_f16": (lambda: rope_kernel("f16", False), rope_signature(u16)),
         "rope_bf16_interleaved": (lambda: rope_kernel("bf16", True), rope_signature(u16)),
         "rope_f32": (lambda: rope_kernel("f32", False), rope_signature(T.float32)),

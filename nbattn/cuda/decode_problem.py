@@ -27,7 +27,7 @@ from ..variants import Variant
 from .blocks.primitives import SIMULATOR
 from .host import arrays as A
 from .host.driver import sm_count
-from .kernels.decode_common import DecodeConfig, MergeInPlace, WorkList, make_config
+from .kernels.decode_common import DecodeConfig, WorkList, make_config
 from .kernels.decode_smem import build_smem_kernel
 from .kernels.decode_tc import build_tc_kernel
 from .kernels.decode_warp import build_warp_kernel
@@ -150,7 +150,7 @@ def decode_launch(p: DecodeProblem, work: WorkList, partial_o=None, partial_lse=
 
 
 def launch_for(p: DecodeProblem, cfg: DecodeConfig, work: WorkList, partial_o=None, partial_lse=None,
-               prefetch: bool = False, in_place: MergeInPlace | None = None):
+               prefetch: bool = False):
     """``(kernel, grid, threads, args)`` of the decode kernel over a work list (device
     int32 arrays); None for an empty list.
 
@@ -159,9 +159,7 @@ def launch_for(p: DecodeProblem, cfg: DecodeConfig, work: WorkList, partial_o=No
     items with ``-1`` write ``p.out_dev`` / ``p.lse_dev``.  Grid ``(len(work.cta_indptr)-1,
     num_qo_heads // heads_per_cta)`` (flattened to 1-D on the warp path).  ``prefetch``: the
     small-batch tensor-core shape prefetches its first K/V into L2 before its programmatic
-    dependency wait (``DecodeTuning.prefetch_steps``; only worth it in a programmatic launch).
-    ``in_place``: the merge map of a kernel built with ``cfg.merge_in_place`` (it merges
-    the split requests itself); other kernels get placeholders."""
+    dependency wait (``DecodeTuning.prefetch_steps``; only worth it in a programmatic launch)."""
     num_ctas = int(work.cta_indptr.shape[0]) - 1
     if num_ctas <= 0:
         return None
@@ -170,8 +168,7 @@ def launch_for(p: DecodeProblem, cfg: DecodeConfig, work: WorkList, partial_o=No
         partial_lse = cuda.device_array(1, np.float32, stream=p.stream)
     n_hb = p.num_qo_heads // cfg.heads_per_cta
     tail = (A.flat(p.out_dev), A.flat(p.lse_dev), A.flat(partial_o), A.flat(partial_lse),
-            p.slopes, np.float32(p.sm_scale), np.float32(p.variant.sigmoid_bias), np.float32(p.v_scale),
-            *(in_place if cfg.merge_in_place else _no_merge_map()))
+            p.slopes, np.float32(p.sm_scale), np.float32(p.variant.sigmoid_bias), np.float32(p.v_scale))
     if cfg.path in ("warp", "tc"):
         ps = p.page_size
         shift = ps.bit_length() - 1 if ps & (ps - 1) == 0 else -1
@@ -181,16 +178,6 @@ def launch_for(p: DecodeProblem, cfg: DecodeConfig, work: WorkList, partial_o=No
     return decode_kernel(cfg), (num_ctas, n_hb), cfg.nthreads, (
         p.q_w, p.kv_w, p.kv_indptr, p.kv_indices, p.kv_last, p.page_size, p.num_kv_heads,
         p.num_qo_heads, *work, *tail)
-
-
-_NO_MAP: list = []
-
-
-def _no_merge_map() -> MergeInPlace:
-    """Placeholders for the merge-map arguments of a kernel that does not merge in place."""
-    if not _NO_MAP:
-        _NO_MAP.append(MergeInPlace(*(cuda.to_device(np.zeros(1, np.int32)) for _ in range(4))))
-    return _NO_MAP[0]
 
 
 def decode_arg_index(cfg: DecodeConfig) -> dict:

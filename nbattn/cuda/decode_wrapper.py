@@ -5,12 +5,10 @@ once per layer, over the workspace of :mod:`nbattn.cuda.plan_run`.
 Decode runs one persistent launch of G CTAs per KV-head block; CTA ``c`` walks
 its queue ``cta_indptr[c]:cta_indptr[c+1]``
 (:func:`nbattn.cuda.decode.run_decode_work`), reading the queue bounds from the
-workspace.  An LPT plan's split requests are merged in the same launch: the CTA
-that writes the last partial state of a merge folds it
-(:func:`nbattn.cuda.kernels.decode_common.make_merge_fold`, counting arrivals in a
-small array of the bound launch).  A ``"split"`` plan is merged by a second launch,
-:func:`nbattn.cuda.merge.merge_partials_launch` sized to the plan (the one-round
-form where it fits).  For an
+workspace; the merge is the split-KV contraction on a fixed grid of G CTAs
+(:func:`nbattn.cuda.merge.merge_partials_fixed_launch`, an LPT plan: the merge
+count is read on the device) or :func:`nbattn.cuda.merge.merge_partials_launch` sized
+to the plan (a ``"split"`` plan; the one-round form where it fits).  For an
 LPT plan G is the configuration's planner CTAs (:func:`decode_plan_ctas`, or the
 plan's ``num_ctas`` where that is larger), so every plan of one configuration
 runs on one bound grid; with ``use_cuda_graph=True`` G is the constructor's
@@ -43,9 +41,9 @@ from .blocks.variants import cached_variant, user_state
 from .host import arrays as A
 from .host import hostwork as HW
 from .host.driver import BoundLaunch, sm_count
-from .kernels.decode_common import MergeInPlace, WorkList, make_config
-from .merge import MergeMap, merge_partials_launch
-from .plan_run import PlanRunWrapper, data_code, plan_page_table
+from .kernels.decode_common import WorkList, make_config
+from .merge import MergeMap, merge_partials_fixed_launch, merge_partials_launch
+from .plan_run import H_NUM_MERGES, PlanRunWrapper, data_code, plan_page_table
 from .tuning import DECODE, DecodeTuning, check_tuning
 
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "decode_plan_ctas"]
@@ -191,10 +189,6 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         self._copy("kv_start", p.kv_start)
         self._copy("kv_end", p.kv_end)
         self._copy("out_slot", p.out_slot)
-        if mode == "lpt" and p.num_partials:       # the merge each partial slot belongs to
-            slot_merge = np.empty(p.num_partials, np.int32)
-            slot_merge[p.merge_slots] = np.repeat(np.arange(p.num_merges, dtype=np.int32), np.diff(p.merge_indptr))
-            self._copy("slot_merge", slot_merge)
         self._flush(stream)
         self._slopes_for(hq, stream)
         self._plan, self._variant, self._code, self._cfg, self._mode = p, var, code, cfg, mode
@@ -312,12 +306,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         grid_ctas = self._plan.num_ctas if split else self._grid_ctas
         work = work._replace(cta_indptr=self._view("cta_indptr")[:grid_ctas + 1])
         pdl = split and cfg.tuning.programmatic     # a "split" plan launches programmatically
-        in_place = None
-        if not split:       # an LPT plan: the CTA writing a merge's last partial merges it
-            cfg = dataclasses.replace(cfg, merge_in_place=True)
-            in_place = MergeInPlace(self._view("slot_merge"), self._view("merge_indptr"), self._view("merge_slots"),
-                                    cuda.to_device(np.zeros(self.num_ctas * (hq // cfg.heads_per_cta), np.int32)))
-        kern, grid, threads, args = launch_for(prob, cfg, work, po, pl, prefetch=pdl, in_place=in_place)
+        kern, grid, threads, args = launch_for(prob, cfg, work, po, pl, prefetch=pdl)
         ix = decode_arg_index(cfg)
         conv = {ix["q"]: lambda x: A.words(A.to_device(x, "q", 0, code)),
                 ix["kv"]: lambda x: A.words(A.to_device(x, "paged_kv_cache", 0, kvc)),
@@ -334,6 +323,17 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
                                                mmap, out0, lse0, code=code, use_sigmoid=var.use_sigmoid,
                                                max_partials=self._plan.num_partials // B, tuning=cfg.tuning.merge)
             ix = dict(ix, merge_out=5, merge_lse=6)
-            merge = BoundLaunch(k, g, t, a, convert={5: conv[ix["out"]], 6: conv[ix["lse"]]})
+        else:       # an LPT plan: the split-KV contraction on the fixed grid
+            mmap = MergeMap(self._view("merge_indptr"), self._view("merge_request"), self._view("merge_slots"))
+            k, g, t, a = merge_partials_fixed_launch(
+                self._view("header")[H_NUM_MERGES:H_NUM_MERGES + 1], po.reshape(2 * self.num_ctas, hq, D),
+                pl.reshape(2 * self.num_ctas, hq), mmap, A.flat(out0), A.flat(lse0), code=code,
+                num_ctas=grid_ctas, use_sigmoid=var.use_sigmoid)
+            ix = dict(ix, merge_out=6, merge_lse=7)
+        if split and not self._plan.num_partials:
+            merge = None
+        else:
+            mconv = {ix["merge_out"]: conv[ix["out"]], ix["merge_lse"]: conv[ix["lse"]]}
+            merge = BoundLaunch(k, g, t, a, convert=mconv)
         self._bound[key] = (dec, merge, ix)
         return self._bound[key]

@@ -40,15 +40,14 @@ Fixed grid, fixed addresses (what makes run() CUDA-graph capturable)
   and reading the queue bounds from the workspace (the decode and prefill
   launches: the module docs of :mod:`nbattn.cuda.decode_wrapper` and
   :mod:`nbattn.cuda.prefill_wrapper`).
-* Merge (a plan has at most ``num_ctas`` split tiles, since each has >= 2 of
-  the <= 2*C partial slots).  Prefill: the tile merge
-  (:func:`nbattn.cuda.merge.merge_tiles_launch`), a fixed grid of ``num_ctas``
-  CTAs per KV head whatever the plan; the number of merges is read from the
-  workspace header, extra CTAs exit or take none.  Decode: in the decode launch
-  itself; the CTA that writes a merge's last partial folds it (an atomic counter
-  per merge and head block says which CTA that is; the fold itself is no atomic
-  sum).  Slots are folded in the plan's order (increasing KV), so equal lengths
-  give bitwise-equal outputs.
+* Merge: a fixed grid whatever the plan (a plan has at most ``num_ctas``
+  split tiles, since each has >= 2 of the <= 2*C partial slots); the number of
+  merges is read from the workspace header, extra CTAs exit or take none.
+  Prefill uses the tile merge (:func:`nbattn.cuda.merge.merge_tiles_launch`,
+  ``num_ctas`` CTAs per KV head); decode the split-KV contraction
+  (:func:`nbattn.cuda.merge.merge_partials_fixed_launch`).
+  Slots are folded in the plan's order (increasing KV), never with atomics,
+  so equal lengths give bitwise-equal outputs.
 
 Every array handed to a kernel is a view of the workspace with a fixed shape
 (its capacity), so a captured launch replays correctly after a new plan()
@@ -222,7 +221,7 @@ class PlanRunWrapper:
         if self._decode:
             # A decode plan has one query tile per request, so at most
             # batch + 2*C items (the split tiles add at most 2*C chunks).
-            sizes.update(request=I, kv_start=I, kv_end=I, out_slot=I, slot_merge=2 * C)
+            sizes.update(request=I, kv_start=I, kv_end=I, out_slot=I)
         else:
             # Prefill work rows (8 int32 columns, see nbattn.cuda.prefill.build_work) in
             # CTA-queue order, with per-CTA bounds: up to I unsplit tiles (final

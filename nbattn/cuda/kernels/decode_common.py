@@ -6,11 +6,10 @@ and the device functions every decode kernel calls.
   it was chosen with; :func:`make_config` chooses it for a problem.
 * :class:`WorkList` is the device form of a work list (the contract is in the
   module doc of :mod:`nbattn.cuda.decode`).
-* :func:`work_item`, :func:`page_slot`, :func:`head_block`, :func:`make_kv_addressing`,
-  :func:`make_state_writer` and :func:`make_merge_fold` are the device pieces: reading
-  a work item, finding a key's page slot, a 1-D grid's CTA and heads, the word offsets
-  of a K/V row, folding a CTA's per-stream states into the row it writes, and merging a
-  split request's partial states in the CTA that writes the last of them.
+* :func:`work_item`, :func:`page_slot`, :func:`head_block`, :func:`make_kv_addressing`
+  and :func:`make_state_writer` are the device pieces: reading a work item, finding a
+  key's page slot, a 1-D grid's CTA and heads, the word offsets of a K/V row, and
+  folding a CTA's per-stream states into the row it writes.
 
 The kernels themselves: :mod:`.decode_smem` (the teaching kernel),
 :mod:`.decode_warp` and :mod:`.decode_tc` (fast paths).
@@ -21,13 +20,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from numba import cuda, float32, int32, int64, uint32
+from numba import cuda, float32, int64, uint32
 
 from ...variants import Variant
 from ..blocks import nanrule as NR
 from ..blocks.mma import grid_dependency_wait
 from ..blocks.primitives import ELEMS_PER_WORD, SIMULATOR, device_fn, exp2f
-from ..blocks.softmax import lse_fold, state_weight
 from ..blocks.rope import rope_supported
 from ..blocks.variants import kernel_variant_key
 from ..host.driver import sm_count
@@ -35,7 +33,7 @@ from ..tuning import DECODE, DecodeTuning
 
 __all__ = ["WorkList", "DecodeConfig", "heads_per_cta", "make_config", "warp_eligible", "warp_heads_per_cta",
            "warp_geometry", "tc_eligible", "page_slot", "work_item", "head_block", "make_kv_addressing",
-           "make_state_writer", "make_merge_fold", "MergeInPlace", "NEG_INF"]
+           "make_state_writer", "NEG_INF"]
 
 NEG_INF = float32(-math.inf)
 
@@ -47,19 +45,6 @@ class WorkList(NamedTuple):
     kv_start: Any
     kv_end: Any
     out_slot: Any
-
-
-class MergeInPlace(NamedTuple):
-    """Device int32 arrays a kernel built with ``DecodeConfig.merge_in_place`` reads to
-    merge split requests itself (:func:`make_merge_fold`): ``slot_merge[slot]`` the
-    merge a partial slot belongs to; ``merge_indptr`` / ``merge_slots`` the merge map
-    (merge ``m`` folds slots ``merge_slots[merge_indptr[m]:merge_indptr[m+1]]``);
-    ``arrivals[m * n_head_blocks + hb]`` counts the partial states written so far,
-    zero between launches (the CTA that merges resets it)."""
-    slot_merge: Any
-    merge_indptr: Any
-    merge_slots: Any
-    arrivals: Any
 
 
 @dataclass(frozen=True)
@@ -77,7 +62,6 @@ class DecodeConfig:
     min_blocks: int = 4  # warp and tc paths: CTAs per SM the launch bounds ask for (caps registers)
     tuning: DecodeTuning = DECODE   # what the choice above was made with (kernels read it too)
     kv_code: str | None = None      # "e4m3" | "e5m2": an fp8 cache (q keeps ``code``); None: K/V are ``code``
-    merge_in_place: bool = False    # the CTA writing a merge's last partial merges it (MergeInPlace)
 
     @property
     def kv(self) -> str:
@@ -344,70 +328,3 @@ def make_state_writer(HG: int, D: int, NT: int, ROWS: int, STRIDE: int, sigmoid:
                     part_lse[int64(slot) * num_qo_heads + h] = row_lse
         cuda.syncthreads()
     return write_states
-
-
-def make_merge_fold(HG: int, D: int, NT: int, sigmoid: bool, store_elem):
-    """Device function ``(tid, r, slot, hb, h0, num_qo_heads, n_head_blocks, sm_m, sm_l,
-    out, lse, part_o, part_lse, slot_merge, merge_indptr, merge_slots, arrivals)``, called
-    by every thread of a CTA that has just written partial slot ``slot`` of request ``r``
-    for its head block ``hb`` (heads ``h0 .. h0 + HG``): the CTA counts its state in, and
-    the CTA whose state completes the merge folds the merge into the final rows of ``r``
-    (the split-KV merge in the kernel, with no second launch).  ``sm_m`` / ``sm_l`` are
-    shared scratch of at least ``HG`` floats.
-
-    The rule is :func:`nbattn.cuda.kernels.merge_split.partials_kernel`'s: the merged
-    partials are read in slot order whichever CTA merges, so equal inputs give bitwise
-    equal outputs; all-empty rows give o = 0, lse = -inf; a NaN state makes the row NaN;
-    sigmoid states add."""
-
-    @device_fn
-    def merge_if_last(tid, r, slot, hb, h0, num_qo_heads, n_head_blocks, sm_m, sm_l, out, lse,
-                      part_o, part_lse, slot_merge, merge_indptr, merge_slots, arrivals):
-        m = slot_merge[slot]
-        first, last = merge_indptr[m], merge_indptr[m + 1]
-        counter = m * n_head_blocks + hb
-        # publish my partial to every CTA, then count it in: one atomic per CTA
-        cuda.threadfence()
-        cuda.syncthreads()
-        arrived = 0
-        if tid == 0:
-            arrived = cuda.atomic.add(arrivals, counter, 1) + 1
-        if cuda.syncthreads_or(int32(1) if arrived == last - first else int32(0)) == 0:
-            return                           # another CTA's state completes the merge
-        cuda.threadfence()                   # every partial of the merge is visible now
-
-        # per head: M = max_k lse_k, T = sum_k 2^(lse_k - M)
-        if tid < HG:
-            mx = NEG_INF
-            tot = float32(0.0)
-            if not sigmoid:
-                for k in range(first, last):
-                    s = int64(merge_slots[k])
-                    mx, tot = lse_fold(mx, tot, part_lse[s * num_qo_heads + h0 + tid], float32(1.0))
-            sm_m[tid] = mx
-            sm_l[tid] = tot
-        cuda.syncthreads()
-        # o = sum_k 2^(lse_k - M) / T * o_k;  lse = M + log2(T)
-        for i in range(tid, HG * D, NT):
-            g = i // D
-            dd = i - g * D
-            h = h0 + g
-            mx = sm_m[g]
-            inv = float32(0.0) if mx == NEG_INF else float32(1.0) / sm_l[g]
-            o = float32(0.0)
-            for k in range(first, last):
-                s = int64(merge_slots[k])
-                w = float32(1.0) if sigmoid else state_weight(part_lse[s * num_qo_heads + h], mx, inv)
-                o += w * part_o[(s * num_qo_heads + h) * D + dd]
-            if not sigmoid and mx != mx:
-                o = NR.NAN_F32
-            store_elem(out, (int64(r) * num_qo_heads + h) * D + dd, o)
-            if dd == 0:
-                if sigmoid:
-                    lse[int64(r) * num_qo_heads + h] = float32(math.nan)
-                else:
-                    lse[int64(r) * num_qo_heads + h] = NEG_INF if mx == NEG_INF else mx + math.log2(sm_l[g])
-        if tid == 0:
-            arrivals[counter] = 0            # ready for the next launch (a replayed graph too)
-        cuda.syncthreads()                   # sm_m / sm_l are the caller's again
-    return merge_if_last

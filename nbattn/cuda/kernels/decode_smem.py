@@ -51,7 +51,7 @@ from ..blocks.rope import chunk_rotation, partner_chunk
 from ..blocks.softmax import rescale
 from ..blocks.variants import LOG2E, sigmoid_weight, variant_device_fns
 from ..host.driver import jit_kernel
-from .decode_common import NEG_INF, make_merge_fold, work_item
+from .decode_common import NEG_INF, work_item
 
 __all__ = ["build_smem_kernel"]
 
@@ -77,8 +77,6 @@ def build_smem_kernel(cfg):
     SIGMOID = cfg.variant.use_sigmoid
     ALIGNED = cfg.aligned
     _, store_elem, q_unpack4 = element_io(cfg.code)
-    IN_PLACE = cfg.merge_in_place
-    merge_if_last = make_merge_fold(HG, D, NT, SIGMOID, store_elem)
     # K/V: the cache's own unpack (fp8 bytes dequantized in registers, blocks/fp8.py)
     unpack4 = fp8_unpack4(cfg.kv_code) if cfg.kv_code else q_unpack4
     SCALE_V = cfg.kv_code is not None    # fp8: o = v_scale * acc / l (k_scale is in sm_scale)
@@ -97,8 +95,7 @@ def build_smem_kernel(cfg):
 
     def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, num_kv_heads, num_qo_heads,
                cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
-               out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias, v_scale,
-               slot_merge, merge_indptr, merge_slots, arrivals):
+               out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias, v_scale):
         k_s = cuda.shared.array(TILE_WORDS, np.uint32, alignment=SHARED_ALIGN)   # the tile's K rows
         v_s = cuda.shared.array(TILE_WORDS, np.uint32, alignment=SHARED_ALIGN)   # and V rows (raw words)
         red = cuda.shared.array(RED, np.float32)      # partial dots, then partial accumulators
@@ -282,8 +279,5 @@ def build_smem_kernel(cfg):
                     else:
                         part_lse[int64(slot) * num_qo_heads + h] = row_lse
                 cuda.syncthreads()
-            if IN_PLACE and slot >= 0:
-                merge_if_last(tid, r, slot, cuda.blockIdx.y, h0, num_qo_heads, cuda.gridDim.y, m_s, f_s, out, lse,
-                              part_o, part_lse, slot_merge, merge_indptr, merge_slots, arrivals)
 
     return jit_kernel(kernel)

@@ -37,8 +37,7 @@ from ..blocks.primitives import shfl_idx_f32, shfl_xor_f32
 from ..blocks.softmax import online_step
 from ..blocks.variants import LOG2E, variant_device_fns
 from ..host.driver import jit_kernel
-from .decode_common import (NEG_INF, head_block, make_kv_addressing, make_merge_fold, make_state_writer, page_slot,
-                            work_item)
+from .decode_common import NEG_INF, head_block, make_kv_addressing, make_state_writer, page_slot, work_item
 
 __all__ = ["build_tc_kernel"]
 
@@ -101,8 +100,6 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     transform, keep = variant_device_fns(var)
     poison = NR.poison_kv(cfg.code)
     write_states = make_state_writer(HG, D, NT, NW, 8, False, store_elem)
-    IN_PLACE = cfg.merge_in_place
-    merge_if_last = make_merge_fold(HG, D, NT, False, store_elem)
     kv_addressing = make_kv_addressing(W, NHD)
     mma = MMA.mma_f16 if cfg.code == "f16" else MMA.mma_bf16
     pack = MMA.pack_f16x2 if cfg.code == "f16" else MMA.pack_bf16x2
@@ -140,8 +137,7 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
 
     def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, ps_shift, num_kv_heads,
                num_qo_heads, n_head_blocks, prefetch, cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
-               out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias, v_scale,
-               slot_merge, merge_indptr, merge_slots, arrivals):
+               out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias, v_scale):
         # v_scale (fp8 caches) is always 1.0 here: make_config never sends fp8 to this path
         st_acc = cuda.shared.array(ACC_LEN, np.float32)
         st_m = cuda.shared.array(ML_LEN, np.float32)
@@ -324,9 +320,6 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                 st_m[warp * 8 + g] = m_row
                 st_l[warp * 8 + g] = l_row
             write_states(tid, r, slot, h0, num_qo_heads, st_acc, st_m, st_l, out, lse, part_o, part_lse)
-            if IN_PLACE and slot >= 0:
-                merge_if_last(tid, r, slot, h0 // HG, h0, num_qo_heads, n_head_blocks, st_m, st_l, out, lse,
-                              part_o, part_lse, slot_merge, merge_indptr, merge_slots, arrivals)
 
     return jit_kernel(kernel, launch_bounds=(NT, min_blocks))
 

@@ -67,8 +67,8 @@ from ..blocks.rope import fast_rotation, rope_frequency
 from ..blocks.softmax import online_step
 from ..blocks.variants import LOG2E, sigmoid_weight, variant_device_fns
 from ..host.driver import jit_kernel
-from .decode_common import (NEG_INF, head_block, make_kv_addressing, make_merge_fold, make_state_writer, page_slot,
-                            warp_geometry, work_item)
+from .decode_common import (NEG_INF, head_block, make_kv_addressing, make_state_writer, page_slot, warp_geometry,
+                            work_item)
 
 __all__ = ["build_warp_kernel"]
 
@@ -125,14 +125,11 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
             x[xo + e] = xr[e]
 
     write_states = make_state_writer(HG, D, NT, R, HG, SIGMOID, store_elem)
-    IN_PLACE = cfg.merge_in_place
-    merge_if_last = make_merge_fold(HG, D, NT, SIGMOID, store_elem)
     kv_addressing = make_kv_addressing(W, NHD)
 
     def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, ps_shift, num_kv_heads,
                num_qo_heads, n_head_blocks, prefetch, cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
-               out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias, v_scale,
-               slot_merge, merge_indptr, merge_slots, arrivals):
+               out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias, v_scale):
         st_acc = cuda.shared.array(ACC_LEN, np.float32, alignment=SHARED_ALIGN)
         st_m = cuda.shared.array(ML_LEN, np.float32)
         st_l = cuda.shared.array(ML_LEN, np.float32)
@@ -307,9 +304,6 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
                 st_m[row * HG + mine] = m_mine
                 st_l[row * HG + mine] = l_mine
             write_states(tid, r, slot, h0, num_qo_heads, st_acc, st_m, st_l, out, lse, part_o, part_lse)
-            if IN_PLACE and slot >= 0:
-                merge_if_last(tid, r, slot, h0 // HG, h0, num_qo_heads, n_head_blocks, st_m, st_l, out, lse,
-                              part_o, part_lse, slot_merge, merge_indptr, merge_slots, arrivals)
 
     return jit_kernel(kernel, launch_bounds=(NT, min_blocks))     # (the simulator takes no bounds)
 

@@ -130,7 +130,8 @@ def vec_loader(vw: int):
     return KERNELS[key]
 
 
-def partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, threads: int):
+def partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, threads: int,
+                    fixed_grid: bool = False):
     """One CTA per (merge, head), in two passes so that no load waits on the
     previous partial.
 
@@ -143,8 +144,12 @@ def partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, threa
        vector: no overflow), four partials in flight per step; the KS sums
        are added in ks order.
 
-    All-empty rows (M = -inf) give o = 0, lse = -inf."""
-    key = ("partials", code, head_dim, use_sigmoid, vec, threads)
+    All-empty rows (M = -inf) give o = 0, lse = -inf.
+
+    ``fixed_grid``: the kernel takes the merge count ``num_merges[0]`` (read on
+    the device) as its first argument and CTA x merges ``x, x + gridDim.x, ...``,
+    so one launch serves every plan (the plan/run wrappers' fixed grid)."""
+    key = ("partials", code, head_dim, use_sigmoid, vec, threads, bool(fixed_grid))
     if key in KERNELS:
         return KERNELS[key]
     D, NB, SIGMOID, VW = head_dim, threads, use_sigmoid, vec
@@ -214,14 +219,26 @@ def partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, threa
         cuda.syncthreads()
         write_row(tid, red, row, h, num_heads, mx, sm_l[0], out, lse)
 
-    def kernel(part_o, part_lse, merge_indptr, merge_row, merge_slots, out, lse, num_heads):
-        red = cuda.shared.array(RED, np.float32)
-        sm_m = cuda.shared.array(NB, np.float32)
-        sm_l = cuda.shared.array(NB, np.float32)
-        acc = cuda.local.array(ACC, np.float32)
-        ov = cuda.local.array(ACC, np.float32)
-        merge_one(cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x, red, sm_m, sm_l, acc, ov, part_o,
-                  part_lse, merge_indptr, merge_row, merge_slots, out, lse, num_heads)
+    if fixed_grid:
+        def kernel(num_merges, part_o, part_lse, merge_indptr, merge_row, merge_slots, out, lse, num_heads):
+            red = cuda.shared.array(RED, np.float32)
+            sm_m = cuda.shared.array(NB, np.float32)
+            sm_l = cuda.shared.array(NB, np.float32)
+            acc = cuda.local.array(ACC, np.float32)
+            ov = cuda.local.array(ACC, np.float32)
+            for m in range(cuda.blockIdx.x, num_merges[0], cuda.gridDim.x):
+                merge_one(m, cuda.blockIdx.y, cuda.threadIdx.x, red, sm_m, sm_l, acc, ov, part_o, part_lse,
+                          merge_indptr, merge_row, merge_slots, out, lse, num_heads)
+                cuda.syncthreads()      # the next merge reuses the shared arrays
+    else:
+        def kernel(part_o, part_lse, merge_indptr, merge_row, merge_slots, out, lse, num_heads):
+            red = cuda.shared.array(RED, np.float32)
+            sm_m = cuda.shared.array(NB, np.float32)
+            sm_l = cuda.shared.array(NB, np.float32)
+            acc = cuda.local.array(ACC, np.float32)
+            ov = cuda.local.array(ACC, np.float32)
+            merge_one(cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x, red, sm_m, sm_l, acc, ov, part_o,
+                      part_lse, merge_indptr, merge_row, merge_slots, out, lse, num_heads)
 
     KERNELS[key] = jit_kernel(kernel)
     return KERNELS[key]
@@ -339,8 +356,8 @@ def tile_merge_kernel(code: str, head_dim: int, use_sigmoid: bool):
     takes units ``x, x + gridDim.x, ...``.  Fused row ``f`` of tile ``t`` of request
     ``r`` is position ``f // group``, head ``kv_head*group + f % group``
     (docs/concepts/masks.md); in slot ``s`` its partial row is
-    ``s*slot_rows + f//group - first_position``.  The prefill wrapper merges with it
-    (the decode wrapper's kernels merge their split requests themselves).
+    ``s*slot_rows + f//group - first_position``.  The prefill wrapper merges with it;
+    the decode wrapper uses the split-KV contraction instead (:func:`partials_kernel`).
 
     Two passes per unit, like :func:`partials_kernel` and for the same reason:
     (1) ``J = NT // rows`` threads per row (``rows``: the rows of the merge's tile)
