@@ -38,7 +38,7 @@ from ...variants import Variant
 
 __all__ = ["NO_KEY", "KernelSpec", "plain_variant", "kv_reader", "key_locator", "tile_locator", "pow2_shift",
            "tile_key_range", "tile_thread", "tile_item", "tile_rows", "tile_skip", "warp_unmasked_keys",
-           "tile_visible", "tile_score",
+           "tile_transform", "tile_visible", "tile_score",
            "prefill_entry", "persistent_entry", "tup", "compile_functions"]
 
 NO_KEY = -(2 ** 30)        # kv position of a tile slot that holds no key
@@ -276,7 +276,7 @@ def _nothing():
     pass
 
 
-def warp_unmasked_keys(spec: KernelSpec, positional: bool, rows: int):
+def warp_unmasked_keys(spec: KernelSpec, positional: bool, rows: int, transforms: bool = False):
     """Device functions ``unmasked(s_diag, row_base, n_rows) -> (u_lo, u_hi)`` and
     ``inside(first, last, hi, u_lo, u_hi) -> bool``.  ``[u_lo, u_hi)`` are the keys
     that each of the ``rows`` fused rows from ``row_base`` sees with nothing
@@ -289,13 +289,15 @@ def warp_unmasked_keys(spec: KernelSpec, positional: bool, rows: int):
     The range is empty when a score needs more than the masks (ALiBi, soft-cap,
     ``score_mod``, ``mask_mod``, sigmoid, a runtime mask), for block-sparse views
     (key positions do not grow with t) and when the rows run past the tile's
-    real rows.  Otherwise a causal row sees keys up to its diagonal, so
+    real rows.  With ``transforms`` the caller applies the variant's score transform
+    on the keys of the range itself (:func:`tile_transform`), so only what masks keys
+    (``mask_mod``, a runtime mask) empties it.  Otherwise a causal row sees keys up to its diagonal, so
     ``u_hi = min diag + 1``, and a window of ``w`` keys starts at ``diag - w``, so
     ``u_lo = max diag - w``; a key tile of the window's interior needs no mask,
     StreamingLLM sink keys or not (they are visible anyway)."""
     var = spec.variant
-    masks_only = (plain_variant(var.with_(window_left=-1, sink_size=0)) and positional
-                  and not spec.custom_mask)
+    scores_ok = var.mask_mod is None if transforms else plain_variant(var.with_(window_left=-1, sink_size=0))
+    masks_only = scores_ok and positional and not spec.custom_mask
     causal, window = var.causal, int32(var.window_left)
     below, above, one = int32(-(2 ** 30)), int32(2 ** 30), int32(1)    # int32 throughout, as s_diag
 
@@ -351,6 +353,26 @@ def tile_visible(spec: KernelSpec, positional: bool):
     return visible
 
 
+def tile_transform(spec: KernelSpec):
+    """Device function ``(x, req, h, q_idx, kv_idx, slope)``: the raw dot product ``x``
+    of a query and a key it sees, as a base-2 logit (natural for sigmoid) with the
+    variant's transform applied and the NaN rule's check (the score of
+    :func:`tile_score` once the masks have kept the key)."""
+    var = spec.variant
+    sigmoid = var.use_sigmoid
+    scale = float32(var.scale(spec.head_dim))
+    log2e = float32(LOG2E)
+    transform, _ = variant_device_fns(var)
+
+    @cuda.jit(device=True, inline=True)
+    def scored(x, req, h, q_idx, kv_idx, slope):
+        s = NR.checked(x * scale, transform(x * scale, req, h, q_idx, kv_idx, slope))
+        if sigmoid:
+            return s
+        return s * log2e
+    return scored
+
+
 def tile_score(spec: KernelSpec, positional: bool):
     """Device function ``(x, r, row_ok, t_local, s_qpos, s_diag, s_req, s_kpos, head0,
     row0, slopes)``: the raw dot product ``x`` of the tile's fused row ``r`` and key
@@ -359,12 +381,9 @@ def tile_score(spec: KernelSpec, positional: bool):
     query head is ``head0 + (row0 + r) % group``: a tile starts at fused row
     ``row0`` of its request, which need not be a multiple of the group.  The
     fast tiles use it on the keys a whole tile does not cover."""
-    group, var = spec.group, spec.variant
-    sigmoid = var.use_sigmoid
-    scale = float32(var.scale(spec.head_dim))
-    log2e = float32(LOG2E)
+    group = spec.group
     neg_inf = float32(-math.inf)
-    transform, _ = variant_device_fns(var)
+    scored = tile_transform(spec)
     visible = tile_visible(spec, positional)
 
     @cuda.jit(device=True, inline=True)
@@ -374,10 +393,7 @@ def tile_score(spec: KernelSpec, positional: bool):
         q_idx = s_qpos[r]
         kv_idx = s_kpos[t_local] + (q_idx - s_diag[r] if positional else 0)
         h = head0 + (row0 + r) % group
-        s = NR.checked(x * scale, transform(x * scale, s_req[r], h, q_idx, kv_idx, slopes[h]))
-        if sigmoid:
-            return s
-        return s * log2e
+        return scored(x, s_req[r], h, q_idx, kv_idx, slopes[h])
     return score
 
 

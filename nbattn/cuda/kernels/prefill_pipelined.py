@@ -32,13 +32,14 @@ from ..blocks import nanrule as NR
 from ..blocks.primitives import device_fn
 from ..blocks.variants import LOG2E, sigmoid_weight
 from ..host.prefill_launch import nan_row_at
-from .prefill_common import (NO_KEY, KernelSpec, compile_functions, kv_reader, pow2_shift, tile_item, tile_locator,
-                             tile_rows, tile_score, tile_skip, tile_thread, tup, warp_unmasked_keys)
+from .prefill_common import (NO_KEY, KernelSpec, compile_functions, kv_reader, plain_variant, pow2_shift, tile_item,
+                             tile_locator, tile_rows, tile_score, tile_skip, tile_thread, tile_transform, tup,
+                             warp_unmasked_keys)
 from .prefill_mma import fragment_writer
 
 __all__ = ["pipelined_tile", "fast_path", "pipelined_source", "issue_source", "source", "PIPELINED_NAMES"]
 
-PIPELINED_NAMES = ("o_zero", "q_frags", "qk", "scaled", "masked", "softmax", "o_finite", "pv")
+PIPELINED_NAMES = ("o_zero", "q_frags", "qk", "scaled", "transformed", "masked", "softmax", "o_finite", "pv")
 
 
 def fast_path(head_dim: int) -> bool:
@@ -58,7 +59,10 @@ def pipelined_source(D: int, T_k: int, ROW: int, sigmoid: bool) -> str:
 
     - ``q_frags(addr)``: all A fragments of the warp's 16 Q rows (ldmatrix.x4 per k-step);
     - ``qk(qf, addr)``: S = Q K^T (one ldmatrix.x4 = B of two k-steps of one n-tile);
-    - ``scaled(s, f)``: every score times f (unmasked tiles);
+    - ``scaled(s, f)``: every score times f (unmasked tiles, plain variants);
+    - ``transformed(s, ..., s_kpos, kbase, ...)``: the variant's transform per element,
+      no mask (unmasked tiles of ALiBi, soft-cap, ``score_mod``, sigmoid): each row's
+      position, request, head and slope read once, each key's position once;
     - ``masked(s, ..., s_kpos, kbase, ...)``: :func:`score` per element (variant
       and mask), key positions from ``s_kpos[kbase:kbase + T_k]``;
     - ``softmax(s, m_lo, m_hi, l_lo, l_hi)`` -> (P packed as A fragments,
@@ -101,6 +105,25 @@ def pipelined_source(D: int, T_k: int, ROW: int, sigmoid: bool) -> str:
     L.append("def scaled(s, f):")
     L.append("    " + ", ".join(S) + ", = s")
     L.append("    return " + tup([f"{x} * f + ({x} - {x})" for x in S]))   # NaN rule: inf -> NaN
+
+    L.append("def transformed(s, r_lo, r_hi, tq, s_qpos, s_diag, s_req, s_kpos, kbase, head0, row0, slopes):")
+    L.append("    " + ", ".join(S) + ", = s")
+    L.append("    kt = kbase + 2 * tq")
+    for name in ("lo", "hi"):
+        L.append(f"    q_{name} = s_qpos[r_{name}]")
+        L.append(f"    d_{name} = q_{name} - s_diag[r_{name}]")       # key index -> key position
+        L.append(f"    h_{name} = head0 + (row0 + r_{name}) % group")
+        L.append(f"    a_{name} = slopes[h_{name}]")
+        L.append(f"    b_{name} = s_req[r_{name}]")
+    for j in range(NTK):
+        for e in (0, 1):
+            L.append(f"    k{2 * j + e} = s_kpos[kt + {8 * j + e}]")
+    out = []
+    for j in range(NTK):
+        for c in range(4):
+            n = "lo" if c < 2 else "hi"
+            out.append(f"scored(s{4 * j + c}, b_{n}, h_{n}, q_{n}, k{2 * j + (c & 1)} + d_{n}, a_{n})")
+    L.append("    return (" + ",\n            ".join(out) + ",)")
 
     L.append("def masked(s, r_lo, r_hi, ok_lo, ok_hi, tq, s_qpos, s_diag, s_req, s_kpos, kbase, head0, row0, "
              "slopes):")
@@ -234,7 +257,8 @@ def pipelined_tile(spec: KernelSpec):
     thread = tile_thread(spec, 32, 4)
     write_rows = fragment_writer(spec)
     next_tile = tile_skip(T_k)
-    unmasked_keys, inside = warp_unmasked_keys(spec, positional, 16)
+    unmasked_keys, inside = warp_unmasked_keys(spec, positional, 16, transforms=True)
+    plain_scores = plain_variant(var.with_(window_left=-1, sink_size=0))    # inside the range: scale only
     scale_log2 = float32(var.scale(D) * LOG2E)
     addr_of = kv_reader(spec.mode, spec.kv_layout, _mma.global_addr)
     gaddr = _mma.global_addr
@@ -253,11 +277,12 @@ def pipelined_tile(spec: KernelSpec):
 
     env = {"float32": float32, "uint32": uint32, "mma": mma, "pack": pack, "ldsm": _mma.ldsm_x4,
            "ldsm_t": _mma.ldsm_x4_t, "score": tile_score(spec, positional), "cuda": cuda, "math": math,
+           "scored": tile_transform(spec), "group": group,
            "sigmoid_weight": sigmoid_weight, "bias": float32(var.sigmoid_bias), "neg_inf": float32(-math.inf),
            "max_nan": NR.max_nan}
     fr = compile_functions(pipelined_source(D, T_k, ROW, sigmoid), f"pipelined fragments D={D} T_k={T_k}", env,
                            PIPELINED_NAMES)
-    o_zero, q_frags, qk, scaled = fr["o_zero"], fr["q_frags"], fr["qk"], fr["scaled"]
+    o_zero, q_frags, qk, scaled, transformed = fr["o_zero"], fr["q_frags"], fr["qk"], fr["scaled"], fr["transformed"]
     masked, softmax, o_finite, pv = fr["masked"], fr["softmax"], fr["o_finite"], fr["pv"]
 
     issue = compile_functions(issue_source(CH, NT, K_ITERS, ROW), f"cp.async issue CH={CH} NT={NT} iters={K_ITERS}",
@@ -382,8 +407,11 @@ def pipelined_tile(spec: KernelSpec):
                 commit()
                 s = qk(qf, k_lane)
                 last = t0 + T_k - 1
-                if inside(t0, last, hi, u_lo, u_hi):
-                    s = scaled(s, scale_log2)
+                if inside(t0, last, hi, u_lo, u_hi):      # every row sees every key of the tile
+                    if plain_scores:
+                        s = scaled(s, scale_log2)
+                    else:
+                        s = transformed(s, r_lo, r_hi, tq, s_qpos, s_diag, s_req, s_kpos, base, head0, row0, slopes)
                 else:
                     s = masked(s, r_lo, r_hi, ok_lo, ok_hi, tq, s_qpos, s_diag, s_req, s_kpos, base, head0, row0,
                                slopes)
