@@ -36,8 +36,8 @@ from ..host.driver import jit_kernel
 from ..tuning import PREFILL, PrefillTuning
 from ...variants import Variant
 
-__all__ = ["NO_KEY", "KernelSpec", "plain_variant", "kv_reader", "key_locator", "tile_locator", "pow2_shift",
-           "tile_key_range", "tile_thread", "tile_item", "tile_rows", "tile_skip", "warp_unmasked_keys",
+__all__ = ["NO_KEY", "KernelSpec", "plain_variant", "scale_only", "kv_reader", "key_locator", "tile_locator",
+           "pow2_shift", "tile_key_range", "tile_thread", "tile_item", "tile_rows", "tile_skip", "warp_unmasked_keys",
            "tile_transform", "tile_visible", "tile_score",
            "prefill_entry", "persistent_entry", "tup", "compile_functions"]
 
@@ -70,6 +70,12 @@ def plain_variant(var: Variant) -> bool:
     only scales its scores wherever every row sees every key."""
     return not (int(var.window_left) >= 0 or var.sink_size or var.has_alibi or var.has_soft_cap
                 or var.score_mod is not None or var.mask_mod is not None or var.use_sigmoid)
+
+
+def scale_only(var: Variant) -> bool:
+    """Whether a score every mask keeps needs nothing but the scale: no ALiBi, soft-cap,
+    ``score_mod``, ``mask_mod`` or sigmoid (a window and sink keys only mask)."""
+    return plain_variant(var.with_(window_left=-1, sink_size=0))
 
 
 def kv_reader(mode: str, kv_layout: str, load: Callable) -> Callable:
@@ -279,8 +285,8 @@ def _nothing():
 def warp_unmasked_keys(spec: KernelSpec, positional: bool, rows: int, transforms: bool = False):
     """Device functions ``unmasked(s_diag, row_base, n_rows) -> (u_lo, u_hi)`` and
     ``inside(first, last, hi, u_lo, u_hi) -> bool``.  ``[u_lo, u_hi)`` are the keys
-    that each of the ``rows`` fused rows from ``row_base`` sees with nothing
-    applied but the scale -- the blocks that need no mask, as data; ``inside``
+    that each of the ``rows`` fused rows from ``row_base`` sees with no mask
+    applied -- the blocks that need no mask, as data; ``inside``
     says whether the key tile ``[first, last]`` (keys below ``hi`` exist) lies in
     it.  Such a tile takes the scale-only step; any other takes the per-score
     mask and variant.  ``inside`` compares the window's start only where the
@@ -289,14 +295,15 @@ def warp_unmasked_keys(spec: KernelSpec, positional: bool, rows: int, transforms
     The range is empty when a score needs more than the masks (ALiBi, soft-cap,
     ``score_mod``, ``mask_mod``, sigmoid, a runtime mask), for block-sparse views
     (key positions do not grow with t) and when the rows run past the tile's
-    real rows.  With ``transforms`` the caller applies the variant's score transform
-    on the keys of the range itself (:func:`tile_transform`), so only what masks keys
-    (``mask_mod``, a runtime mask) empties it.  Otherwise a causal row sees keys up to its diagonal, so
+    real rows.  With ``transforms`` the caller applies the variant's transform on
+    the keys of the range itself (:func:`tile_transform`, where :func:`scale_only`
+    is false), so only what masks keys (``mask_mod``, a runtime mask) empties it.
+    Otherwise a causal row sees keys up to its diagonal, so
     ``u_hi = min diag + 1``, and a window of ``w`` keys starts at ``diag - w``, so
     ``u_lo = max diag - w``; a key tile of the window's interior needs no mask,
     StreamingLLM sink keys or not (they are visible anyway)."""
     var = spec.variant
-    scores_ok = var.mask_mod is None if transforms else plain_variant(var.with_(window_left=-1, sink_size=0))
+    scores_ok = var.mask_mod is None if transforms else scale_only(var)
     masks_only = scores_ok and positional and not spec.custom_mask
     causal, window = var.causal, int32(var.window_left)
     below, above, one = int32(-(2 ** 30)), int32(2 ** 30), int32(1)    # int32 throughout, as s_diag

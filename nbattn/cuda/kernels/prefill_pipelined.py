@@ -32,7 +32,7 @@ from ..blocks import nanrule as NR
 from ..blocks.primitives import device_fn
 from ..blocks.variants import LOG2E, sigmoid_weight
 from ..host.prefill_launch import nan_row_at
-from .prefill_common import (NO_KEY, KernelSpec, compile_functions, kv_reader, plain_variant, pow2_shift, tile_item,
+from .prefill_common import (NO_KEY, KernelSpec, compile_functions, kv_reader, pow2_shift, scale_only, tile_item,
                              tile_locator, tile_rows, tile_score, tile_skip, tile_thread, tile_transform, tup,
                              warp_unmasked_keys)
 from .prefill_mma import fragment_writer
@@ -258,7 +258,7 @@ def pipelined_tile(spec: KernelSpec):
     write_rows = fragment_writer(spec)
     next_tile = tile_skip(T_k)
     unmasked_keys, inside = warp_unmasked_keys(spec, positional, 16, transforms=True)
-    plain_scores = plain_variant(var.with_(window_left=-1, sink_size=0))    # inside the range: scale only
+    plain_scores = scale_only(var)       # inside the range: the scale alone, else the transform
     scale_log2 = float32(var.scale(D) * LOG2E)
     addr_of = kv_reader(spec.mode, spec.kv_layout, _mma.global_addr)
     gaddr = _mma.global_addr
