@@ -288,3 +288,43 @@ else:
     @_cuda.jit(device=True)
     def grid_dependents_launch():
         return None
+
+
+# fp8 -> fp16 (the decode tensor-core path's fp8 caches): the four fp8 values of a word as two
+# fp16x2 words, ``cvt.rn.f16x2.{e4m3x2,e5m2x2}`` on each 16-bit half (sm_89 and later).  The
+# lower byte of a half lands in the lower half of its result, so element order is kept:
+# ``lo`` holds elements 0, 1 and ``hi`` elements 2, 3.  Every fp8 value is an fp16 value
+# (e4m3fn's largest, 448, and smallest subnormal, 2^-9, included), so the conversion is
+# exact; e4m3fn's NaN codes become fp16 NaN, e5m2's infinities fp16 infinities.
+__all__ += ["fp8x4_to_f16x2"]
+
+if AVAILABLE:
+    def _fp8_to_f16x2(kind: str):
+        fnty = ir.FunctionType(ir.LiteralStructType([_u32, _u32]), [_u32])
+        call = ir.InlineAsm(fnty, "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+                                  f"cvt.rn.f16x2.{kind}x2 $0, lo; cvt.rn.f16x2.{kind}x2 $1, hi; }}",
+                            "=r,=r,r")
+
+        @intrinsic
+        def conv(typingctx, w):
+            if not isinstance(w, types.Integer):
+                return None
+            ret = types.UniTuple(types.uint32, 2)
+
+            def codegen(context, builder, sig_, args):
+                out = builder.call(call, [context.cast(builder, args[0], sig_.args[0], types.uint32)])
+                return context.make_tuple(builder, ret, [builder.extract_value(out, 0),
+                                                         builder.extract_value(out, 1)])
+
+            return ret(w), codegen
+
+        return conv
+
+    _FP8_TO_F16X2 = {"e4m3": _fp8_to_f16x2("e4m3"), "e5m2": _fp8_to_f16x2("e5m2")}
+
+    def fp8x4_to_f16x2(code: str):
+        """The intrinsic ``w -> (lo, hi)`` of kernel fp8 code ``"e4m3"`` / ``"e5m2"``."""
+        return _FP8_TO_F16X2[code]
+else:
+    def fp8x4_to_f16x2(code: str):
+        return _gpu_only

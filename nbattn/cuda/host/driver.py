@@ -9,6 +9,7 @@ one file to fix when it moves.
                           depends on, or None when something in it has no
                           process-independent description
     sm_count()            multiprocessors of the current device (4 under the simulator)
+    compute_capability()  (major, minor) of the current device (None under the simulator)
 
 Why a key of our own
 --------------------
@@ -48,7 +49,7 @@ from ..blocks.primitives import SIMULATOR
 
 log = logging.getLogger("nbattn")
 
-__all__ = ["jit_kernel", "stable_key", "sm_count", "BoundLaunch", "launch", "launch_programmatic",
+__all__ = ["jit_kernel", "stable_key", "sm_count", "compute_capability", "BoundLaunch", "launch", "launch_programmatic",
            "data_ptr", "stream_handle", "torch_stream", "handle_of", "HostToDevice", "Span", "StagingRing"]
 
 
@@ -594,3 +595,15 @@ def sm_count() -> int:
     if not _SM_COUNT:
         _SM_COUNT.append(int(cuda.get_current_device().MULTIPROCESSOR_COUNT))
     return _SM_COUNT[0]
+
+
+_CC: list = []
+
+
+def compute_capability() -> tuple[int, int] | None:
+    """``(major, minor)`` of the GPU, asked once (None in the simulator)."""
+    if SIMULATOR:
+        return None
+    if not _CC:
+        _CC.append(tuple(cuda.get_current_device().compute_capability))
+    return _CC[0]
