@@ -147,6 +147,7 @@ def configurations():
         "warp_g4_e4m3": (lambda: fast(group=4, kv_code="e4m3", tuning=DECODE.replace(path="warp")), dsig),
         "tc_g4_e4m3": (lambda: fast(group=4, kv_code="e4m3"), dsig),
         "tc_g8_e5m2": (lambda: fast(group=8, kv_code="e5m2"), dsig),
+        "tc_g4_e4m3_bf16": (lambda: fast(group=4, kv_code="e4m3", code="bf16"), dsig),
         "tc_g4_e4m3_split": (lambda: fast(group=4, kv_code="e4m3", batch_kv_heads=8), dsig),
         "smem_plain": (lambda: smem(plain), smem_signature(u16)),
         "smem_rope": (lambda: smem(rope), smem_signature(u16)),

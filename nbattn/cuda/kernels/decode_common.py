@@ -118,10 +118,10 @@ def warp_geometry(code: str, head_dim: int, heads: int, nwarps: int, unroll: int
 def tc_eligible(code: str, head_dim: int, aligned: bool, variant, kv_code: str | None = None) -> bool:
     """The tensor-core path takes fp16/bf16, head_dim 32..128 in steps of 32 (256
     spills: ptxas, sm_90) and softmax (not sigmoid) variants, on a GPU.  An fp8
-    cache (``kv_code``) needs fp16 q, head_dim 64 or 128 (a lane's 16-byte load
-    holds 16 of its dims, so a token's four lanes cover 64) and a GPU that converts
-    fp8 to fp16 in one instruction (compute capability 8.9 or later); the warp path
-    reads the others."""
+    cache (``kv_code``) needs head_dim 64 or 128 (a lane's 16-byte load holds 16 of
+    its dims, so a token's four lanes cover 64) and a GPU that converts fp8 to fp16
+    in one instruction (compute capability 8.9 or later); the warp path reads the
+    others."""
     if SIMULATOR or not aligned or code not in ("f16", "bf16") or head_dim % 32 or head_dim > 128:
         return False
     if variant.use_sigmoid:
@@ -129,7 +129,7 @@ def tc_eligible(code: str, head_dim: int, aligned: bool, variant, kv_code: str |
     if kv_code is None:
         return True
     cc = compute_capability()
-    return code == "f16" and head_dim % 64 == 0 and cc is not None and cc >= (8, 9)
+    return head_dim % 64 == 0 and cc is not None and cc >= (8, 9)
 
 
 def _use_warp(code: str, head_dim: int, aligned: bool, tuning: DecodeTuning) -> bool:

@@ -24,10 +24,11 @@ read before the wait, so they are hints only: read through L2
 nothing but prefetches; the loads after the wait read the page table again.
 L2 is where every write lands, so a prefetched line is never stale.
 
-An fp8 cache (``cfg.kv_code``, fp16 q) changes only how K/V words arrive: a
-lane's 16-byte load holds 16 fp8 values, which ``cvt.rn.f16x2.{e4m3,e5m2}x2``
-turns into the eight fp16 words the fragments take (exact: every fp8 value is
-an fp16 value), so a token takes half the loads and the math is unchanged.
+An fp8 cache (``cfg.kv_code``) changes only how K/V words arrive: a lane's
+16-byte load holds 16 fp8 values, which ``cvt.rn.f16x2.{e4m3,e5m2}x2`` (and,
+for bf16 q, on through float32) turns into the eight fp16 / bf16 words the
+fragments take (exact: every fp8 value is an fp16 and a bf16 value), so a
+token takes half the loads and the math is unchanged.
 Lane ``t``'s load ``jj`` holds dims ``64 jj + 16 t ..+16``, which stand where
 the fp16 layout puts chunks ``2 jj`` and ``2 jj + 1``; q is read with the same
 permutation, and the accumulator's dims are placed back by it.  ``sm_scale``
@@ -90,7 +91,7 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     NJ = D // 32                 # 32-dim chunks: one 16-byte load per lane per token (fp16)
     FP8 = cfg.kv_code is not None
     LJ = NJ // 2 if FP8 else NJ  # 16-byte K/V loads per lane per token (fp8: 16 dims each)
-    to_f16 = MMA.fp8x4_to_f16x2(cfg.kv_code) if FP8 else None
+    to_pairs = MMA.fp8x4_to_16x2(cfg.kv_code, cfg.code) if FP8 else None    # fp8 -> q's 16-bit type
     QL, HL, AL = 4 * NJ, 4 * NJ, 8 * NJ   # q words, words per token half, accumulator floats
     KL = 2 * HL
     NW = nwarps
@@ -139,17 +140,17 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     @device_fn
     def load_row(kv_w, row, dst, o0):
         """My LJ 16-byte chunks of the row at word ``row`` (zeros for -1) into ``dst[o0:]``
-        as fp16 words (an fp8 chunk becomes eight)."""
+        as words of 16-bit pairs (an fp8 chunk becomes eight)."""
         for j in range(LJ):
             w0 = w1 = w2 = w3 = uint32(0)
             if row >= 0:
                 w0, w1, w2, w3 = load_v4(kv_w, row + j * 16)
             if FP8:
                 o = o0 + 8 * j
-                dst[o], dst[o + 1] = to_f16(w0)
-                dst[o + 2], dst[o + 3] = to_f16(w1)
-                dst[o + 4], dst[o + 5] = to_f16(w2)
-                dst[o + 6], dst[o + 7] = to_f16(w3)
+                dst[o], dst[o + 1] = to_pairs(w0)
+                dst[o + 2], dst[o + 3] = to_pairs(w1)
+                dst[o + 4], dst[o + 5] = to_pairs(w2)
+                dst[o + 6], dst[o + 7] = to_pairs(w3)
             else:
                 o = o0 + 4 * j
                 dst[o] = w0
