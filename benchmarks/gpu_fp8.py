@@ -3,7 +3,9 @@ then run() eager and run() replayed in a CUDA graph (issue 19, item 5, "fp8 vs f
 decode bandwidth").
 
 Cases: batch 64 x {4k, 16k} keys and batch 1 x 32k, 32 query heads, group 4,
-page 16, head_dim 128, fp16 q; and batch 64 x 4k with bf16 q.  For each, the
+page 16, head_dim 128, fp16 q; and batch 64 x 4k with bf16 q, and with fp16 q
+and the fp8 caches on the warp path (``path`` in the case; the default picks
+the tensor-core path for these shapes).  For each, the
 cache in q's dtype and the same values as ``float8_e4m3fn`` and ``float8_e5m2``
 caches with ``k_scale`` / ``v_scale``.
 Records (suite ``fp8``):
@@ -53,6 +55,7 @@ import nbattn.cuda as NC  # noqa: E402
 from nbattn import layout as L  # noqa: E402
 from nbattn import reference as R  # noqa: E402
 from nbattn.cuda.blocks.primitives import SIMULATOR  # noqa: E402
+from nbattn.cuda.tuning import DECODE  # noqa: E402
 from _timing import copy_bandwidth, eager_ms  # noqa: E402
 
 HQ, D, PS, GROUP = (4, 32, 4, 2) if SIMULATOR else (32, 128, 16, 4)
@@ -101,10 +104,11 @@ def caches(batch: int, kv_len: int, hkv: int, seed: int, qdt: str = "float16"):
     return q, out, meta, lens
 
 
-def wrapper_for(kv: str, meta, hkv: int, qdt: str = "float16"):
+def wrapper_for(kv: str, meta, hkv: int, qdt: str = "float16", path: str = "auto"):
     ws = torch.empty((8 << 20) if SIMULATOR else (256 << 20), dtype=torch.uint8, device=DEV)
     w = NC.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", num_ctas=4 if SIMULATOR else None)
-    w.plan(*meta, HQ, hkv, D, PS, q_data_type=KV[qdt], kv_data_type=None if kv == qdt else KV[kv])
+    w.plan(*meta, HQ, hkv, D, PS, q_data_type=KV[qdt], kv_data_type=None if kv == qdt else KV[kv],
+           tuning=DECODE.replace(path=path))
     return w
 
 
@@ -114,9 +118,10 @@ def run_fn(w, q, cache, kv: str):
     return lambda: w.run(q, cache, k_scale=K_SCALE, v_scale=V_SCALE)
 
 
-def bench_case(recs, batch, kv_len, copy_bw, seed, qdt="float16"):
-    """The ``qdt`` cache, then both fp8 caches with ``qdt`` q; an fp8 record's peer ``fp16``
-    is the 16-bit cache's time in the same mode (bf16 when ``qdt`` is)."""
+def bench_case(recs, batch, kv_len, copy_bw, seed, qdt="float16", path="auto"):
+    """The ``qdt`` cache, then both fp8 caches with ``qdt`` q (on decode path ``path``);
+    an fp8 record's peer ``fp16`` is the 16-bit cache's time in the same mode (bf16 when
+    ``qdt`` is)."""
     hkv = HQ // GROUP
     q, cs, meta, lens = caches(batch, kv_len, hkv, seed, qdt)
     base = {"op": "decode", "batch": batch, "kv_len": kv_len, "num_qo_heads": HQ, "num_kv_heads": hkv,
@@ -125,7 +130,7 @@ def bench_case(recs, batch, kv_len, copy_bw, seed, qdt="float16"):
     for kv in (qdt, "float8_e4m3fn", "float8_e5m2"):
         elem = 1 if kv.startswith("float8") else 2
         nbytes = 2 * int(lens.sum()) * hkv * D * elem + 2 * 2 * batch * HQ * D     # K+V, q+out
-        w = wrapper_for(kv, meta, hkv, qdt)
+        w = wrapper_for(kv, meta, hkv, qdt, "auto" if kv == qdt else path)
         fn = run_fn(w, q, cs[kv], kv)
         fn()
         sync()
@@ -212,16 +217,17 @@ def main(argv=None) -> int:
 
     bench_error(recs, 19)
     save()
-    cases = [(64, 4096, "float16"), (64, 4096, "bfloat16"), (64, 16384, "float16"), (1, 32768, "float16")]
+    cases = [(64, 4096, "float16", "auto"), (64, 4096, "bfloat16", "auto"), (64, 4096, "float16", "warp"),
+             (1, 32768, "float16", "auto"), (64, 16384, "float16", "auto")]
     if args.quick:
-        cases = [(64, 4096, "float16"), (64, 4096, "bfloat16"), (1, 32768, "float16")]
+        cases = cases[:4]
     if SIMULATOR:
-        cases = [(2, 24, "float16"), (2, 24, "bfloat16"), (1, 40, "float16")]
-    for i, (b, k, qdt) in enumerate(cases):
+        cases = [(2, 24, "float16", "auto"), (2, 24, "bfloat16", "auto"), (1, 40, "float16", "auto")]
+    for i, (b, k, qdt, path) in enumerate(cases):
         if time.perf_counter() - t0 > BUDGET_S:
-            print(f"time budget spent: skipping b{b} x {k} {qdt}", flush=True)
+            print(f"time budget spent: skipping b{b} x {k} {qdt} {path}", flush=True)
             continue
-        bench_case(recs, b, k, copy_bw, 100 + i, qdt)
+        bench_case(recs, b, k, copy_bw, 100 + i, qdt, path)
         save()
     path = save()
     print(f"wrote {path} ({len(recs)} records) in {time.perf_counter() - t0:.0f} s", flush=True)
