@@ -8,8 +8,7 @@ one file to fix when it moves.
     stable_key(fn)        that key: a digest of everything the compiled kernel
                           depends on, or None when something in it has no
                           process-independent description
-    sm_count()            multiprocessors of the current device (4 under the simulator)
-    compute_capability()  (major, minor) of the current device (None under the simulator)
+    sm_count(), compute_capability()   of the current device (4 / None in the simulator)
 
 Why a key of our own
 --------------------
@@ -305,8 +304,7 @@ class BoundLaunch:
     In the simulator the same interface keeps numba's ordinary launch: ``set``
     converts its argument with the ``convert[i]`` function given at binding
     (the raw-typed device view the kernel reads) and the call launches
-    ``kernel[grid, threads](*args)``.
-    """
+    ``kernel[grid, threads](*args)``."""
 
     def __init__(self, kernel, grid, threads, args, *, programmatic: bool | None = None,
                  convert: dict | None = None):
@@ -499,9 +497,8 @@ class StagingRing:
     flight, the next in turn once its kernels are done.  So a loop of calls runs
     ahead of the GPU the way torch's own asynchronous copies do, instead of each
     call waiting for the kernels of the call before it (one staging array would
-    make it wait).  Slots live on
-    the device that was current when they were made: one GPU per process, as
-    :func:`sm_count` assumes."""
+    make it wait).  Slots live on the device that was current when they were
+    made: one GPU per process, as :func:`sm_count` assumes."""
 
     def __init__(self, most: int = 32):
         self.most = most
@@ -585,25 +582,19 @@ def launch(kernel, grid, threads, stream, args) -> None:
 
 
 _SM_COUNT: list = []
-
-
-def sm_count() -> int:
-    """Multiprocessors of the GPU (asked once: the kernels' heuristics assume one
-    kind of GPU per process)."""
-    if SIMULATOR:
-        return 4
-    if not _SM_COUNT:
-        _SM_COUNT.append(int(cuda.get_current_device().MULTIPROCESSOR_COUNT))
-    return _SM_COUNT[0]
-
-
 _CC: list = []
 
 
-def compute_capability() -> tuple[int, int] | None:
-    """``(major, minor)`` of the GPU, asked once (None in the simulator)."""
-    if SIMULATOR:
-        return None
+def sm_count() -> int:
+    """Multiprocessors of the GPU, asked once (the kernels' heuristics assume one kind
+    of GPU per process); 4 in the simulator."""
+    if not _SM_COUNT:
+        _SM_COUNT.append(4 if SIMULATOR else int(cuda.get_current_device().MULTIPROCESSOR_COUNT))
+    return _SM_COUNT[0]
+
+
+def compute_capability() -> tuple | None:
+    """``(major, minor)`` of the GPU, asked once; None in the simulator."""
     if not _CC:
-        _CC.append(tuple(cuda.get_current_device().compute_capability))
+        _CC.append(None if SIMULATOR else tuple(cuda.get_current_device().compute_capability))
     return _CC[0]
