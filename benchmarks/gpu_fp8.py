@@ -3,8 +3,11 @@ then run() eager and run() replayed in a CUDA graph (issue 19, item 5, "fp8 vs f
 decode bandwidth").
 
 Cases: batch 64 x {4k, 16k} keys and batch 1 x 32k, 32 query heads, group 4,
-page 16, head_dim 128; for each, the fp16 cache and the same values as
-``float8_e4m3fn`` and ``float8_e5m2`` caches with ``k_scale`` / ``v_scale``.
+page 16, head_dim 128, fp16 q; and batch 64 x 4k with bf16 q, and with fp16 q
+and the fp8 caches on the warp path (``path`` in the case; the default picks
+the tensor-core path for these shapes).  For each, the
+cache in q's dtype and the same values as ``float8_e4m3fn`` and ``float8_e5m2``
+caches with ``k_scale`` / ``v_scale``.
 Records (suite ``fp8``):
 
 * ``bw_fraction``: the bytes the call reads -- K and V in the cache's own
@@ -13,7 +16,7 @@ Records (suite ``fp8``):
   ``eager_run`` (CUDA events around 20 back-to-back run() calls) or
   ``graph_replay`` (a graph of 20 run() calls);
 * ``latency_us``: microseconds of one call, same modes; the fp8 records have the
-  fp16 time of the same case and mode as peer ``fp16`` (the issue's target:
+  16-bit cache's time (q's dtype) of the same case and mode as peer ``fp16`` (the issue's target:
   fp8 at most 0.6x of it, and at least 0.85 of copy bandwidth at batch 64);
 * ``max_abs_err``: the largest difference between run() and the golden model
   in float64 (``nbattn.reference.batch_decode_paged``) on a small case
@@ -52,14 +55,16 @@ import nbattn.cuda as NC  # noqa: E402
 from nbattn import layout as L  # noqa: E402
 from nbattn import reference as R  # noqa: E402
 from nbattn.cuda.blocks.primitives import SIMULATOR  # noqa: E402
+from nbattn.cuda.tuning import DECODE  # noqa: E402
 from _timing import copy_bandwidth, eager_ms  # noqa: E402
 
 HQ, D, PS, GROUP = (4, 32, 4, 2) if SIMULATOR else (32, 128, 16, 4)
 REPS = 20
 DEV = "cpu" if SIMULATOR else "cuda"
-KV = {"float16": torch.float16, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+KV = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn,
+      "float8_e5m2": torch.float8_e5m2}
 K_SCALE, V_SCALE = 1 / 64, 1 / 128          # keys ~ N(0, 1) stored as N(0, 64), values as N(0, 128)
-BUDGET_S = 170.0                             # stop starting new cases after this (the run must end by 200 s)
+BUDGET_S = 200.0                             # stop starting new cases after this (the run must end by 240 s)
 
 
 def sync():
@@ -80,14 +85,15 @@ def graph_replay_ms(fn) -> tuple[float, bool]:
     return graph_ms(fn, iters=10, rep=REPS)
 
 
-def caches(batch: int, kv_len: int, hkv: int, seed: int):
-    """The page table and the same K/V values as fp16 and as both fp8 caches (fp8 = x / scale)."""
+def caches(batch: int, kv_len: int, hkv: int, seed: int, qdt: str = "float16"):
+    """The page table and the same K/V values as a ``qdt`` cache and as both fp8 caches
+    (fp8 = x / scale); q in ``qdt``."""
     lens = np.full(batch, kv_len)
     pkv = L.PagedKV.allocate(lens, PS, rng=np.random.default_rng(seed))
     gen = torch.Generator(device=DEV).manual_seed(seed)
-    base = torch.randn((pkv.num_pages, 2, PS, hkv, D), dtype=torch.float16, device=DEV, generator=gen)
-    q = torch.randn((batch, HQ, D), dtype=torch.float16, device=DEV, generator=gen)
-    out = {"float16": base}
+    base = torch.randn((pkv.num_pages, 2, PS, hkv, D), dtype=torch.float16, device=DEV, generator=gen).to(KV[qdt])
+    q = torch.randn((batch, HQ, D), dtype=torch.float16, device=DEV, generator=gen).to(KV[qdt])
+    out = {qdt: base}
     for name in ("float8_e4m3fn", "float8_e5m2"):
         c = torch.empty(base.shape, dtype=KV[name], device=DEV)
         top = float(torch.finfo(KV[name]).max)             # saturate, as the golden model's quantize does
@@ -98,29 +104,33 @@ def caches(batch: int, kv_len: int, hkv: int, seed: int):
     return q, out, meta, lens
 
 
-def wrapper_for(kv: str, meta, hkv: int):
+def wrapper_for(kv: str, meta, hkv: int, qdt: str = "float16", path: str = "auto"):
     ws = torch.empty((8 << 20) if SIMULATOR else (256 << 20), dtype=torch.uint8, device=DEV)
     w = NC.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", num_ctas=4 if SIMULATOR else None)
-    w.plan(*meta, HQ, hkv, D, PS, q_data_type=torch.float16, kv_data_type=None if kv == "float16" else KV[kv])
+    w.plan(*meta, HQ, hkv, D, PS, q_data_type=KV[qdt], kv_data_type=None if kv == qdt else KV[kv],
+           tuning=DECODE.replace(path=path))
     return w
 
 
 def run_fn(w, q, cache, kv: str):
-    if kv == "float16":
+    if not kv.startswith("float8"):
         return lambda: w.run(q, cache)
     return lambda: w.run(q, cache, k_scale=K_SCALE, v_scale=V_SCALE)
 
 
-def bench_case(recs, batch, kv_len, copy_bw, seed):
+def bench_case(recs, batch, kv_len, copy_bw, seed, qdt="float16", path="auto"):
+    """The ``qdt`` cache, then both fp8 caches with ``qdt`` q (on decode path ``path``);
+    an fp8 record's peer ``fp16`` is the 16-bit cache's time in the same mode (bf16 when
+    ``qdt`` is)."""
     hkv = HQ // GROUP
-    q, cs, meta, lens = caches(batch, kv_len, hkv, seed)
+    q, cs, meta, lens = caches(batch, kv_len, hkv, seed, qdt)
     base = {"op": "decode", "batch": batch, "kv_len": kv_len, "num_qo_heads": HQ, "num_kv_heads": hkv,
-            "group": GROUP, "head_dim": D, "page_size": PS, "q_dtype": "float16"}
+            "group": GROUP, "head_dim": D, "page_size": PS, "q_dtype": qdt}
     fp16_us: dict = {}
-    for kv in ("float16", "float8_e4m3fn", "float8_e5m2"):
-        elem = 2 if kv == "float16" else 1
+    for kv in (qdt, "float8_e4m3fn", "float8_e5m2"):
+        elem = 1 if kv.startswith("float8") else 2
         nbytes = 2 * int(lens.sum()) * hkv * D * elem + 2 * 2 * batch * HQ * D     # K+V, q+out
-        w = wrapper_for(kv, meta, hkv)
+        w = wrapper_for(kv, meta, hkv, qdt, "auto" if kv == qdt else path)
         fn = run_fn(w, q, cs[kv], kv)
         fn()
         sync()
@@ -129,8 +139,8 @@ def bench_case(recs, batch, kv_len, copy_bw, seed):
         replay, graphed = graph_replay_ms(fn)
         for mode, ms in (("eager_run", eager), ("graph_replay", replay)):
             c = dict(case, mode=mode, graphed=graphed if mode == "graph_replay" else False)
-            peers = {} if kv == "float16" else {"fp16": fp16_us[mode]}
-            if kv == "float16":
+            peers = {} if kv == qdt else {"fp16": fp16_us[mode]}
+            if kv == qdt:
                 fp16_us[mode] = ms * 1e3
             recs.append({"case": c, "metric": "latency_us", "value": ms * 1e3, "unit": "us", "peers": peers})
             recs.append({"case": c, "metric": "bw_fraction", "value": nbytes / (ms * 1e-3) / 1e9 / copy_bw,
@@ -207,16 +217,17 @@ def main(argv=None) -> int:
 
     bench_error(recs, 19)
     save()
-    cases = [(64, 4096), (64, 16384), (1, 32768)]
+    cases = [(64, 4096, "float16", "auto"), (64, 4096, "bfloat16", "auto"), (64, 4096, "float16", "warp"),
+             (1, 32768, "float16", "auto"), (64, 16384, "float16", "auto")]
     if args.quick:
-        cases = [(64, 4096), (1, 32768)]
+        cases = cases[:4]
     if SIMULATOR:
-        cases = [(2, 24), (1, 40)]
-    for i, (b, k) in enumerate(cases):
+        cases = [(2, 24, "float16", "auto"), (2, 24, "bfloat16", "auto"), (1, 40, "float16", "auto")]
+    for i, (b, k, qdt, path) in enumerate(cases):
         if time.perf_counter() - t0 > BUDGET_S:
-            print(f"time budget spent: skipping b{b} x {k}", flush=True)
+            print(f"time budget spent: skipping b{b} x {k} {qdt} {path}", flush=True)
             continue
-        bench_case(recs, b, k, copy_bw, 100 + i)
+        bench_case(recs, b, k, copy_bw, 100 + i, qdt, path)
         save()
     path = save()
     print(f"wrote {path} ({len(recs)} records) in {time.perf_counter() - t0:.0f} s", flush=True)

@@ -8,7 +8,7 @@ one file to fix when it moves.
     stable_key(fn)        that key: a digest of everything the compiled kernel
                           depends on, or None when something in it has no
                           process-independent description
-    sm_count()            multiprocessors of the current device (4 under the simulator)
+    sm_count(), compute_capability()   of the current device (4 / None in the simulator)
 
 Why a key of our own
 --------------------
@@ -48,7 +48,7 @@ from ..blocks.primitives import SIMULATOR
 
 log = logging.getLogger("nbattn")
 
-__all__ = ["jit_kernel", "stable_key", "sm_count", "BoundLaunch", "launch", "launch_programmatic",
+__all__ = ["jit_kernel", "stable_key", "sm_count", "compute_capability", "BoundLaunch", "launch", "launch_programmatic",
            "data_ptr", "stream_handle", "torch_stream", "handle_of", "HostToDevice", "Span", "StagingRing"]
 
 
@@ -304,8 +304,7 @@ class BoundLaunch:
     In the simulator the same interface keeps numba's ordinary launch: ``set``
     converts its argument with the ``convert[i]`` function given at binding
     (the raw-typed device view the kernel reads) and the call launches
-    ``kernel[grid, threads](*args)``.
-    """
+    ``kernel[grid, threads](*args)``."""
 
     def __init__(self, kernel, grid, threads, args, *, programmatic: bool | None = None,
                  convert: dict | None = None):
@@ -498,9 +497,8 @@ class StagingRing:
     flight, the next in turn once its kernels are done.  So a loop of calls runs
     ahead of the GPU the way torch's own asynchronous copies do, instead of each
     call waiting for the kernels of the call before it (one staging array would
-    make it wait).  Slots live on
-    the device that was current when they were made: one GPU per process, as
-    :func:`sm_count` assumes."""
+    make it wait).  Slots live on the device that was current when they were
+    made: one GPU per process, as :func:`sm_count` assumes."""
 
     def __init__(self, most: int = 32):
         self.most = most
@@ -584,13 +582,19 @@ def launch(kernel, grid, threads, stream, args) -> None:
 
 
 _SM_COUNT: list = []
+_CC: list = []
 
 
 def sm_count() -> int:
-    """Multiprocessors of the GPU (asked once: the kernels' heuristics assume one
-    kind of GPU per process)."""
-    if SIMULATOR:
-        return 4
+    """Multiprocessors of the GPU, asked once (the kernels' heuristics assume one kind
+    of GPU per process); 4 in the simulator."""
     if not _SM_COUNT:
-        _SM_COUNT.append(int(cuda.get_current_device().MULTIPROCESSOR_COUNT))
+        _SM_COUNT.append(4 if SIMULATOR else int(cuda.get_current_device().MULTIPROCESSOR_COUNT))
     return _SM_COUNT[0]
+
+
+def compute_capability() -> tuple | None:
+    """``(major, minor)`` of the GPU, asked once; None in the simulator."""
+    if not _CC:
+        _CC.append(None if SIMULATOR else tuple(cuda.get_current_device().compute_capability))
+    return _CC[0]
