@@ -429,13 +429,9 @@ def test_fp8_head_dim_must_be_a_multiple_of_16():
 
 
 def _others(q, k, v, cache):
-    ind, kvi = np.array([0, 1, 2], np.int32), np.array([0, 3, 5], np.int32)
-    pages = (np.array([0, 1, 2], np.int32), np.array([0, 1], np.int32), np.array([3, 2], np.int32))
+    kvi = np.array([0, 3, 5], np.int32)
     return {
-        "single_prefill": (lambda: C.single_prefill(q, k, v), "k"),
         "single_decode": (lambda: C.single_decode(q[0], k, v), "k"),
-        "batch_prefill_ragged": (lambda: C.batch_prefill_ragged(q, k, v, ind, kvi), "k"),
-        "batch_prefill_paged": (lambda: C.batch_prefill_paged(q, cache, ind, *pages), "paged_kv_cache"),
         "block_sparse": (lambda: C.block_sparse(q, k, v, None), "k"),
         "split_kv": (lambda: C.split_kv(q, k, v, kvi), "k"),
         "cascade": (lambda: C.cascade(q, [], cache), "paged_kv_cache"),

@@ -599,13 +599,14 @@ def test_rule(name, arg, rule, call):
     assert_refused(call, _case(), arg, rule, name)
 
 
-def test_kernel_prefill_does_not_read_fp8():
-    """Of the kernels only decode reads fp8 (tests/test_cuda_fp8.py); prefill refuses it, naming the argument."""
+def test_kernel_forms_refuse_fp8_where_they_do_not_read_it():
+    """The decode and prefill kernels read fp8 (tests/test_cuda_fp8.py, tests/test_cuda_fp8_prefill.py);
+    block-sparse refuses it, naming the argument, and a scale on a 16-bit K is refused as the golden model does."""
     from nbattn import cuda as C
     d = _case()
-    with pytest.raises(ValueError, match=r"^k: nbattn.cuda.single_prefill does not read fp8 K/V \(float8_e4m3fn\)"):
-        C.single_prefill(d["q"], d["k"], d["v"])
-    with pytest.raises(ValueError, match=r"^k_scale: nbattn.cuda.single_prefill does not read fp8"):
+    with pytest.raises(ValueError, match=r"^k: nbattn.cuda.block_sparse does not read fp8 K/V \(float8_e4m3fn\)"):
+        C.block_sparse(d["q"], d["k"], d["v"], L.BSR.from_block_mask(np.ones((1, 3), bool), (2, 2), (2, 5)))
+    with pytest.raises(ValueError, match=r"^k_scale: only fp8 K/V"):
         C.single_prefill(d["q"], d["kh"], d["vh"], k_scale=1.0)
     with pytest.raises(TypeError, match="'v_scale'"):
         R.block_sparse(d["q"], d["kh"], d["vh"], L.BSR.from_block_mask(np.ones((1, 3), bool), (2, 2), (2, 5)),

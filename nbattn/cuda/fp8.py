@@ -27,17 +27,22 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from typing import Any, Callable
+
+import numpy as np
 
 from .. import layout as L
 from ..reference.fp8 import FP8_DTYPES, FP8_FORMS, check_kv_dtypes, check_scale, fp8_kind, kv_scales, reject_fp8
 from .blocks.fp8 import FP8_CODES
+from .blocks.primitives import SIMULATOR
 from .host import arrays as A
 
 __all__ = ["Fp8NotSupported", "FP8_READERS", "decode_kv", "is_fp8", "fp8_data_type", "plan_kv_code",
            "check_run_dtypes", "run_scales", "refuse_fp8"]
 
-FP8_READERS = "nbattn.cuda.batch_decode_paged, BatchDecodeWithPagedKVCacheWrapper and append_paged_kv_cache"
+FP8_READERS = ("nbattn.cuda.batch_decode_paged, batch_prefill_paged, batch_prefill_ragged, single_prefill, "
+               "BatchDecodeWithPagedKVCacheWrapper and append_paged_kv_cache")
 _TORCH_FP8 = tuple(f"torch.{n}" for n in FP8_DTYPES)
 _NAMES = {code: name for name, code in FP8_CODES.items()}
 
@@ -57,16 +62,78 @@ def decode_kv(q: Any, paged_kv_cache: Any, k_scale: Any, v_scale: Any) -> tuple[
     cache that is not fp8 (where a scale other than None is refused).  The golden
     model's rules and messages (:func:`nbattn.reference.fp8.check_kv_dtypes`,
     :func:`~nbattn.reference.fp8.kv_scales`)."""
+    return kv_fp8(q, k_scale, v_scale, paged_kv_cache=paged_kv_cache)
+
+
+def kv_fp8(q: Any, k_scale: Any, v_scale: Any, **kv: Any) -> tuple[str | None, float, float]:
+    """:func:`decode_kv` for any K/V arguments (``paged_kv_cache=`` or ``k=, v=``)."""
     if is_fp8(q):
         reject_fp8("q", q)
-    kind = fp8_kind("paged_kv_cache", paged_kv_cache)
-    if kind is None:
-        kv_scales(k_scale, v_scale, None, "paged_kv_cache", L.dtype_of(paged_kv_cache))
+    name, first = next(iter(kv.items()))
+    if not any(is_fp8(x) for x in kv.values()):
+        kv_scales(k_scale, v_scale, None, name, L.dtype_of(first))
         return None, 1.0, 1.0
-    check_kv_dtypes(q, paged_kv_cache=paged_kv_cache)
-    ks, vs = kv_scales(k_scale, v_scale, kind, "paged_kv_cache", kind)
+    kind = check_kv_dtypes(q, **kv)
+    ks, vs = kv_scales(k_scale, v_scale, kind, name, kind)
     A.dtype_code(q, "q")                                  # q: float16, bfloat16 or float32
     return FP8_CODES[kind], ks, vs
+
+
+#: the largest finite value of each fp8 format and of each dtype K/V are widened to
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+WIDE_MAX = {"f16": 65504.0, "bf16": 3.3895313892515355e38, "f32": 3.4028234663852886e38}
+
+
+def check_widened_range(fp8: str, code: str, k_scale: float, v_scale: float) -> None:
+    """Widening multiplies every fp8 value by its scale in q's dtype (``code``): refuse a
+    scale with which a finite fp8 value would overflow there, naming it."""
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if FP8_MAX[fp8] * s > WIDE_MAX[code]:
+            raise L.LayoutError(
+                f"{name}: the prefill forms widen fp8 K/V to q's dtype ({code}) with the scale applied, and "
+                f"{FP8_MAX[fp8]:g} * {name} = {FP8_MAX[fp8] * s:g} exceeds its largest value "
+                f"{WIDE_MAX[code]:g}; use q in bfloat16 or float32, or a smaller {name}")
+
+
+def widen(x: Any, name: str, fp8: str, code: str, k_scale: float, v_scale: float, stream, direct: bool,
+          pages: np.ndarray | None = None) -> Any:
+    """The device array of fp8 ``x`` widened to ``code`` (q's dtype) with the scales
+    applied (:mod:`nbattn.cuda.kernels.fp8_widen`).  ``pages``: a paged cache's page
+    ids; page ``j`` of the result is page ``pages[j]`` of ``x``, its K half times
+    ``k_scale`` and its V half times ``v_scale``.  Without ``pages``, all of ``x``
+    times ``k_scale``.  ``direct``: the result is a torch CUDA tensor of q's dtype on
+    ``x``'s device (the prefill forms' torch path), else a raw-typed numba array."""
+    from numba import cuda
+    from .host.prefill_launch import _numba_stream
+    from .kernels.fp8_widen import widen_kernel
+    A.check_contiguous(x, name)
+    src = A.words(A.to_device(x, name, stream, fp8))
+    shape = tuple(int(n) for n in x.shape)
+    per = math.prod(shape[1:]) if pages is not None else math.prod(shape)
+    if per % 4:
+        raise L.LayoutError(f"{name}: an fp8 {'page' if pages is not None else 'tensor'} must hold a "
+                            f"multiple of 4 values to be read as words, got {per}")
+    if pages is None:
+        pages = np.zeros(1, np.int32)
+    else:
+        shape = (len(pages),) + shape[1:]
+    k_words = per // 8 if len(shape) == 5 else per // 4      # a page holds K, then V
+    n = len(pages) * per
+    if direct:
+        import torch
+        dtype = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[code]
+        result = torch.empty(shape, dtype=dtype, device=x.device)
+        dst = A.flat(A.to_device(result, name, stream, code))
+    else:
+        result = cuda.device_array(shape, A.RAW[code], stream=_numba_stream(stream))
+        dst = result.reshape(n)
+    if n:
+        threads = 32 if SIMULATOR else 256
+        blocks = 1 if SIMULATOR else max(1, min(-(-n // (4 * threads)), 65535))
+        widen_kernel(fp8, code)[blocks, threads, _numba_stream(stream)](
+            src, cuda.to_device(np.ascontiguousarray(pages, np.int32), stream=_numba_stream(stream)),
+            np.int64(per // 4), np.int64(k_words), np.float32(k_scale), np.float32(v_scale), dst)
+    return result
 
 
 def fp8_data_type(kv_data_type: Any) -> str | None:

@@ -57,6 +57,8 @@ import numpy as np
 from .. import layout as L
 from ..variants import check_return_lse
 from .blocks.variants import kernel_variant
+from .fp8 import check_widened_range, kv_fp8, widen
+from .host import arrays as A
 from .host.driver import torch_stream
 from .host.prefill_launch import (NAN_ROW, Outputs, build_work, check_kind_match, contig_dims,  # noqa: F401
                                   default_stream, device_in, enqueue, launch_work, longest_first, nan_row_at,
@@ -121,7 +123,7 @@ def batch_prefill_paged(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_
                         paged_kv_last_page_len, *, kv_layout: str = "NHD", return_lse: bool = False,
                         out=None, lse=None, tensor_cores: bool | None = None, stream=0,
                         tuning: PrefillTuning | None = None, custom_mask=None, packed_custom_mask=None,
-                        **variant):
+                        k_scale=None, v_scale=None, **variant):
     """Batch prefill/append over a paged KV cache (golden:
     :func:`nbattn.reference.batch_prefill_paged`).  ``tensor_cores`` forces a
     path (default: tensor cores on a GPU for fp16/bf16); ``tuning`` shapes the
@@ -129,12 +131,17 @@ def batch_prefill_paged(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_
     each request's row-major ``[qo_len, kv_len]`` block flattened and concatenated)
     or ``packed_custom_mask`` (uint8, each block packed little-endian on its own, as
     ``segment_packbits(..., bitorder="little")`` gives) is a runtime mask, read by the
-    CUDA-core teaching tile (docs/concepts/custom_mask.md)."""
+    CUDA-core teaching tile (docs/concepts/custom_mask.md).  An fp8 cache
+    (``float8_e4m3fn`` / ``float8_e5m2`` with ``k_scale`` / ``v_scale``) is widened
+    to q's dtype, the pages the call reads only (:func:`nbattn.cuda.fp8.widen`)."""
     tuning = check_tuning(tuning, PrefillTuning, PREFILL)
     var = kernel_variant(variant)
     check_return_lse(var, return_lse)
     L.check_same_device(q=q, paged_kv_cache=paged_kv_cache)
-    kind = check_kind_match(q=q, paged_kv_cache=paged_kv_cache)
+    fp8, ks, vs = kv_fp8(q, k_scale, v_scale, paged_kv_cache=paged_kv_cache)
+    kind = check_kind_match(q=q, paged_kv_cache=paged_kv_cache) if fp8 is None else A.dtype_code(q, "q")
+    if fp8 is not None:
+        check_widened_range(fp8, kind, ks, vs)
     pkv, dims = L.PagedKV.from_cache(paged_kv_cache, paged_kv_indptr, paged_kv_indices,
                                      paged_kv_last_page_len, kv_layout)
     qo = L.RaggedQ.validate(qo_indptr, total_rows=q.shape[0] if len(q.shape) == 3 else None)
@@ -153,8 +160,14 @@ def batch_prefill_paged(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_
     outs = Outputs(q, shape, kind, out, lse, return_lse, stream, direct)
     work = build_work(qo.qo_indptr[:-1], qo.lengths, pkv.paged_kv_indptr[:-1],
                       np.zeros(qo.batch_size, np.int32), kv_lens, spec.group, spec.tile_q)
-    cache = device_in(paged_kv_cache, "paged_kv_cache", kind, stream, direct)
-    launch(spec, device_in(q, "q", kind, stream, direct), cache, cache, pkv.paged_kv_indices, work,
+    indices = pkv.paged_kv_indices
+    if fp8 is None:
+        cache = device_in(paged_kv_cache, "paged_kv_cache", kind, stream, direct)
+    else:       # the pages read, widened in order: page j of the scratch cache is indices[j]
+        indices = indices[:int(pkv.paged_kv_indptr[-1])]
+        cache = widen(paged_kv_cache, "paged_kv_cache", fp8, kind, ks, vs, stream, direct, pages=indices)
+        indices = np.arange(len(indices), dtype=np.int32)
+    launch(spec, device_in(q, "q", kind, stream, direct), cache, cache, indices, work,
            *request_rows(qo, kv_lens), dims.page_size, 0, dims.num_kv_heads, outs.d_out, outs.d_lse, stream, mask)
     return outs.finish()
 
@@ -162,14 +175,18 @@ def batch_prefill_paged(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_
 def batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, *, kv_layout: str = "NHD",
                          return_lse: bool = False, out=None, lse=None,
                          tensor_cores: bool | None = None, stream=0, tuning: PrefillTuning | None = None,
-                         custom_mask=None, packed_custom_mask=None, **variant):
+                         custom_mask=None, packed_custom_mask=None, k_scale=None, v_scale=None, **variant):
     """Ragged Q over ragged contiguous KV (golden: :func:`nbattn.reference.batch_prefill_ragged`);
-    ``tuning``, ``custom_mask`` and ``packed_custom_mask`` as :func:`batch_prefill_paged`'s."""
+    ``tuning``, ``custom_mask``, ``packed_custom_mask`` and fp8 ``k`` / ``v`` with
+    ``k_scale`` / ``v_scale`` as :func:`batch_prefill_paged`'s."""
     tuning = check_tuning(tuning, PrefillTuning, PREFILL)
     var = kernel_variant(variant)
     check_return_lse(var, return_lse)
     L.check_same_device(q=q, k=k, v=v)
-    kind = check_kind_match(q=q, k=k, v=v)
+    fp8, ks, vs = kv_fp8(q, k_scale, v_scale, k=k, v=v)
+    kind = check_kind_match(q=q, k=k, v=v) if fp8 is None else A.dtype_code(q, "q")
+    if fp8 is not None:
+        check_widened_range(fp8, kind, ks, vs)
     n_kv, hkv, d = contig_dims(k, v, kv_layout)
     qo = L.RaggedQ.validate(qo_indptr, total_rows=q.shape[0] if len(q.shape) == 3 else None)
     kvp = L.RaggedQ.validate(kv_indptr, total_rows=n_kv, name="kv_indptr")
@@ -187,18 +204,23 @@ def batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, *, kv_layout: str = "NHD
     outs = Outputs(q, shape, kind, out, lse, return_lse, stream, direct)
     work = build_work(qo.qo_indptr[:-1], qo.lengths, np.zeros(qo.batch_size, np.int32),
                       kvp.qo_indptr[:-1], kvp.lengths, spec.group, spec.tile_q)
-    launch(spec, device_in(q, "q", kind, stream, direct), device_in(k, "k", kind, stream, direct),
-           device_in(v, "v", kind, stream, direct), np.zeros(1, np.int32), work,
+    if fp8 is None:
+        k_dev, v_dev = device_in(k, "k", kind, stream, direct), device_in(v, "v", kind, stream, direct)
+    else:
+        k_dev = widen(k, "k", fp8, kind, ks, ks, stream, direct)
+        v_dev = widen(v, "v", fp8, kind, vs, vs, stream, direct)
+    launch(spec, device_in(q, "q", kind, stream, direct), k_dev, v_dev, np.zeros(1, np.int32), work,
            *request_rows(qo, kvp.lengths), 1, n_kv, hkv, outs.d_out, outs.d_lse, stream, mask)
     return outs.finish()
 
 
 def single_prefill(q, k, v, *, kv_layout: str = "NHD", return_lse: bool = False, out=None, lse=None,
                    tensor_cores: bool | None = None, stream=0, tuning: PrefillTuning | None = None,
-                   custom_mask=None, packed_custom_mask=None, **variant):
+                   custom_mask=None, packed_custom_mask=None, k_scale=None, v_scale=None, **variant):
     """One request over contiguous KV (golden: :func:`nbattn.reference.single_prefill`);
-    ``tuning`` as :func:`batch_prefill_paged`'s; ``custom_mask`` bool ``[qo_len, kv_len]``
-    (or flattened), or ``packed_custom_mask`` its bits packed little-endian."""
+    ``tuning`` and fp8 ``k`` / ``v`` as :func:`batch_prefill_ragged`'s; ``custom_mask``
+    bool ``[qo_len, kv_len]`` (or flattened), or ``packed_custom_mask`` its bits packed
+    little-endian."""
     tuning = check_tuning(tuning, PrefillTuning, PREFILL)
     n_kv = contig_dims(k, v, kv_layout)[0]
     if len(q.shape) != 3:
@@ -213,5 +235,6 @@ def single_prefill(q, k, v, *, kv_layout: str = "NHD", return_lse: bool = False,
     return batch_prefill_ragged(q, k, v, np.array([0, nq], np.int32), np.array([0, n_kv], np.int32),
                                 kv_layout=kv_layout, return_lse=return_lse, out=out, lse=lse,
                                 tensor_cores=tensor_cores, stream=stream, tuning=tuning,
-                                custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, **variant)
+                                custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
+                                k_scale=k_scale, v_scale=v_scale, **variant)
 
