@@ -2,12 +2,14 @@
 then run() eager and run() replayed in a CUDA graph (issue 19, item 5, "fp8 vs fp16
 decode bandwidth").
 
-Cases: batch 64 x {4k, 16k} keys and batch 1 x 32k, 32 query heads, group 4,
+Decode cases: batch 64 x {4k, 16k} keys and batch 1 x 32k, 32 query heads, group 4,
 page 16, head_dim 128, fp16 q; and batch 64 x 4k with bf16 q, and with fp16 q
 and the fp8 caches on the warp path (``path`` in the case; the default picks
 the tensor-core path for these shapes).  For each, the
 cache in q's dtype and the same values as ``float8_e4m3fn`` and ``float8_e5m2``
-caches with ``k_scale`` / ``v_scale``.
+caches with ``k_scale`` / ``v_scale``.  Prefill case: ``batch_prefill_paged``,
+4 requests of 2048 query rows over 2048 keys, causal, over the same three caches
+(the fp8 ones widened to fp16 by the call), and the widening alone.
 Records (suite ``fp8``):
 
 * ``bw_fraction``: the bytes the call reads -- K and V in the cache's own
@@ -182,6 +184,44 @@ def bench_error(recs, seed: int):
                      "peers": {}})
 
 
+def bench_prefill(recs, seed: int):
+    """``batch_prefill_paged`` (plain call, causal) over the fp16 cache and the same values
+    as fp8 caches, which the prefill forms widen to fp16 first; and the widening alone.
+    Records ``latency_us`` (eager, events around back-to-back calls), the fp8 ones with
+    the fp16 time as peer ``fp16``."""
+    from nbattn.cuda import fp8 as F
+    from nbattn.cuda.blocks.fp8 import FP8_CODES
+    batch, n = (2, 12) if SIMULATOR else (4, 2048)
+    hkv = HQ // GROUP
+    q1, cs, meta, lens = caches(batch, n, hkv, seed)
+    q = torch.randn((batch * n, HQ, D), dtype=torch.float16, device=DEV)
+    qo_indptr = np.arange(batch + 1, dtype=np.int32) * n
+    base = {"op": "prefill", "batch": batch, "qo_len": n, "kv_len": n, "causal": True, "num_qo_heads": HQ,
+            "num_kv_heads": hkv, "head_dim": D, "page_size": PS, "q_dtype": "float16"}
+    fp16_us = None
+    for kv in ("float16", "float8_e4m3fn", "float8_e5m2"):
+        scales = {} if kv == "float16" else dict(k_scale=K_SCALE, v_scale=V_SCALE)
+        fn = (lambda kv=kv, scales=scales: NC.batch_prefill_paged(q, cs[kv], qo_indptr, *meta, causal=True,
+                                                                   **scales))
+        fn()
+        sync()
+        us = timed_ms(fn) * 1e3
+        peers = {} if fp16_us is None else {"fp16": fp16_us}
+        fp16_us = us if fp16_us is None else fp16_us
+        recs.append({"case": dict(base, kv_dtype=kv, mode="eager_plain"), "metric": "latency_us", "value": us,
+                     "unit": "us", "peers": peers})
+        line = f"prefill {batch} x {n} causal {kv:14s}: {us:9.1f} us"
+        if kv != "float16":
+            pages = np.asarray(meta[1])
+            widen_us = timed_ms(lambda kv=kv: F.widen(cs[kv], "paged_kv_cache", FP8_CODES[kv], "f16", K_SCALE,
+                                                     V_SCALE, 0, not SIMULATOR, pages=pages)) * 1e3
+            recs.append({"case": dict(base, kv_dtype=kv, mode="widen_only", pages=int(pages.size)),
+                         "metric": "latency_us", "value": widen_us, "unit": "us", "peers": {"fp16": fp16_us}})
+            line += f" (widening alone {widen_us:.1f} us)"
+        print(line, flush=True)
+    del cs
+
+
 def compare(got: np.ndarray, want: np.ndarray) -> tuple[float, int, int]:
     """``(max |got - want|, mismatches, n)``: the largest difference over the ``n`` elements
     where both are finite (0.0 when there are none), and the count of elements where they
@@ -216,6 +256,8 @@ def main(argv=None) -> int:
         return path
 
     bench_error(recs, 19)
+    save()
+    bench_prefill(recs, 23)
     save()
     cases = [(64, 4096, "float16", "auto"), (64, 4096, "bfloat16", "auto"), (64, 4096, "float16", "warp"),
              (1, 32768, "float16", "auto"), (64, 16384, "float16", "auto")]
