@@ -168,6 +168,14 @@ def test_bad_fp8_input_is_refused_with_the_golden_models_message(case):
     assert_refused(lambda d: C.single_prefill(d["q"], d["k"], d["v"], **kw), d, arg, str(golden.value), case)
 
 
+def test_the_prefill_wrapper_refuses_an_fp8_plan():
+    ws = np.zeros(8 << 20, np.uint8) if SIMULATOR else torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
+    w = C.BatchPrefillWithPagedKVCacheWrapper(ws)
+    meta = (np.array([0, 2], np.int32), np.array([0, 1], np.int32), np.array([0], np.int32), np.array([3], np.int32))
+    with pytest.raises(ValueError, match=r"^kv_data_type: the prefill wrapper does not read fp8 K/V"):
+        w.plan(*meta, 4, 2, 16, 4, kv_data_type=torch.float8_e4m3fn)
+
+
 # ---------------------------------------------------------------------------
 # Realistic shapes on a GPU: the tensor-core tiles, torch CUDA tensors
 # ---------------------------------------------------------------------------

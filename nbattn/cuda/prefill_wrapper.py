@@ -27,6 +27,7 @@ from .. import layout as L
 from ..sched.plan import DIRECT, plan as lpt_plan
 from ..sched.tiles import choose_tile_q
 from .blocks.variants import kernel_variant, user_state
+from .fp8 import Fp8NotSupported, fp8_data_type
 from .host import arrays as A
 from .host.driver import BoundLaunch, sm_count
 from .merge import merge_tiles_launch
@@ -92,6 +93,10 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         var = kernel_variant(dict(variant, causal=causal, pos_encoding_mode=pos_encoding_mode,
                             window_left=window_left, logits_soft_cap=logits_soft_cap,
                             sm_scale=sm_scale))
+        if fp8_data_type(kv_data_type) is not None:
+            raise Fp8NotSupported(f"kv_data_type: the prefill wrapper does not read fp8 K/V ({kv_data_type}); "
+                                  f"nbattn.cuda.batch_prefill_paged does (docs/concepts/layouts.md, "
+                                  f"'fp8 in the kernels')")
         code = data_code(q_data_type, kv_data_type)
         hq, hk, D = int(num_qo_heads), int(num_kv_heads), int(head_dim_qk)
         group = L.check_heads(hq, hk)
