@@ -104,7 +104,7 @@ def widen(x: Any, name: str, fp8: str, code: str, k_scale: float, v_scale: float
     times ``k_scale``.  ``direct``: the result is a torch CUDA tensor of q's dtype on
     ``x``'s device (the prefill forms' torch path), else a raw-typed numba array."""
     from numba import cuda
-    from .host.prefill_launch import _numba_stream
+    from .host.prefill_launch import numba_stream
     from .kernels.fp8_widen import widen_kernel
     A.check_contiguous(x, name)
     src = A.words(A.to_device(x, name, stream, fp8))
@@ -125,13 +125,13 @@ def widen(x: Any, name: str, fp8: str, code: str, k_scale: float, v_scale: float
         result = torch.empty(shape, dtype=dtype, device=x.device)
         dst = A.flat(A.to_device(result, name, stream, code))
     else:
-        result = cuda.device_array(shape, A.RAW[code], stream=_numba_stream(stream))
+        result = cuda.device_array(shape, A.RAW[code], stream=numba_stream(stream))
         dst = result.reshape(n)
     if n:
         threads = 32 if SIMULATOR else 256
         blocks = 1 if SIMULATOR else max(1, min(-(-n // (4 * threads)), 65535))
-        widen_kernel(fp8, code)[blocks, threads, _numba_stream(stream)](
-            src, cuda.to_device(np.ascontiguousarray(pages, np.int32), stream=_numba_stream(stream)),
+        widen_kernel(fp8, code)[blocks, threads, numba_stream(stream)](
+            src, cuda.to_device(np.ascontiguousarray(pages, np.int32), stream=numba_stream(stream)),
             np.int64(per // 4), np.int64(k_words), np.float32(k_scale), np.float32(v_scale), dst)
     return result
 

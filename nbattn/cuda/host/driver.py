@@ -5,9 +5,8 @@ one file to fix when it moves.
 
     jit_kernel(fn, **kw)  cuda.jit(fn, **kw) with an on-disk cache on the GPU whose
                           key survives a new process (see below)
-    stable_key(fn)        that key: a digest of everything the compiled kernel
-                          depends on, or None when something in it has no
-                          process-independent description
+    stable_key(fn)        that key: a digest of all the compiled kernel depends on,
+                          or None when some of it has no process-independent description
     sm_count(), compute_capability()   of the current device (4 / None in the simulator)
 
 Why a key of our own
@@ -42,8 +41,7 @@ import numpy as np
 from numba import cuda
 
 from ...variants import code_names
-
-from ..._jit import package_digest
+from ..._jit import import_without_scipy, package_digest
 from ..blocks.primitives import SIMULATOR
 
 log = logging.getLogger("nbattn")
@@ -148,10 +146,12 @@ def _keyed_cache(py_func, key: str):
     from numba.cuda.dispatcher import CUDACache
 
     class KeyedCache(CUDACache):
-        """numba's CUDA cache with the closure part of the index key replaced by ours."""
+        """numba's CUDA cache keyed by :func:`stable_key`, not the pickled closure (never equal across processes)."""
+
+        def load_overload(self, sig, target_context):       # the target's first load skips SciPy (returns None)
+            return import_without_scipy("numba.cuda.np.arraymath") or super().load_overload(sig, target_context)
 
         def _index_key(self, sig, codegen):
-            # numba's own key minus the pickled closure (which never matches across processes)
             k = (sig, codegen.magic_tuple(), numba_cuda.__version__, ("nbattn", key))
             if self._launch_config_key is not None:
                 k += (("launch_config", self._launch_config_key),)

@@ -30,7 +30,7 @@ from .driver import BoundLaunch, Span, StagingRing, handle_of, launch as launch_
 
 __all__ = ["default_stream", "resolve_stream", "device_in", "torch_direct", "Outputs", "check_kind_match",
            "contig_dims", "build_work", "request_rows", "longest_first", "NAN_ROW", "nan_row_at", "tile_slopes",
-           "launch_work", "enqueue", "recording", "BOUND", "BOUND_MOST"]
+           "launch_work", "enqueue", "recording", "numba_stream", "BOUND", "BOUND_MOST"]
 
 
 # ---------------------------------------------------------------------------
@@ -232,7 +232,7 @@ def launch_work(kernel, spec, q, k_src, v_src, kv_indices: np.ndarray, work: np.
             and all(isinstance(x, np.ndarray) for x in host_meta)):
         _launch_staged(kernel, grid, spec.threads, stream, dev, [*host_meta, slopes], block, n_keys, codes)
         return
-    stream = _numba_stream(stream)
+    stream = numba_stream(stream)
     q, k_src, v_src, out, lse = _raw_views(dev, codes, stream)
     meta = [A.device_meta(x, x, stream) for x in host_meta]
     args = (q, k_src, v_src, *meta, cuda.to_device(slopes, stream=stream), np.int32(block), np.int32(n_keys),
@@ -254,7 +254,7 @@ def _raw_views(dev, codes, stream) -> tuple:
                  for x, n, c in zip(dev, _ARG_NAMES, codes))
 
 
-def _numba_stream(stream):
+def numba_stream(stream):
     """A numba stream for numba's launch: a torch stream handle (see :func:`torch_direct`)
     wrapped, anything else as it is."""
     return cuda.external_stream(stream) if isinstance(stream, int) and stream else stream
@@ -280,7 +280,7 @@ def _launch_staged(kernel, grid, threads, stream, dev, meta: list, block: int, n
         key = (kernel, threads, tuple(_shape_key(a) for a in dev))
         bl = BOUND.get(key)
         if bl is None:
-            q, k_src, v_src, out, lse = _raw_views(dev, codes, _numba_stream(stream))
+            q, k_src, v_src, out, lse = _raw_views(dev, codes, numba_stream(stream))
             bl = BOUND[key] = BoundLaunch(kernel, grid, threads,
                                           (q, k_src, v_src, *[sp.view() for sp in spans], np.int32(block),
                                            np.int32(n_keys), out, lse),
