@@ -242,7 +242,6 @@ class PlanRunWrapper:
         self._views = {name: self._ints[off // 4: off // 4 + max(cap, 1)]
                        for name, (off, cap) in self.layout.arrays.items()}
         self._h2d = HostToDevice(self.layout.plan_bytes // 4)     # pinned staging image of the plan region
-        self._h2d_spare = None         # a second image, made when a plan finds the first still in flight
         self._ints_ptr = None
         self._host = self._h2d.host
         self._dirty: list = []         # (word offset, int32 array) pairs plan() staged
@@ -301,11 +300,6 @@ class PlanRunWrapper:
     def _begin_plan(self) -> int:
         """The stream a plan's copies go on (torch's current one for a torch workspace),
         once the staging image may be rewritten."""
-        if self._h2d.in_flight():      # the two images take turns: no wait for the last plan's copies
-            if self._h2d_spare is None:
-                self._h2d_spare = HostToDevice(self.layout.plan_bytes // 4)
-            self._h2d, self._h2d_spare = self._h2d_spare, self._h2d
-            self._host = self._h2d.host
         self._h2d.begin()
         self._bound_now = None
         self._run_seen = None
