@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One GPU visit for fp8 on the tensor-core decode path and the plan() staging (issues 19, 16):
+# One GPU visit for fp8 on the tensor-core decode path and the plan() staging (issues 19, 16),
+# with the parked commits restored first (branch gpu-pending-25):
 #   COMMIT=<sha> bash benchmarks/gpu_visit_fp8_tc.sh
 # 1. the fp8 GPU tests (decode and prefill) and the wrappers' re-plan / graph tests;
 # 2. benchmarks/gpu_fp8.py (fp8.json; FP8_ARGS=--quick for two cases);
