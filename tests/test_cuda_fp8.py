@@ -416,7 +416,6 @@ def test_fp8_head_dim_must_be_a_multiple_of_16():
 def _others(q, k, v, cache):
     kvi = np.array([0, 3, 5], np.int32)
     return {
-        "single_decode": (lambda: C.single_decode(q[0], k, v), "k"),
         "block_sparse": (lambda: C.block_sparse(q, k, v, None), "k"),
         "split_kv": (lambda: C.split_kv(q, k, v, kvi), "k"),
         "cascade": (lambda: C.cascade(q, [], cache), "paged_kv_cache"),

@@ -1,6 +1,7 @@
 """fp8 K/V on the prefill forms (``batch_prefill_paged``, ``batch_prefill_ragged``,
-``single_prefill``): the pages a call reads are widened to q's dtype with the scales
-applied (:mod:`nbattn.cuda.kernels.fp8_widen`), then the 16-bit tiles run.
+``single_prefill``, and ``single_decode``, a one-row prefill): the pages a call
+reads are widened to q's dtype with the scales applied
+(:mod:`nbattn.cuda.kernels.fp8_widen`), then the 16-bit tiles run.
 
 The widening kernel is checked on all 256 codes of both formats against torch's
 own conversion; every prefill result against the golden model in float64 over the
@@ -104,7 +105,7 @@ def test_paged_prefill_matches_the_golden_model(fmt, qdt, layout, group, page_si
 
 
 @pytest.mark.parametrize("fmt,qdt", [("e4m3", "f16"), ("e5m2", "bf16")])
-def test_ragged_and_single_prefill_match_the_golden_model(fmt, qdt):
+def test_ragged_single_prefill_and_single_decode_match_the_golden_model(fmt, qdt):
     rng, seed = fresh()
     qo_lens, kv_lens = [3, 1, 4], [7, 5, 4]
     n = sum(kv_lens)
@@ -118,6 +119,9 @@ def test_ragged_and_single_prefill_match_the_golden_model(fmt, qdt):
           f"ragged seed={seed}")
     one = (q[:3], k[:7], v[:7])
     check(C.single_prefill(*one, **kw), R.single_prefill(*one, dtype=np.float64, **kw), qdt, f"single seed={seed}")
+    kw.pop("causal")
+    dec = (q[5], k[7:12], v[7:12])
+    check(C.single_decode(*dec, **kw), R.single_decode(*dec, dtype=np.float64, **kw), qdt, f"decode seed={seed}")
 
 
 @pytest.mark.parametrize("fmt", list(FP8))

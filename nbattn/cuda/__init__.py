@@ -41,8 +41,7 @@ __all__ = ["batch_decode_paged", "merge_state", "merge_states", "merge_state_in_
 
 # Forms that do not read fp8 K/V refuse it (and k_scale / v_scale) first, naming the argument
 # (nbattn.cuda.fp8); the decode and prefill forms, the decode wrapper and append_paged_kv_cache read it.
-(single_decode, block_sparse, split_kv) = (refuse_fp8(f, f.__name__) for f in (single_decode, block_sparse,
-                                                                                  split_kv))
+(block_sparse, split_kv) = (refuse_fp8(f, f.__name__) for f in (block_sparse, split_kv))
 # The golden model's dtype= keyword is a documented no-op here (nbattn._diff).
 # Learnable sinks (sinks=) are one more state merged once after the kernels (nbattn.cuda.sinks).
 (batch_decode_paged, single_decode, batch_prefill_paged, batch_prefill_ragged, single_prefill,

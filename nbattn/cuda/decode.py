@@ -257,14 +257,15 @@ def batch_decode_paged(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, pag
 
 
 def single_decode(q, k, v, *, kv_layout: str = "NHD", return_lse: bool = False, out=None, lse=None,
-                  tuning=None, **variant):
+                  tuning=None, k_scale=None, v_scale=None, **variant):
     """One query token over contiguous KV (golden: :func:`nbattn.reference.single_decode`):
     ``q [num_qo_heads, head_dim]``, ``k, v [kv_len, num_kv_heads, head_dim]`` (NHD).
 
     A one-row prefill over the contiguous keys, so no page table is built and
     no KV is copied; returns ``o [num_qo_heads, head_dim]`` (and ``lse``).  The
     kernel is the prefill tile, so ``tuning`` is a
-    :class:`~nbattn.cuda.tuning.PrefillTuning` (None: ``PREFILL``).
+    :class:`~nbattn.cuda.tuning.PrefillTuning` (None: ``PREFILL``), and fp8 ``k`` /
+    ``v`` with ``k_scale`` / ``v_scale`` are read as :func:`single_prefill` reads them.
     """
     from .prefill import single_prefill
 
@@ -273,7 +274,7 @@ def single_decode(q, k, v, *, kv_layout: str = "NHD", return_lse: bool = False, 
         raise L.LayoutError(f"q: must have shape [num_qo_heads, head_dim], got {tuple(q.shape)}")
     row = lambda x: None if x is None else x.reshape((1,) + tuple(x.shape))  # noqa: E731
     res = single_prefill(row(q), k, v, kv_layout=kv_layout, return_lse=return_lse, out=row(out),
-                         lse=row(lse), tuning=tuning, **variant)
+                         lse=row(lse), tuning=tuning, k_scale=k_scale, v_scale=v_scale, **variant)
     if return_lse:
         o, s = res
         return o.reshape(tuple(o.shape[1:])), s.reshape(tuple(s.shape[1:]))

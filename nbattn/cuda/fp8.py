@@ -41,8 +41,8 @@ from .host import arrays as A
 __all__ = ["Fp8NotSupported", "FP8_READERS", "decode_kv", "is_fp8", "fp8_data_type", "plan_kv_code",
            "check_run_dtypes", "run_scales", "refuse_fp8"]
 
-FP8_READERS = ("nbattn.cuda.batch_decode_paged, batch_prefill_paged, batch_prefill_ragged, single_prefill, "
-               "BatchDecodeWithPagedKVCacheWrapper and append_paged_kv_cache")
+FP8_READERS = ("nbattn.cuda.batch_decode_paged, single_decode, batch_prefill_paged, batch_prefill_ragged, "
+               "single_prefill, BatchDecodeWithPagedKVCacheWrapper and append_paged_kv_cache")
 _TORCH_FP8 = tuple(f"torch.{n}" for n in FP8_DTYPES)
 _NAMES = {code: name for name, code in FP8_CODES.items()}
 
