@@ -43,7 +43,7 @@ from numba import cuda
 from .. import layout as L
 from ..variants import alibi_slopes, check_return_lse
 from .decode_call import fast_decode
-from .fp8 import decode_kv
+from .fp8 import kv_fp8
 from .decode_problem import (KERNELS, MAX_HEAD_DIM, DecodeProblem, aligned_16, check_head_dim, check_out,
                              choose_chunk, decode_arg_index, decode_kernel, decode_launch, launch_for,
                              first_visible, launches_programmatically, split_rule, window_edge)
@@ -74,7 +74,7 @@ def prepare_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_k
     var = kernel_variant(dict(variant))
     check_return_lse(var, return_lse)
     L.check_kv_layout(kv_layout)
-    fp8, k_scale, v_scale = decode_kv(q, paged_kv_cache, k_scale, v_scale)
+    fp8, k_scale, v_scale = kv_fp8(q, k_scale, v_scale, paged_kv_cache=paged_kv_cache)
     code = A.dtype_code(q, "q")
     if fp8 is None and A.dtype_code(paged_kv_cache, "paged_kv_cache") != code:
         raise L.LayoutError(f"paged_kv_cache: dtype must match q, got q={L.dtype_of(q)}, "

@@ -29,7 +29,7 @@ from ..variants import alibi_slopes, check_return_lse
 from . import decode_problem as DP
 from .blocks.primitives import SIMULATOR
 from .blocks.variants import cached_variant
-from .fp8 import decode_kv, is_fp8
+from .fp8 import kv_fp8, is_fp8
 from .host import arrays as A
 from .host import hostwork as HW
 from .host.driver import BoundLaunch, Span, StagingRing, data_ptr, stream_handle
@@ -101,7 +101,7 @@ def _checked_call(q, cache, meta, kind, kv_layout, return_lse, out, lse, variant
     check_return_lse(var, return_lse)
     fp8, ks, vs = None, 1.0, 1.0
     if k_scale is not None or v_scale is not None or is_fp8(cache) or is_fp8(q):
-        fp8, ks, vs = decode_kv(q, cache, k_scale, v_scale)
+        fp8, ks, vs = kv_fp8(q, k_scale, v_scale, paged_kv_cache=cache)
     code = A.dtype_code(q, "q")
     if fp8 is None and A.dtype_code(cache, "paged_kv_cache") != code:
         raise L.LayoutError(f"paged_kv_cache: dtype must match q, got q={L.dtype_of(q)}, "

@@ -31,15 +31,18 @@ import math
 from typing import Any, Callable
 
 import numpy as np
+from numba import cuda
 
 from .. import layout as L
 from ..reference.fp8 import FP8_DTYPES, FP8_FORMS, check_kv_dtypes, check_scale, fp8_kind, kv_scales, reject_fp8
 from .blocks.fp8 import FP8_CODES
 from .blocks.primitives import SIMULATOR
 from .host import arrays as A
+from .host.prefill_launch import check_kind_match, numba_stream
+from .kernels.fp8_widen import widen_kernel
 
-__all__ = ["Fp8NotSupported", "FP8_READERS", "decode_kv", "is_fp8", "fp8_data_type", "plan_kv_code",
-           "check_run_dtypes", "run_scales", "refuse_fp8"]
+__all__ = ["Fp8NotSupported", "FP8_READERS", "is_fp8", "fp8_data_type", "plan_kv_code",
+           "check_run_dtypes", "run_scales", "refuse_fp8", "kv_fp8", "prefill_kv", "check_widened_range", "widen"]
 
 FP8_READERS = ("nbattn.cuda.batch_decode_paged, single_decode, batch_prefill_paged, batch_prefill_ragged, "
                "single_prefill, BatchDecodeWithPagedKVCacheWrapper and append_paged_kv_cache")
@@ -56,17 +59,12 @@ def is_fp8(x: Any) -> bool:
     return str(getattr(x, "dtype", "")).replace("torch.", "").startswith("float8")
 
 
-def decode_kv(q: Any, paged_kv_cache: Any, k_scale: Any, v_scale: Any) -> tuple[str | None, float, float]:
-    """``(kv_code, k_scale, v_scale)`` of a decode call: the cache's fp8 kernel code
-    (``"e4m3"`` / ``"e5m2"``) and the scales as floats, or ``(None, 1.0, 1.0)`` for a
-    cache that is not fp8 (where a scale other than None is refused).  The golden
-    model's rules and messages (:func:`nbattn.reference.fp8.check_kv_dtypes`,
-    :func:`~nbattn.reference.fp8.kv_scales`)."""
-    return kv_fp8(q, k_scale, v_scale, paged_kv_cache=paged_kv_cache)
-
-
 def kv_fp8(q: Any, k_scale: Any, v_scale: Any, **kv: Any) -> tuple[str | None, float, float]:
-    """:func:`decode_kv` for any K/V arguments (``paged_kv_cache=`` or ``k=, v=``)."""
+    """``(kv_code, k_scale, v_scale)`` of a call with K/V ``kv`` (``paged_kv_cache=`` or
+    ``k=, v=``): their fp8 kernel code (``"e4m3"`` / ``"e5m2"``) and the scales as
+    floats, or ``(None, 1.0, 1.0)`` for K/V that are not fp8 (where a scale other than
+    None is refused).  The golden model's rules and messages
+    (:func:`nbattn.reference.fp8.check_kv_dtypes`, :func:`~nbattn.reference.fp8.kv_scales`)."""
     if is_fp8(q):
         reject_fp8("q", q)
     name, first = next(iter(kv.items()))
@@ -95,6 +93,18 @@ def check_widened_range(fp8: str, code: str, k_scale: float, v_scale: float) -> 
                 f"{WIDE_MAX[code]:g}; use q in bfloat16 or float32, or a smaller {name}")
 
 
+def prefill_kv(q: Any, k_scale: Any, v_scale: Any, **kv: Any) -> tuple[str | None, float, float, str]:
+    """A prefill form's K/V dtype rule: ``(fp8 code or None, k_scale, v_scale, kind)``,
+    ``kind`` the element type the tiles run in -- the shared dtype of ``q`` and K/V, or
+    q's for fp8 K/V, which :func:`widen` turns into it (its scales checked for range)."""
+    fp8, ks, vs = kv_fp8(q, k_scale, v_scale, **kv)
+    if fp8 is None:
+        return None, ks, vs, check_kind_match(q=q, **kv)
+    kind = A.dtype_code(q, "q")
+    check_widened_range(fp8, kind, ks, vs)
+    return fp8, ks, vs, kind
+
+
 def widen(x: Any, name: str, fp8: str, code: str, k_scale: float, v_scale: float, stream, direct: bool,
           pages: np.ndarray | None = None) -> Any:
     """The device array of fp8 ``x`` widened to ``code`` (q's dtype) with the scales
@@ -103,36 +113,26 @@ def widen(x: Any, name: str, fp8: str, code: str, k_scale: float, v_scale: float
     ``k_scale`` and its V half times ``v_scale``.  Without ``pages``, all of ``x``
     times ``k_scale``.  ``direct``: the result is a torch CUDA tensor of q's dtype on
     ``x``'s device (the prefill forms' torch path), else a raw-typed numba array."""
-    from numba import cuda
-    from .host.prefill_launch import numba_stream
-    from .kernels.fp8_widen import widen_kernel
     A.check_contiguous(x, name)
-    src = A.words(A.to_device(x, name, stream, fp8))
     shape = tuple(int(n) for n in x.shape)
     per = math.prod(shape[1:]) if pages is not None else math.prod(shape)
     if per % 4:
         raise L.LayoutError(f"{name}: an fp8 {'page' if pages is not None else 'tensor'} must hold a "
                             f"multiple of 4 values to be read as words, got {per}")
+    k_words = per // 8 if pages is not None else per // 4      # a page holds K, then V
     if pages is None:
         pages = np.zeros(1, np.int32)
     else:
         shape = (len(pages),) + shape[1:]
-    k_words = per // 8 if len(shape) == 5 else per // 4      # a page holds K, then V
-    n = len(pages) * per
-    if direct:
-        import torch
-        dtype = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[code]
-        result = torch.empty(shape, dtype=dtype, device=x.device)
-        dst = A.flat(A.to_device(result, name, stream, code))
-    else:
-        result = cuda.device_array(shape, A.RAW[code], stream=numba_stream(stream))
-        dst = result.reshape(n)
-    if n:
+    src = A.words(A.to_device(x, name, stream, fp8))
+    s = numba_stream(stream)
+    result, dst = A.new_output("torch" if direct else "numba", shape, code, s, like=x)
+    if len(pages) and per:
         threads = 32 if SIMULATOR else 256
-        blocks = 1 if SIMULATOR else max(1, min(-(-n // (4 * threads)), 65535))
-        widen_kernel(fp8, code)[blocks, threads, numba_stream(stream)](
-            src, cuda.to_device(np.ascontiguousarray(pages, np.int32), stream=numba_stream(stream)),
-            np.int64(per // 4), np.int64(k_words), np.float32(k_scale), np.float32(v_scale), dst)
+        blocks = 1 if SIMULATOR else max(1, min(-(-len(pages) * per // (4 * threads)), 65535))
+        widen_kernel(fp8, code)[blocks, threads, s](
+            src, cuda.to_device(np.ascontiguousarray(pages, np.int32), stream=s), np.int64(per // 4),
+            np.int64(k_words), np.float32(k_scale), np.float32(v_scale), A.flat(dst))
     return result
 
 

@@ -57,8 +57,7 @@ import numpy as np
 from .. import layout as L
 from ..variants import check_return_lse
 from .blocks.variants import kernel_variant
-from .fp8 import check_widened_range, kv_fp8, widen
-from .host import arrays as A
+from .fp8 import prefill_kv, widen
 from .host.driver import torch_stream
 from .host.prefill_launch import (NAN_ROW, Outputs, build_work, check_kind_match, contig_dims,  # noqa: F401
                                   default_stream, device_in, enqueue, launch_work, longest_first, nan_row_at,
@@ -138,10 +137,7 @@ def batch_prefill_paged(q, paged_kv_cache, qo_indptr, paged_kv_indptr, paged_kv_
     var = kernel_variant(variant)
     check_return_lse(var, return_lse)
     L.check_same_device(q=q, paged_kv_cache=paged_kv_cache)
-    fp8, ks, vs = kv_fp8(q, k_scale, v_scale, paged_kv_cache=paged_kv_cache)
-    kind = check_kind_match(q=q, paged_kv_cache=paged_kv_cache) if fp8 is None else A.dtype_code(q, "q")
-    if fp8 is not None:
-        check_widened_range(fp8, kind, ks, vs)
+    fp8, ks, vs, kind = prefill_kv(q, k_scale, v_scale, paged_kv_cache=paged_kv_cache)
     pkv, dims = L.PagedKV.from_cache(paged_kv_cache, paged_kv_indptr, paged_kv_indices,
                                      paged_kv_last_page_len, kv_layout)
     qo = L.RaggedQ.validate(qo_indptr, total_rows=q.shape[0] if len(q.shape) == 3 else None)
@@ -183,10 +179,7 @@ def batch_prefill_ragged(q, k, v, qo_indptr, kv_indptr, *, kv_layout: str = "NHD
     var = kernel_variant(variant)
     check_return_lse(var, return_lse)
     L.check_same_device(q=q, k=k, v=v)
-    fp8, ks, vs = kv_fp8(q, k_scale, v_scale, k=k, v=v)
-    kind = check_kind_match(q=q, k=k, v=v) if fp8 is None else A.dtype_code(q, "q")
-    if fp8 is not None:
-        check_widened_range(fp8, kind, ks, vs)
+    fp8, ks, vs, kind = prefill_kv(q, k_scale, v_scale, k=k, v=v)
     n_kv, hkv, d = contig_dims(k, v, kv_layout)
     qo = L.RaggedQ.validate(qo_indptr, total_rows=q.shape[0] if len(q.shape) == 3 else None)
     kvp = L.RaggedQ.validate(kv_indptr, total_rows=n_kv, name="kv_indptr")
