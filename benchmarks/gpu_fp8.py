@@ -4,8 +4,8 @@ decode bandwidth").
 
 Decode cases: batch 64 x {4k, 16k} keys and batch 1 x 32k, 32 query heads, group 4,
 page 16, head_dim 128, fp16 q; and batch 64 x 4k with bf16 q, and with fp16 q
-and ``path="warp"`` forced for the fp8 caches (``case.path`` records the path
-each call took).  For each, the
+and the fp8 caches on the warp path (``path`` in the case; the default picks
+the tensor-core path for these shapes).  For each, the
 cache in q's dtype and the same values as ``float8_e4m3fn`` and ``float8_e5m2``
 caches with ``k_scale`` / ``v_scale``.  Prefill case: ``batch_prefill_paged``,
 4 requests of 2048 query rows over 2048 keys, causal, over the same three caches

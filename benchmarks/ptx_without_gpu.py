@@ -144,7 +144,11 @@ def configurations():
         "tc_g8": (lambda: fast(group=8), dsig),
         "tc_g4_split": (lambda: fast(group=4, batch_kv_heads=8), dsig),
         "warp_g4_f16": (lambda: fast(group=4, tuning=DECODE.replace(path="warp")), dsig),
-        "warp_g4_e4m3": (lambda: fast(group=4, kv_code="e4m3"), dsig),
+        "warp_g4_e4m3": (lambda: fast(group=4, kv_code="e4m3", tuning=DECODE.replace(path="warp")), dsig),
+        "tc_g4_e4m3": (lambda: fast(group=4, kv_code="e4m3"), dsig),
+        "tc_g8_e5m2": (lambda: fast(group=8, kv_code="e5m2"), dsig),
+        "tc_g4_e4m3_bf16": (lambda: fast(group=4, kv_code="e4m3", code="bf16"), dsig),
+        "tc_g4_e4m3_split": (lambda: fast(group=4, kv_code="e4m3", batch_kv_heads=8), dsig),
         "smem_plain": (lambda: smem(plain), smem_signature(u16)),
         "smem_rope": (lambda: smem(rope), smem_signature(u16)),
         "prefill_teaching_plain": (lambda: prefill(plain, False, PREFILL.replace(cuda_core=False)),
@@ -196,6 +200,7 @@ def main(argv=None) -> int:
     from nbattn.cuda.host import driver
     assert _compat.BACKEND == "gpu", "nbattn chose the simulator"
     driver._SM_COUNT[:] = [132]
+    driver._CC[:] = [(9, 0)]
     confs = configurations()
     if args.list:
         print("\n".join(confs))

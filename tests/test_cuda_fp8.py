@@ -150,18 +150,33 @@ def test_the_nan_rule_sees_every_non_finite_byte(fmt):
     assert np.array_equal(out == 1, ~np.isfinite(codes)), f"seed={seed}"
 
 
-def test_fp8_never_takes_the_tensor_core_path(monkeypatch):
+def test_which_fp8_caches_take_the_tensor_core_path(monkeypatch):
+    """On a GPU of compute capability 8.9 or later, fp16 or bf16 q with head_dim 64 or 128
+    and a group of at least ``tc_min_group`` takes the tensor-core path; fp32 q, head_dim
+    96, an older GPU, sigmoid, RoPE or ``path="warp"`` keep the warp path."""
     var = Variant()
     monkeypatch.setattr(DCOM, "SIMULATOR", False)
-    assert DCOM.tc_eligible("f16", 128, True, var)
-    assert not DCOM.tc_eligible("f16", 128, True, var, "e4m3")
+    cc = [(9, 0)]
+    monkeypatch.setattr(DCOM, "compute_capability", lambda: cc[0])
+    assert DCOM.tc_eligible("f16", 128, True, var, "e4m3") and DCOM.tc_eligible("f16", 64, True, var, "e5m2")
+    assert DCOM.tc_eligible("bf16", 128, True, var, "e4m3")
+    assert not DCOM.tc_eligible("f32", 128, True, var, "e4m3")
+    assert not DCOM.tc_eligible("f16", 96, True, var, "e4m3")
+    assert not DCOM.tc_eligible("f16", 128, True, Variant(use_sigmoid=True), "e4m3")
     DCOM._configs.clear()
     try:
-        for path in ("auto", "tc", "warp"):
+        for path, want in (("auto", "tc"), ("tc", "tc"), ("warp", "warp")):
             cfg = DCOM.make_config("f16", 128, 4, "NHD", var, True, 512, DECODE.replace(path=path), "e5m2")
-            assert (cfg.path, cfg.kv_code, cfg.heads_per_cta) == ("warp", "e5m2", 2), path
-            # a 16-byte load carries 16 fp8 values: 8 lanes a 128-dim row
-            assert DCOM.warp_geometry(cfg.kv, 128, 2, 4, 2)[0] == 8
+            assert (cfg.path, cfg.kv_code) == (want, "e5m2"), path
+        cfg = DCOM.make_config("f32", 128, 4, "NHD", var, True, 512, DECODE, "e5m2")
+        assert (cfg.path, cfg.kv_code, cfg.heads_per_cta) == ("warp", "e5m2", 2)
+        # a 16-byte load carries 16 fp8 values: 8 lanes a 128-dim row
+        assert DCOM.warp_geometry(cfg.kv, 128, 2, 4, 2)[0] == 8
+        rope = Variant(pos_encoding_mode="ROPE_LLAMA")
+        assert DCOM.make_config("f16", 128, 4, "NHD", rope, True, 512, DECODE, "e4m3").path == "warp"
+        cc[0] = (8, 0)                                     # no fp8 conversion instruction
+        DCOM._configs.clear()
+        assert DCOM.make_config("f16", 128, 4, "NHD", var, True, 512, DECODE, "e4m3").path == "warp"
     finally:
         DCOM._configs.clear()
 
@@ -454,16 +469,87 @@ def _gpu_batch(seed, fmt, batch, kv_len, group=4, hkv=2, page_size=16, d=128):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(SIMULATOR, reason="needs a real GPU")
+@pytest.mark.parametrize("path", ["tc", "warp"])
 @pytest.mark.parametrize("fmt", list(FP8))
 @pytest.mark.parametrize("batch,kv_len", [(64, 4096), (1, 32768)])
-def test_gpu_decode_realistic_shapes(fmt, batch, kv_len):
+def test_gpu_decode_realistic_shapes(path, fmt, batch, kv_len):
     b, dev, want = _gpu_batch([71, batch, kv_len], fmt, batch, kv_len)
-    assert config_of(dev).path == "warp"
-    got = decode(dev)                                        # torch CUDA in: the launch layer
+    tuning = DECODE.replace(path=path)
+    assert config_of(dev, tuning=tuning).path == path
+    assert config_of(dev).path == "tc"                       # the default for fp16 q, group 4
+    got = decode(dev, tuning=tuning)                         # torch CUDA in: the launch layer
     torch.cuda.synchronize()
-    check(got, want, "f16", "fixed", f"{fmt} b{batch} x {kv_len}")
-    host = decode(b)                                         # host in: the general path
-    check(host, want, "f16", "fixed", f"{fmt} host")
+    check(got, want, "f16", "fixed", f"{fmt} {path} b{batch} x {kv_len}")
+    host = decode(b, tuning=tuning)                          # host in: the general path
+    check(host, want, "f16", "fixed", f"{fmt} {path} host")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="needs a real GPU")
+def test_gpu_fp16_conversion_of_every_code():
+    """The tensor-core path's converters (``cvt.rn.f16x2.{e4m3,e5m2}x2``, then on to bf16)
+    on all 256 codes at each byte position of a word, against torch's fp8 -> float16 / bfloat16."""
+    from nbattn.cuda.blocks.mma import fp8x4_to_16x2
+    rng, seed = fresh()
+    for fmt, to in ((f, t) for f in FP8 for t in ("f16", "bf16")):
+        conv = fp8x4_to_16x2(fmt, to)
+
+        @cuda.jit
+        def k(words, out):
+            i = cuda.grid(1)
+            if i < words.size:
+                lo, hi = conv(words[i])
+                out[2 * i] = lo
+                out[2 * i + 1] = hi
+
+        codes = np.stack([rng.permutation(256) for _ in range(4)], axis=1).astype(np.uint8)
+        out = np.zeros(2 * 256, np.uint32)
+        k[8, 32](codes.reshape(-1).view(np.uint32), out)
+        tdt = torch.float16 if to == "f16" else torch.bfloat16
+        got = torch.from_numpy(out.view(np.int16).copy()).view(tdt).float().numpy()
+        want = torch.from_numpy(codes.reshape(-1).copy()).view(FP8[fmt]).to(tdt).float().numpy()
+        nan = np.isnan(want)
+        assert np.array_equal(np.isnan(got), nan), f"{fmt} -> {to} NaN codes (seed={seed})"
+        assert np.array_equal(got[~nan], want[~nan]), f"{fmt} -> {to} values (seed={seed})"
+        assert np.array_equal(np.signbit(got[~nan]), np.signbit(want[~nan])), f"{fmt} -> {to} signs (seed={seed})"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="needs a real GPU")
+@pytest.mark.parametrize("fmt,qdt,group,layout,d,kw", [
+    ("e4m3", "f16", 4, "NHD", 128, {}),
+    ("e5m2", "f16", 8, "HND", 128, dict(logits_soft_cap=30.0)),
+    ("e4m3", "bf16", 4, "HND", 64, dict(window_left=40, pos_encoding_mode="ALIBI")),
+    ("e5m2", "bf16", 4, "NHD", 128, dict(sm_scale=0.2)),
+    ("e4m3", "bf16", 8, "NHD", 128, {}),
+])
+def test_gpu_tensor_core_path(fmt, qdt, group, layout, d, kw):
+    """fp8 on the tensor-core path against the golden model: both formats, fp16 and bf16 q, groups 4 and 8,
+    both layouts, head_dim 64 and 128, variants, shared pages, an empty request, last pages
+    not full, split requests (the plain call splits the long one), and a bad code (NaN, or
+    an e5m2 infinity) in a visible key's K of request 1 and in V of request 2: those rows
+    come out NaN, the others finite."""
+    rng, seed = fresh()
+    page_size = 16
+    lens = [int(x) for x in rng.integers(1, 700, 7)] + [0, 9000]
+    b = fp8_batch(rng, fmt, qdt, lens, page_size=page_size, hkv=2, group=group, d=d, layout=layout,
+                  share=True, ks=float(rng.uniform(0.02, 0.1)), vs=float(rng.uniform(0.005, 0.03)))
+    raw = b["cache"].view(torch.uint8)
+    code = {"e4m3": 0x7F, "e5m2": int(rng.choice([0x7C, 0x7E, 0xFC]))}[fmt]
+    for r, kv in ((1, 0), (2, 1)):                           # the request's last key: visible to every variant
+        j = lens[r] - 1
+        page = b["indices"][b["indptr"][r] + j // page_size]
+        at = (page, kv, j % page_size, 1, int(rng.integers(0, d))) if layout == "NHD" else \
+             (page, kv, 1, j % page_size, int(rng.integers(0, d)))
+        raw[at] = code
+    dev = dict(b, q=b["q"].cuda(), cache=b["cache"].cuda())
+    assert config_of(dev, **kw).path == "tc"
+    want = golden(b, **kw)
+    got = decode(dev, **kw)
+    torch.cuda.synchronize()
+    o = f64(got[0])
+    assert np.isnan(o[1:3, group:]).all() and np.isfinite(o[1:3, :group]).all(), f"poisoned rows (seed={seed})"
+    check(got, want, qdt, seed, f"tc {fmt} {qdt} g{group} {layout} d{d} {kw}")
 
 
 @pytest.mark.gpu

@@ -172,12 +172,99 @@ def test_bad_fp8_input_is_refused_with_the_golden_models_message(case):
     assert_refused(lambda d: C.single_prefill(d["q"], d["k"], d["v"], **kw), d, arg, str(golden.value), case)
 
 
-def test_the_prefill_wrapper_refuses_an_fp8_plan():
-    ws = np.zeros(8 << 20, np.uint8) if SIMULATOR else torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
-    w = C.BatchPrefillWithPagedKVCacheWrapper(ws)
-    meta = (np.array([0, 2], np.int32), np.array([0, 1], np.int32), np.array([0], np.int32), np.array([3], np.int32))
-    with pytest.raises(ValueError, match=r"^kv_data_type: the prefill wrapper does not read fp8 K/V"):
-        w.plan(*meta, 4, 2, 16, 4, kv_data_type=torch.float8_e4m3fn)
+def workspace(nbytes=8 << 20):
+    return np.zeros(nbytes, np.uint8) if SIMULATOR else torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+
+def wrapper_plan(w, b, hk, d, page_size, **kw):
+    hq = b["q"].shape[1]
+    w.plan(b["qo_indptr"], b["indptr"], b["indices"], b["last"], hq, hk, d, page_size,
+           q_data_type=b["q"].dtype, kv_data_type=b["cache"].dtype, **kw)
+
+
+@pytest.mark.parametrize("fmt,qdt,layout", [("e4m3", "f16", "NHD"), ("e5m2", "bf16", "HND"),
+                                            ("e4m3", "f32", "HND")])
+def test_the_prefill_wrapper_reads_fp8_and_replans(fmt, qdt, layout):
+    """An fp8 plan split into partial states (the merge runs), new scales with no new
+    plan, a re-plan with more pages (the scratch grows) and one with fewer (it is
+    reused), learnable sinks, then a plain plan: every result against the golden model."""
+    rng, seed = fresh()
+    # 4 CTAs: at most 3 + 3 + 2 chunks of 4 keys, within the bound of 2 partials a CTA
+    w = C.BatchPrefillWithPagedKVCacheWrapper(workspace(), layout, num_ctas=4)
+    kv_lens = [int(rng.integers(5, 12)), 0, int(rng.integers(2, 4)) * 4, int(rng.integers(1, 7))]
+    qo_lens = [int(rng.integers(1, min(n, 4) + 1)) if n else 0 for n in kv_lens]
+    b = prefill_inputs(rng, fmt, qdt, qo_lens, kv_lens, page_size=4, group=2, layout=layout, share=True)
+    wrapper_plan(w, b, 2, 32, 4, causal=True, chunk_limit=4)
+    assert w.last_plan.num_partials > 0, "the plan splits a tile"
+    for ks, vs in ((b["ks"], b["vs"]), (0.03, 0.02)):
+        kw = dict(kv_layout=layout, k_scale=ks, v_scale=vs, return_lse=True, causal=True)
+        want = R.batch_prefill_paged(*paged_args(b), dtype=np.float64, **kw)
+        check(w.run(b["q"], b["cache"], k_scale=ks, v_scale=vs, return_lse=True), want, qdt,
+              f"{fmt} {layout} ks={ks} seed={seed}")
+    for lens in ([20, 13, 1], [2, 3]):          # more pages than before, then fewer
+        b2 = prefill_inputs(rng, fmt, qdt, [min(n, 3) for n in lens], lens, page_size=4, group=2, layout=layout)
+        wrapper_plan(w, b2, 2, 32, 4)
+        kw = dict(kv_layout=layout, k_scale=b2["ks"], v_scale=b2["vs"], return_lse=True)
+        want = R.batch_prefill_paged(*paged_args(b2), dtype=np.float64, **kw)
+        check(w.run(b2["q"], b2["cache"], k_scale=b2["ks"], v_scale=b2["vs"], return_lse=True), want, qdt,
+              f"re-plan {lens} seed={seed}")
+    sinks = torch.from_numpy(rng.standard_normal(4).astype(np.float32))
+    want = R.batch_prefill_paged(*paged_args(b2), dtype=np.float64, sinks=sinks.numpy(), **kw)
+    check(w.run(b2["q"], b2["cache"], k_scale=b2["ks"], v_scale=b2["vs"], return_lse=True, sinks=sinks), want,
+          qdt, f"sinks seed={seed}")
+    plain = b2["cache"].to(torch.float32).to(QDT[qdt])
+    w.plan(b2["qo_indptr"], b2["indptr"], b2["indices"], b2["last"], 4, 2, 32, 4, q_data_type=b2["q"].dtype)
+    want = R.batch_prefill_paged(b2["q"], plain, *paged_args(b2)[2:], kv_layout=layout, dtype=np.float64)
+    np.testing.assert_allclose(f64(w.run(b2["q"], plain)), f64(want), atol=TOL[qdt], rtol=TOL[qdt])
+    with pytest.raises(ValueError, match=r"^k_scale: only fp8 K/V"):
+        w.run(b2["q"], plain, k_scale=2.0)
+    with pytest.raises(ValueError, match=r"^paged_kv_cache: dtype float8_e\w+ differs from plan"):
+        w.run(b2["q"], b2["cache"])
+
+
+def test_the_prefill_wrapper_refuses_before_widening(monkeypatch):
+    """A scale that would overflow q's dtype, a cache of the other fp8 format or of q's
+    dtype, and a bad ``kv_data_type``: refused naming the argument, before any kernel,
+    with the output untouched."""
+    rng, seed = fresh()
+    b = prefill_inputs(rng, "e5m2", "f16", [2, 1], [5, 3], page_size=4)
+    w = C.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD", num_ctas=2)
+    wrapper_plan(w, b, 2, 32, 4)
+    launched = []
+    monkeypatch.setattr(F, "widen_kernel", lambda *a: launched.append(a))
+    out = torch.full(tuple(b["q"].shape), 7.0, dtype=torch.float16)
+    other = b["cache"].view(torch.uint8).view(torch.float8_e4m3fn)
+    for arg, rule, cache, kw in (("k_scale", "exceeds its largest value", b["cache"], dict(k_scale=2.0)),
+                                 ("v_scale", "must be finite and > 0", b["cache"], dict(v_scale=float("nan"))),
+                                 ("paged_kv_cache", "differs from plan()'s kv_data_type", other, {}),
+                                 ("paged_kv_cache", "must be a torch float8_e5m2 tensor",
+                                  b["cache"].to(torch.float16), {})):
+        d = dict(q=b["q"], cache=cache, out=out)
+        assert_refused(lambda d: w.run(d["q"], d["cache"], out=d["out"], **kw), d, arg, rule,  # noqa: B023
+                       f"{arg} seed={seed}")
+    assert not launched
+    with pytest.raises(ValueError, match=r"^kv_data_type: fp8 dtype float8_e4m3fnuz is not supported"):
+        w.plan(b["qo_indptr"], b["indptr"], b["indices"], b["last"], 4, 2, 32, 4, kv_data_type="float8_e4m3fnuz")
+    with pytest.raises(ValueError, match=r"^q_data_type: fp8 queries are not supported"):
+        w.plan(b["qo_indptr"], b["indptr"], b["indices"], b["last"], 4, 2, 32, 4,
+               q_data_type=torch.float8_e4m3fn, kv_data_type=torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("head_dim", [2, 6])
+def test_a_page_whose_k_half_ends_inside_a_word(head_dim):
+    """One KV head, page size 1, head_dim 2 or 6: a page's K half ends in the middle of a
+    32-bit word of four fp8 values, so the word's first values take k_scale and the rest
+    v_scale (the plain call and the wrapper)."""
+    rng, seed = fresh()
+    b = prefill_inputs(rng, "e4m3", "f16", [2, 1], [3, 2], page_size=1, hkv=1, group=1, d=head_dim,
+                       ks=0.3, vs=0.02)
+    kw = dict(k_scale=b["ks"], v_scale=b["vs"], return_lse=True)
+    want = R.batch_prefill_paged(*paged_args(b), dtype=np.float64, **kw)
+    check(C.batch_prefill_paged(*paged_args(b), **kw), want, "f16", f"plain seed={seed}")
+    w = C.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD", num_ctas=2)
+    wrapper_plan(w, b, 1, head_dim, 1)
+    check(w.run(b["q"], b["cache"], k_scale=b["ks"], v_scale=b["vs"], return_lse=True), want, "f16",
+          f"wrapper seed={seed}")
 
 
 # ---------------------------------------------------------------------------
@@ -200,3 +287,36 @@ def test_gpu_paged_prefill_realistic_shapes(fmt, qdt):
     one = (dev["q"][:300], k[:1000], v[:1000])
     check(C.single_prefill(*one, **kw), R.single_prefill(*(x.cpu() for x in one), dtype=np.float64, **kw), qdt,
           f"single {fmt} {qdt} seed={seed}")
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("fmt,qdt", [("e4m3", "f16"), ("e5m2", "bf16")])
+def test_gpu_prefill_wrapper_realistic_shapes(fmt, qdt):
+    """The prefill wrapper's fp8 plan on the tensor-core tiles, torch CUDA tensors, a
+    split plan, two scales, then a CUDA graph captured on the plan and replayed with new q."""
+    rng, seed = fresh()
+    kv_lens, qo_lens = [1000, 0, 777, 2048], [300, 0, 1, 512]
+    b = prefill_inputs(rng, fmt, qdt, qo_lens, kv_lens, page_size=16, hkv=2, group=4, d=128, share=True)
+    dev = dict(b, q=b["q"].cuda(), cache=b["cache"].cuda())
+    w = C.BatchPrefillWithPagedKVCacheWrapper(workspace(64 << 20), "NHD")
+    wrapper_plan(w, dev, 2, 128, 16, causal=True)
+    for ks, vs in ((b["ks"], b["vs"]), (0.03, 0.02)):
+        kw = dict(k_scale=ks, v_scale=vs, return_lse=True, causal=True)
+        want = R.batch_prefill_paged(*paged_args(b), dtype=np.float64, **kw)
+        check(w.run(dev["q"], dev["cache"], k_scale=ks, v_scale=vs, return_lse=True), want, qdt,
+              f"{fmt} {qdt} ks={ks} seed={seed}")
+    out = torch.empty_like(dev["q"])
+    lse = torch.empty(dev["q"].shape[:2], device="cuda")
+    w.run(dev["q"], dev["cache"], k_scale=0.03, v_scale=0.02, out=out, lse=lse)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        w.run(dev["q"], dev["cache"], k_scale=0.03, v_scale=0.02, out=out, lse=lse)
+    q2 = torch.from_numpy(rng.standard_normal(tuple(b["q"].shape)).astype(np.float32)).to(QDT[qdt])
+    dev["q"].copy_(q2.cuda())
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    want = R.batch_prefill_paged(q2, *paged_args(b)[1:], dtype=np.float64, k_scale=0.03, v_scale=0.02,
+                                 return_lse=True, causal=True)
+    check((out, lse), want, qdt, f"graph replay seed={seed}")

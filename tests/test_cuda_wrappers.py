@@ -420,8 +420,8 @@ def test_gpu_100_runs_bitwise_equal():
 
 @gpu
 def test_gpu_plans_back_to_back_while_the_stream_is_busy():
-    """Plans made while the last plan's copies still wait behind other work on the
-    stream: each run() reads the plan made just before it."""
+    """Plans made while the last plan's copies still wait behind other work use the
+    two staging images in turn; each run() reads the plan made just before it."""
     import torch
     lens = ([4096, 100, 700, 3000], [50, 3900, 1200, 17], [9000, 1, 1, 300])
     batches = [_torch_decode(k, 40 + i) for i, k in enumerate(lens)]
@@ -435,6 +435,7 @@ def test_gpu_plans_back_to_back_while_the_stream_is_busy():
                 big @ big                 # keeps the stream busy: the plan's copies stay queued
             w.plan(b["indptr"], b["indices"], b["last"], 32, 8, 128, 16, schedule="lpt")
             outs.append((b, q, cache, w.run(q, cache)))
+    assert w._h2d_spare is not None     # a plan found the first image in flight
     torch.cuda.synchronize()
     for b, q, cache, out in outs:
         ref = R.batch_decode_paged(q.cpu().numpy(), cache.cpu().numpy(), b["indptr"], b["indices"], b["last"])

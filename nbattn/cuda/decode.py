@@ -25,8 +25,9 @@ Three paths
   arrays are 16-byte aligned.
 * ``"tc"``: :mod:`nbattn.cuda.kernels.decode_tc`, ``mma.sync`` with the group's
   heads as one operand, for GQA groups of at least ``DecodeTuning.tc_min_group``
-  heads, fp16/bf16, head_dim 32..128 and softmax variants (GPU only); never an
-  fp8 cache, which takes the warp path (:mod:`nbattn.cuda.fp8`).
+  heads, fp16/bf16, head_dim 32..128 and softmax variants (GPU only); an fp8
+  cache too, with head_dim 64 or 128 on a GPU of compute capability 8.9 or later
+  (:func:`~nbattn.cuda.kernels.decode_common.tc_eligible`, :mod:`nbattn.cuda.fp8`).
 
 :func:`~nbattn.cuda.kernels.decode_common.make_config` picks one;
 ``tuning=DECODE.replace(path=...)`` (:class:`nbattn.cuda.tuning.DecodeTuning`)

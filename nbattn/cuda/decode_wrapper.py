@@ -36,7 +36,7 @@ from ..sched.plan import DIRECT, Plan, plan_lengths
 from ..sched.tiles import decode_tiles
 from .decode_problem import (DecodeProblem, check_head_dim, decode_arg_index, first_visible, launch_for, split_rule,
                              window_edge)
-from .fp8 import check_run_dtypes, is_fp8, plan_kv_code, run_scales
+from .fp8 import plan_kv_code, run_scales
 from .blocks.variants import cached_variant, user_state
 from .host import arrays as A
 from .host import hostwork as HW
@@ -277,11 +277,6 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         return self._results(kind, code, out, out_user, out_dev, lse, lse_user, lse_dev, return_lse)
 
     forward = run
-
-    def _check_dtypes(self, q, cache) -> tuple[str, str]:
-        if self._kv_code is None and not is_fp8(cache):
-            return super()._check_dtypes(q, cache)
-        return self._code, check_run_dtypes(q, cache, self._code, self._kv_code)
 
     def _bound_launches(self, q_dev, kv_dev):
         """(decode, merge or None, argument indices): bound once per configuration."""

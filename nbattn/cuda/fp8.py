@@ -14,6 +14,11 @@ What reads fp8 (docs/concepts/layouts.md, "fp8 KV caches"):
   ``q . k * sm_scale * k_scale``) and ``v_scale`` multiplies the output once,
   when a work item writes its state (``o = v_scale * sum_j p_j v_j / l``; the
   merge of split states is linear in ``o``, so it commutes).
+* the prefill forms (:func:`nbattn.cuda.batch_prefill_paged`,
+  ``batch_prefill_ragged``, ``single_prefill``, ``single_decode``) and
+  :class:`nbattn.cuda.BatchPrefillWithPagedKVCacheWrapper` widen the fp8 pages a
+  call reads into a scratch cache of q's dtype, scales applied (:func:`widen`,
+  :func:`launch_widen`), then run the 16-bit tiles;
 * :func:`nbattn.cuda.append_paged_kv_cache` writes into an fp8 cache,
   quantizing on the host with the golden model's
   :func:`nbattn.reference.fp8.quantize`.
@@ -42,10 +47,12 @@ from .host.prefill_launch import check_kind_match, numba_stream
 from .kernels.fp8_widen import widen_kernel
 
 __all__ = ["Fp8NotSupported", "FP8_READERS", "is_fp8", "fp8_data_type", "plan_kv_code",
-           "check_run_dtypes", "run_scales", "refuse_fp8", "kv_fp8", "prefill_kv", "check_widened_range", "widen"]
+           "check_run_dtypes", "run_scales", "refuse_fp8", "kv_fp8", "prefill_kv", "check_widened_range",
+           "widen", "launch_widen", "page_values"]
 
 FP8_READERS = ("nbattn.cuda.batch_decode_paged, single_decode, batch_prefill_paged, batch_prefill_ragged, "
-               "single_prefill, BatchDecodeWithPagedKVCacheWrapper and append_paged_kv_cache")
+               "single_prefill, BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper and "
+               "append_paged_kv_cache")
 _TORCH_FP8 = tuple(f"torch.{n}" for n in FP8_DTYPES)
 _NAMES = {code: name for name, code in FP8_CODES.items()}
 
@@ -115,25 +122,41 @@ def widen(x: Any, name: str, fp8: str, code: str, k_scale: float, v_scale: float
     ``x``'s device (the prefill forms' torch path), else a raw-typed numba array."""
     A.check_contiguous(x, name)
     shape = tuple(int(n) for n in x.shape)
-    per = math.prod(shape[1:]) if pages is not None else math.prod(shape)
-    if per % 4:
-        raise L.LayoutError(f"{name}: an fp8 {'page' if pages is not None else 'tensor'} must hold a "
-                            f"multiple of 4 values to be read as words, got {per}")
-    k_words = per // 8 if pages is not None else per // 4      # a page holds K, then V
-    if pages is None:
-        pages = np.zeros(1, np.int32)
-    else:
+    paged = pages is not None
+    per = page_values(shape, name, paged)
+    pages = np.ascontiguousarray(pages, np.int32) if paged else np.zeros(1, np.int32)
+    if paged:
         shape = (len(pages),) + shape[1:]
-    src = A.words(A.to_device(x, name, stream, fp8))
     s = numba_stream(stream)
+    src = A.to_device(x, name, stream, fp8)
     result, dst = A.new_output("torch" if direct else "numba", shape, code, s, like=x)
     if len(pages) and per:
-        threads = 32 if SIMULATOR else 256
-        blocks = 1 if SIMULATOR else max(1, min(-(-len(pages) * per // (4 * threads)), 65535))
-        widen_kernel(fp8, code)[blocks, threads, s](
-            src, cuda.to_device(np.ascontiguousarray(pages, np.int32), stream=s), np.int64(per // 4),
-            np.int64(k_words), np.float32(k_scale), np.float32(v_scale), A.flat(dst))
+        launch_widen(src, cuda.to_device(pages, stream=s), per, per // 2 if paged else per, fp8, code,
+                     k_scale, v_scale, dst, s)
     return result
+
+
+def page_values(shape: tuple, name: str, paged: bool) -> int:
+    """Values of one page of a paged fp8 cache of ``shape`` (K then V), or of all of a
+    contiguous K or V: a multiple of 4, so that pages start on a 32-bit word."""
+    per = math.prod(shape[1:]) if paged else math.prod(shape)
+    if per % 4:
+        raise L.LayoutError(f"{name}: an fp8 {'page' if paged else 'tensor'} must hold a multiple of 4 "
+                            f"values to be read as words, got {per}")
+    return per
+
+
+def launch_widen(src, pages, per: int, k_values: int, fp8: str, code: str, k_scale: float, v_scale: float,
+                 dst, s) -> None:
+    """Launch the widening kernel on numba stream ``s``: page ``j`` (``per`` values) of
+    raw ``dst`` (q's dtype ``code``) from page ``pages[j]`` of fp8 device array ``src``,
+    its first ``k_values`` values times ``k_scale`` and the rest times ``v_scale``.
+    ``pages`` is a device array; the grid covers ``len(pages)`` pages."""
+    n = int(pages.shape[0]) * per // 4
+    threads = 32 if SIMULATOR else 256
+    blocks = 1 if SIMULATOR else max(1, min(-(-n // threads), 65535))
+    widen_kernel(fp8, code)[blocks, threads, s](A.words(src), pages, np.int64(per // 4), np.int64(k_values),
+                                                np.float32(k_scale), np.float32(v_scale), A.flat(dst))
 
 
 def fp8_data_type(kv_data_type: Any) -> str | None:

@@ -70,6 +70,7 @@ from ..variants import check_return_lse
 from .blocks.primitives import SIMULATOR
 from .blocks.variants import check_user_state
 from .decode_problem import check_out
+from .fp8 import check_run_dtypes, is_fp8
 from .host import arrays as A
 from .host import hostwork as HW
 from .host.driver import HostToDevice, data_ptr, sm_count, stream_handle, torch_stream
@@ -242,17 +243,20 @@ class PlanRunWrapper:
         self._views = {name: self._ints[off // 4: off // 4 + max(cap, 1)]
                        for name, (off, cap) in self.layout.arrays.items()}
         self._h2d = HostToDevice(self.layout.plan_bytes // 4)     # pinned staging image of the plan region
+        self._h2d_spare = None         # a second image, made when a plan finds the first still in flight
         self._ints_ptr = None
         self._host = self._h2d.host
         self._dirty: list = []         # (word offset, int32 array) pairs plan() staged
         self._plan: Plan | None = None
-        self._kv_code = None           # the cache's fp8 code ("e4m3" / "e5m2") after an fp8 decode plan, else None
+        self._kv_code = None           # the cache's fp8 code ("e4m3" / "e5m2") after an fp8 plan, else None
         self._slopes = None
         self._slopes_heads = 0
         self._bound: dict = {}          # bound launches of run(), by configuration
         self._bound_now = None          # the current plan's entry of _bound (reset by plan())
         self._run_seen = None           # what the last run() of this plan accepted (see _run_inputs)
         self._scratch_lse = None
+        self._widened = self._widen_pages = None    # a prefill fp8 plan's scratch cache and page ids
+        self._widen_per = 0
         self._user_state = None         # the values a plan's score_mod / mask_mod read (blocks.variants.user_state)
         self.plan_seconds = 0.0
 
@@ -300,6 +304,11 @@ class PlanRunWrapper:
     def _begin_plan(self) -> int:
         """The stream a plan's copies go on (torch's current one for a torch workspace),
         once the staging image may be rewritten."""
+        if self._h2d.in_flight():      # the two images take turns: no wait for the last plan's copies
+            if self._h2d_spare is None:
+                self._h2d_spare = HostToDevice(self.layout.plan_bytes // 4)
+            self._h2d, self._h2d_spare = self._h2d_spare, self._h2d
+            self._host = self._h2d.host
         self._h2d.begin()
         self._bound_now = None
         self._run_seen = None
@@ -389,8 +398,10 @@ class PlanRunWrapper:
             raise RuntimeError("run() called before plan()")
 
     def _check_dtypes(self, q, cache) -> tuple[str, str]:
-        """run()'s dtype checks: (q's element code, the cache's); the decode wrapper's
-        fp8 plans override this."""
+        """run()'s dtype checks: (q's element code, the cache's: plan()'s fp8 code after
+        an fp8 plan, :func:`nbattn.cuda.fp8.check_run_dtypes`)."""
+        if self._kv_code is not None or is_fp8(cache):
+            return self._code, check_run_dtypes(q, cache, self._code, self._kv_code)
         code = A.dtype_code(q, "q")
         if code != self._code:
             raise L.LayoutError(f"q: dtype {L.dtype_of(q)} differs from plan()'s q_data_type ({self._code})")

@@ -8,7 +8,8 @@ queue; a plan balances over as many CTAs per KV head as fill the GPU once
 (:func:`prefill_plan_ctas`), at most the constructor's ``num_ctas``, and runs on a
 grid of that many (or the plan's ``num_ctas`` where larger; every one of the
 constructor's ``num_ctas`` with ``use_cuda_graph=True``), so a CUDA graph captured
-after one plan replays any later plan of the configuration.  The
+after one plan replays any later plan of the configuration (not after a plan with a
+custom mask or fp8 K/V, whose arrays are the plan's own).  The
 queue is cut by output kind and run as two launches, first the
 chunks of split tiles (float32 partial states), then the unsplit tiles (final
 output): one kernel holding both bodies would need twice the static shared
@@ -27,7 +28,8 @@ from .. import layout as L
 from ..sched.plan import DIRECT, plan as lpt_plan
 from ..sched.tiles import choose_tile_q
 from .blocks.variants import kernel_variant, user_state
-from .fp8 import Fp8NotSupported, fp8_data_type
+from .fp8 import check_widened_range, launch_widen, page_values, plan_kv_code, run_scales
+from .host.prefill_launch import numba_stream
 from .host import arrays as A
 from .host.driver import BoundLaunch, sm_count
 from .merge import merge_tiles_launch
@@ -84,7 +86,17 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         valid until the next plan().  ``tuning`` (a
         :class:`~nbattn.cuda.tuning.PrefillTuning`; None: ``PREFILL``) shapes the tiles every
         run() of this plan launches.  ``num_ctas`` (None: :func:`prefill_plan_ctas`, one
-        wave) is how many CTAs per KV head the plan balances over, at most the constructor's."""
+        wave) is how many CTAs per KV head the plan balances over, at most the constructor's.
+
+        ``kv_data_type`` may name an fp8 dtype (``torch.float8_e4m3fn`` /
+        ``torch.float8_e5m2``, or the names; ``q_data_type`` float16, bfloat16 or float32).
+        Each run() then takes the fp8 cache with ``k_scale`` / ``v_scale`` and first widens
+        the plan's pages, in page-table order, into a scratch cache of q's dtype with the
+        scales applied (:func:`nbattn.cuda.fp8.launch_widen`), which the 16-bit tiles read
+        (docs/concepts/layouts.md, "fp8 in the kernels").  The scratch (two bytes a value
+        for 16-bit q, four for float32, over the plan's pages) and the page ids on the
+        device belong to the plan, as a custom mask's arrays do: a CUDA graph captured on an
+        fp8 plan is valid until the next plan()."""
         from . import prefill as P
 
         t0 = time.perf_counter()
@@ -93,11 +105,8 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         var = kernel_variant(dict(variant, causal=causal, pos_encoding_mode=pos_encoding_mode,
                             window_left=window_left, logits_soft_cap=logits_soft_cap,
                             sm_scale=sm_scale))
-        if fp8_data_type(kv_data_type) is not None:
-            raise Fp8NotSupported(f"kv_data_type: the prefill wrapper does not read fp8 K/V ({kv_data_type}); "
-                                  f"nbattn.cuda.batch_prefill_paged does (docs/concepts/layouts.md, "
-                                  f"'fp8 in the kernels')")
-        code = data_code(q_data_type, kv_data_type)
+        fp8 = plan_kv_code(q_data_type, kv_data_type)
+        code = data_code(q_data_type, None if fp8 else kv_data_type)
         hq, hk, D = int(num_qo_heads), int(num_kv_heads), int(head_dim_qk)
         group = L.check_heads(hq, hk)
         pkv, max_page = plan_page_table(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size)
@@ -145,9 +154,13 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         final_indptr, part_indptr = np.cumsum(final_indptr), np.cumsum(part_indptr)
         row_pos, row_kvoff, row_req = P.request_rows(qo, kv_lens)
 
+        indices = pkv.paged_kv_indices
+        if fp8 is not None:     # the tiles read the widened pages, page j of the scratch cache
+            indices = self._plan_widening(fp8, code, indices[:int(pkv.paged_kv_indptr[-1])], hk, D, page_size)
+        else:
+            self._widened = self._widen_pages = None
         stream = self._begin_plan()
-        self._write_common(p, pkv.paged_kv_indptr, pkv.paged_kv_indices,
-                           pkv.paged_kv_last_page_len, stream)
+        self._write_common(p, pkv.paged_kv_indptr, indices, pkv.paged_kv_last_page_len, stream)
         self._copy("final_rows", rows[~split])
         self._copy("part_rows", rows[split])
         self._copy("final_indptr", final_indptr)
@@ -161,7 +174,7 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         # a custom mask lives in its own device arrays, new with every plan that has one
         self._mask = None if mask is None else tuple(cuda.to_device(np.ascontiguousarray(x)) for x in mask)
         self._grid_ctas = self._bound_grid(p.num_ctas, prefill_plan_ctas(hk, self.num_ctas, tuning))
-        self._plan, self._variant, self._code = p, var, code
+        self._plan, self._variant, self._code, self._kv_code = p, var, code, fp8
         self._user_state = user_state(var)
         self._spec, self._spec_part, self._slot_rows = spec, spec_part, slot_rows
         self._num_qo_heads, self._num_kv_heads, self._group = hq, hk, group
@@ -170,10 +183,45 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         self._q_shape = (qo.total, hq, D)
         self.plan_seconds = time.perf_counter() - t0
 
-    def run(self, q, paged_kv_cache, out=None, lse=None, return_lse: bool = False, *, sinks=None):
+    def _plan_widening(self, fp8: str, code: str, pages: np.ndarray, num_kv_heads: int, head_dim: int,
+                       page_size: int) -> np.ndarray:
+        """An fp8 plan's widening (run() widens the plan's pages, in page-table order, into a
+        scratch cache of q's dtype): the page ids on the device and the scratch, kept while
+        a later plan fits it; returns the page table the tiles read (``arange``)."""
+        page = (2, page_size, num_kv_heads, head_dim) if self._kv_layout == "NHD" else (
+            2, num_kv_heads, page_size, head_dim)
+        per = page_values((1,) + page, "head_dim_qk", True)
+        n = max(len(pages), 1)
+        old = self._widened
+        if old is None or old.shape[0] < n or old.shape[1:] != page or old.dtype != A.RAW[code]:
+            self._widened = None                       # the old scratch goes before the new one comes
+            self._widened = cuda.device_array((n,) + page, A.RAW[code])
+        self._widen_pages = cuda.to_device(np.ascontiguousarray(pages, np.int32)) if len(pages) else None
+        self._widen_per = per
+        return np.arange(len(pages), dtype=np.int32)
+
+    def _widen(self, cache, kv_dev, k_scale, v_scale, stream):
+        """run()'s scales (None: 1.0; a plain plan refuses them), checked before anything
+        launches; after an fp8 plan, the plan's pages of ``cache`` widened into the scratch."""
+        fp8 = self._kv_code
+        ks, vs = run_scales(fp8, cache, k_scale, v_scale)
+        if fp8 is None:
+            return kv_dev
+        check_widened_range(fp8, self._code, ks, vs)
+        if self._widen_pages is not None:
+            per = self._widen_per
+            launch_widen(A.to_device(kv_dev, "paged_kv_cache", 0, fp8), self._widen_pages, per, per // 2, fp8,
+                         self._code, ks, vs, self._widened, numba_stream(stream))
+        return self._widened
+
+    def run(self, q, paged_kv_cache, out=None, lse=None, return_lse: bool = False, *, k_scale=None,
+            v_scale=None, sinks=None):
         """Attention of ragged ``q [total_q, num_qo_heads, head_dim]`` (rows as
         in plan()'s ``qo_indptr``) over the planned pages; returns ``o`` (and
-        the base-2 ``lse``).
+        the base-2 ``lse``).  After an fp8 plan the cache has plan()'s fp8 dtype and
+        ``k_scale`` / ``v_scale`` (floats, None: 1.0) are its scales, checked before
+        anything launches (a scale that would overflow q's dtype is refused); a new scale
+        needs no new plan.  A plain plan refuses them.
 
         As the decode wrapper's run(): only what can change between calls is
         checked, then three launches bound once per plan configuration run on
@@ -182,9 +230,12 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         merged once after the kernels (:mod:`nbattn.cuda.sinks`: capturable in a CUDA
         graph after one run outside it)."""
         if sinks is not None:
-            return self._run_with_sinks(sinks, q, paged_kv_cache, out, lse, return_lse)
+            return self._run_with_sinks(sinks, q, paged_kv_cache, out, lse, return_lse, k_scale=k_scale,
+                                        v_scale=v_scale)
         kind, code, stream, q_dev, kv_dev, kv_words, out_user, out_dev, lse_user, lse_dev = self._run_inputs(
             q, paged_kv_cache, out, lse, return_lse)
+        if self._kv_code is not None or k_scale is not None or v_scale is not None:
+            kv_dev = self._widen(paged_kv_cache, kv_dev, k_scale, v_scale, stream)
         bound = self._bound_now               # this plan's launches for this cache shape
         if bound is None or bound[0] != kv_dev.shape:
             bound = self._bound_now = (kv_dev.shape, self._bound_launches(q_dev, kv_dev, out_dev, lse_dev))

@@ -5,10 +5,14 @@ word (the lower byte is the lower element).  :func:`fp8_unpack4` is the
 ``unpack4`` of :func:`nbattn.cuda.blocks.primitives.element_io` for such
 words: four words (one 16-byte load) become 16 float32 values.
 
-Both conversions are exact for all 256 codes, NaN and infinities included,
-and need no fp8 instruction: an fp8 value is first written as fp16 bits with
-integer operations, and fp16 -> float32 is the conversion the fp16 kernels
-already use (:func:`~nbattn.cuda.blocks.primitives.f16x2_to_f32`).
+Both conversions are exact for all 256 codes, NaN and infinities included.
+Every fp8 value is an fp16 value, so a word goes to two fp16 pairs and on to
+float32 with the conversion the fp16 kernels already use
+(:func:`~nbattn.cuda.blocks.primitives.f16x2_to_f32`).  A GPU of compute
+capability 8.9 or later has the fp8 -> fp16 step as one instruction a pair
+(``cvt.rn.f16x2.{e4m3x2,e5m2x2}``, :func:`nbattn.cuda.blocks.mma.fp8x4_to_16x2`),
+and :func:`fp8x4_to_f32` picks it there.  Everywhere else (the simulator, older
+GPUs) the fp16 bits are written with integer operations, as below:
 
 * e5m2 (1 sign, 5 exponent bits of bias 15, 2 mantissa bits) is the upper
   byte of an fp16 number: ``x = fp16(b << 8)``.
@@ -25,8 +29,10 @@ from __future__ import annotations
 
 from numba import float32, uint32
 
+from ..host.driver import compute_capability
+from . import mma as MMA
 from .nanrule import NAN_F32
-from .primitives import device_fn, f16x2_to_f32
+from .primitives import SIMULATOR, device_fn, f16x2_to_f32
 
 __all__ = ["FP8_CODES", "e5m2x4_to_f32", "e4m3x4_to_f32", "fp8x4_to_f32", "fp8_unpack4"]
 
@@ -77,12 +83,21 @@ def e4m3x4_to_f32(w):
 
 
 def fp8x4_to_f32(code: str):
-    """The word converter of kernel dtype ``code`` (``"e4m3"`` or ``"e5m2"``)."""
-    if code == "e4m3":
-        return e4m3x4_to_f32
-    if code == "e5m2":
-        return e5m2x4_to_f32
-    raise ValueError(f"not an fp8 kernel dtype code: {code!r}")
+    """The word converter of kernel dtype ``code`` (``"e4m3"`` or ``"e5m2"``): the
+    fp8 instruction where the GPU has it (module doc), else the integer one."""
+    if code not in ("e4m3", "e5m2"):
+        raise ValueError(f"not an fp8 kernel dtype code: {code!r}")
+    if not SIMULATOR and (compute_capability() or (0, 0)) >= (8, 9):
+        to_f16 = MMA.fp8x4_to_16x2(code, "f16")
+
+        @device_fn
+        def by_instruction(w):
+            lo, hi = to_f16(w)
+            a, b = f16x2_to_f32(lo)
+            c, d = f16x2_to_f32(hi)
+            return a, b, c, d
+        return by_instruction
+    return e4m3x4_to_f32 if code == "e4m3" else e5m2x4_to_f32
 
 
 _cache: dict = {}

@@ -288,3 +288,53 @@ else:
     @_cuda.jit(device=True)
     def grid_dependents_launch():
         return None
+
+
+
+# fp8 -> fp16 / bf16 (the decode tensor-core path's fp8 caches): the four fp8 values of a word
+# as two 16-bit pair words, ``lo`` holding elements 0, 1 and ``hi`` elements 2, 3 (the lower
+# element in the lower half, as everywhere).  ``cvt.rn.f16x2.{e4m3x2,e5m2x2}`` (sm_89 and
+# later) turns each 16-bit half of the word into an fp16 pair; for bf16 each fp16 value goes
+# on through float32 (``cvt.f32.f16``, ``cvt.rn.bf16x2.f32``).  Every step is exact: every
+# e4m3fn and e5m2 value is an fp16 and a bf16 value (e4m3fn's largest, 448, and smallest
+# subnormal, 2^-9; e5m2's 57344 and 2^-16), NaN codes stay NaN and e5m2's infinities
+# infinities.
+__all__ += ["fp8x4_to_16x2"]
+
+if AVAILABLE:
+    def _fp8_to_16x2(kind: str, to: str):
+        if to == "f16":
+            ptx = ("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+                   f"cvt.rn.f16x2.{kind}x2 $0, lo; cvt.rn.f16x2.{kind}x2 $1, hi; }}")
+        else:
+            ptx = ("{ .reg .b16 lo, hi, x0, x1, x2, x3; .reg .b32 a, b; .reg .f32 f0, f1, f2, f3; "
+                   f"mov.b32 {{lo, hi}}, $2; cvt.rn.f16x2.{kind}x2 a, lo; cvt.rn.f16x2.{kind}x2 b, hi; "
+                   "mov.b32 {x0, x1}, a; mov.b32 {x2, x3}, b; "
+                   "cvt.f32.f16 f0, x0; cvt.f32.f16 f1, x1; cvt.f32.f16 f2, x2; cvt.f32.f16 f3, x3; "
+                   "cvt.rn.bf16x2.f32 $0, f1, f0; cvt.rn.bf16x2.f32 $1, f3, f2; }")
+        call = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([_u32, _u32]), [_u32]), ptx, "=r,=r,r")
+
+        @intrinsic
+        def conv(typingctx, w):
+            if not isinstance(w, types.Integer):
+                return None
+            ret = types.UniTuple(types.uint32, 2)
+
+            def codegen(context, builder, sig_, args):
+                out = builder.call(call, [context.cast(builder, args[0], sig_.args[0], types.uint32)])
+                return context.make_tuple(builder, ret, [builder.extract_value(out, 0),
+                                                         builder.extract_value(out, 1)])
+
+            return ret(w), codegen
+
+        return conv
+
+    _FP8_TO_16X2 = {(k, t): _fp8_to_16x2(k, t) for k in ("e4m3", "e5m2") for t in ("f16", "bf16")}
+
+    def fp8x4_to_16x2(code: str, to: str):
+        """The intrinsic ``w -> (lo, hi)`` from fp8 kernel code ``code`` (``"e4m3"`` /
+        ``"e5m2"``) to 16-bit pairs of ``to`` (``"f16"`` / ``"bf16"``)."""
+        return _FP8_TO_16X2[(code, to)]
+else:
+    def fp8x4_to_16x2(code: str, to: str):
+        return _gpu_only

@@ -28,7 +28,7 @@ from ..blocks.mma import grid_dependency_wait
 from ..blocks.primitives import ELEMS_PER_WORD, SIMULATOR, device_fn, exp2f
 from ..blocks.rope import rope_supported
 from ..blocks.variants import kernel_variant_key
-from ..host.driver import sm_count
+from ..host.driver import compute_capability, sm_count
 from ..tuning import DECODE, DecodeTuning
 
 __all__ = ["WorkList", "DecodeConfig", "heads_per_cta", "make_config", "warp_eligible", "warp_heads_per_cta",
@@ -117,10 +117,19 @@ def warp_geometry(code: str, head_dim: int, heads: int, nwarps: int, unroll: int
 
 def tc_eligible(code: str, head_dim: int, aligned: bool, variant, kv_code: str | None = None) -> bool:
     """The tensor-core path takes fp16/bf16, head_dim 32..128 in steps of 32 (256
-    spills: ptxas, sm_90) and softmax (not sigmoid) variants, on a GPU; not an fp8
-    cache (``kv_code``), which the warp path reads."""
-    return (not SIMULATOR and aligned and code in ("f16", "bf16") and head_dim % 32 == 0
-            and head_dim <= 128 and not variant.use_sigmoid and kv_code is None)
+    spills: ptxas, sm_90) and softmax (not sigmoid) variants, on a GPU.  An fp8
+    cache (``kv_code``) needs head_dim 64 or 128 (a lane's 16-byte load holds 16 of
+    its dims, so a token's four lanes cover 64) and a GPU that converts fp8 to fp16
+    in one instruction (compute capability 8.9 or later); the warp path reads the
+    others."""
+    if SIMULATOR or not aligned or code not in ("f16", "bf16") or head_dim % 32 or head_dim > 128:
+        return False
+    if variant.use_sigmoid:
+        return False
+    if kv_code is None:
+        return True
+    cc = compute_capability()
+    return head_dim % 64 == 0 and cc is not None and cc >= (8, 9)
 
 
 def _use_warp(code: str, head_dim: int, aligned: bool, tuning: DecodeTuning) -> bool:
@@ -145,9 +154,10 @@ def make_config(code: str, head_dim: int, group: int, kv_layout: str, variant: V
     """The kernel build for a problem under ``tuning`` (default
     :data:`~nbattn.cuda.tuning.DECODE`); ``batch_kv_heads`` (batch x KV heads, when
     known) picks the tensor-core CTA shape for small batches; ``kv_code`` (``"e4m3"``
-    / ``"e5m2"``) an fp8 cache, which takes the warp path on a GPU (never the
-    tensor-core one) with ``DecodeTuning.fp8_warp_max_heads`` heads a CTA.  Memoized
-    (a call's hot path asks for it)."""
+    / ``"e5m2"``) an fp8 cache, which takes the tensor-core path where
+    :func:`tc_eligible` allows it and the warp path otherwise, there with
+    ``DecodeTuning.fp8_warp_max_heads`` heads a CTA.  Memoized (a call's hot path
+    asks for it)."""
     tuning = DECODE if tuning is None else tuning
     key = (code, head_dim, group, kv_layout, variant, aligned, batch_kv_heads, tuning, kv_code)
     try:
@@ -176,7 +186,8 @@ def _make_config(code: str, head_dim: int, group: int, kv_layout: str, variant: 
         nw, mb = tuning.tc_shape_wide if hg > 4 else tuning.tc_shape
         if batch_kv_heads is not None and 2 * batch_kv_heads * (group // hg) <= sm_count():
             nw, mb = tuning.tc_split_shape      # the unsplit grid fills at most half the SMs
-        return DecodeConfig(code, head_dim, hg, kv_layout, key, 32 * nw, 16 * nw, aligned, "tc", 1, mb, tuning)
+        return DecodeConfig(code, head_dim, hg, kv_layout, key, 32 * nw, 16 * nw, aligned, "tc", 1, mb, tuning,
+                            kv_code)
     if _use_warp(kv, head_dim, aligned, tuning):
         most = tuning.fp8_warp_max_heads if kv_code else tuning.warp_max_heads
         hg = warp_heads_per_cta(group, most, warp_geometry(kv, head_dim, 1, 1, 1)[0])

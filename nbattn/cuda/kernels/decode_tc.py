@@ -23,6 +23,17 @@ read before the wait, so they are hints only: read through L2
 (``load_i32_cg``), clamped into the page table and the pool, and used for
 nothing but prefetches; the loads after the wait read the page table again.
 L2 is where every write lands, so a prefetched line is never stale.
+
+An fp8 cache (``cfg.kv_code``) changes only how K/V words arrive: a lane's
+16-byte load holds 16 fp8 values, which ``cvt.rn.f16x2.{e4m3,e5m2}x2`` (and,
+for bf16 q, on through float32) turns into the eight fp16 / bf16 words the
+fragments take (exact: every fp8 value is an fp16 and a bf16 value), so a
+token takes half the loads and the math is unchanged.
+Lane ``t``'s load ``jj`` holds dims ``64 jj + 16 t ..+16``, which stand where
+the fp16 layout puts chunks ``2 jj`` and ``2 jj + 1``; q is read with the same
+permutation, and the accumulator's dims are placed back by it.  ``sm_scale``
+carries ``k_scale``, and the accumulators are scaled by ``v_scale`` as they
+leave the warp.
 """
 from __future__ import annotations
 
@@ -76,8 +87,11 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     HG = cfg.heads_per_cta
     assert HG <= 8 and D % 32 == 0
     EPW = ELEMS_PER_WORD[cfg.code]
-    W = D // EPW
-    NJ = D // 32                 # 32-dim chunks: one 16-byte load per lane per token
+    W = D // EPW                 # words of a q row
+    NJ = D // 32                 # 32-dim chunks: one 16-byte load per lane per token (fp16)
+    FP8 = cfg.kv_code is not None
+    LJ = NJ // 2 if FP8 else NJ  # 16-byte K/V loads per lane per token (fp8: 16 dims each)
+    to_pairs = MMA.fp8x4_to_16x2(cfg.kv_code, cfg.code) if FP8 else None    # fp8 -> q's 16-bit type
     QL, HL, AL = 4 * NJ, 4 * NJ, 8 * NJ   # q words, words per token half, accumulator floats
     KL = 2 * HL
     NW = nwarps
@@ -89,7 +103,8 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     AHEAD = NW * min_blocks <= 8
     LEAD = STEP if AHEAD else 0
     tuning = cfg.tuning
-    PF = tuning.prefetch_steps if AHEAD and HG <= tuning.prefetch_max_heads else 0   # steps into L2 (module doc)
+    # steps into L2 (module doc); the lines it picks are those of an fp16 row
+    PF = tuning.prefetch_steps if AHEAD and HG <= tuning.prefetch_max_heads and not FP8 else 0
     PFL = max(1, 2 * PF)
     NHD = cfg.kv_layout == "NHD"
     var = cfg.variant
@@ -100,7 +115,7 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     transform, keep = variant_device_fns(var)
     poison = NR.poison_kv(cfg.code)
     write_states = make_state_writer(HG, D, NT, NW, 8, False, store_elem)
-    kv_addressing = make_kv_addressing(W, NHD)
+    kv_addressing = make_kv_addressing(D // ELEMS_PER_WORD[cfg.kv], NHD)
     mma = MMA.mma_f16 if cfg.code == "f16" else MMA.mma_bf16
     pack = MMA.pack_f16x2 if cfg.code == "f16" else MMA.pack_bf16x2
     movt = MMA.movmatrix_t
@@ -124,21 +139,43 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
 
     @device_fn
     def load_row(kv_w, row, dst, o0):
-        """My NJ 16-byte chunks of the row at word ``row`` (zeros for -1) into ``dst[o0:]``."""
-        for j in range(NJ):
+        """My LJ 16-byte chunks of the row at word ``row`` (zeros for -1) into ``dst[o0:]``
+        as words of 16-bit pairs (an fp8 chunk becomes eight)."""
+        for j in range(LJ):
             w0 = w1 = w2 = w3 = uint32(0)
             if row >= 0:
                 w0, w1, w2, w3 = load_v4(kv_w, row + j * 16)
-            o = o0 + 4 * j
-            dst[o] = w0
-            dst[o + 1] = w1
-            dst[o + 2] = w2
-            dst[o + 3] = w3
+            if FP8:
+                o = o0 + 8 * j
+                dst[o], dst[o + 1] = to_pairs(w0)
+                dst[o + 2], dst[o + 3] = to_pairs(w1)
+                dst[o + 4], dst[o + 5] = to_pairs(w2)
+                dst[o + 6], dst[o + 7] = to_pairs(w3)
+            else:
+                o = o0 + 4 * j
+                dst[o] = w0
+                dst[o + 1] = w1
+                dst[o + 2] = w2
+                dst[o + 3] = w3
+
+    @device_fn
+    def q_word(j, t):
+        """Word of a q row where lane ``t``'s 8 dims of chunk ``j`` start (fp16: dims
+        ``32 j + 8 t``; fp8 caches: dims ``64 (j >> 1) + 16 t + 8 (j & 1)``, module doc)."""
+        if FP8:
+            return 32 * (j >> 1) + 8 * t + 4 * (j & 1)
+        return 16 * j + 4 * t
+
+    @device_fn
+    def acc_dim(j, g, i):
+        """The dim of row ``g`` of word ``i`` of chunk ``j`` of my V row after the transpose."""
+        if FP8:
+            return 64 * (j >> 1) + 16 * (g >> 1) + 8 * (j & 1) + 2 * i + (g & 1)
+        return 32 * j + 8 * (g >> 1) + 2 * i + (g & 1)
 
     def kernel(q_w, kv_w, kv_indptr, kv_indices, kv_last, page_size, ps_shift, num_kv_heads,
                num_qo_heads, n_head_blocks, prefetch, cta_indptr, w_request, w_kv_start, w_kv_end, w_out_slot,
                out, lse, part_o, part_lse, slopes, sm_scale, sigmoid_bias, v_scale):
-        # v_scale (fp8 caches) is always 1.0 here: make_config never sends fp8 to this path
         st_acc = cuda.shared.array(ACC_LEN, np.float32)
         st_m = cuda.shared.array(ML_LEN, np.float32)
         st_l = cuda.shared.array(ML_LEN, np.float32)
@@ -192,7 +229,7 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
             for j in range(NJ):
                 w0 = w1 = w2 = w3 = uint32(0)
                 if g < HG:
-                    w0, w1, w2, w3 = load_v4(q_w, (int64(r) * num_qo_heads + h0 + g) * W + j * 16 + t * 4)
+                    w0, w1, w2, w3 = load_v4(q_w, (int64(r) * num_qo_heads + h0 + g) * W + q_word(j, t))
                 qa[4 * j] = w0
                 qa[4 * j + 1] = w1
                 qa[4 * j + 2] = w2
@@ -310,12 +347,12 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
             # my row's mass, then the warps' states through shared memory
             l_row = l_part + shfl_xor_f32(l_part, 1)
             l_row += shfl_xor_f32(l_row, 2)
+            vs = v_scale if FP8 else float32(1.0)      # o is linear in acc: v_scale joins here
             for j in range(NJ):
                 for pp in range(2):
                     for c in range(4):
                         head = 2 * t + (c & 1)
-                        dim = 32 * j + 8 * (g >> 1) + 2 * (2 * pp + (c >> 1)) + (g & 1)
-                        st_acc[(warp * 8 + head) * D + dim] = acc[4 * (2 * j + pp) + c]
+                        st_acc[(warp * 8 + head) * D + acc_dim(j, g, 2 * pp + (c >> 1))] = acc[4 * (2 * j + pp) + c] * vs
             if t == 0:
                 st_m[warp * 8 + g] = m_row
                 st_l[warp * 8 + g] = l_row

@@ -9,9 +9,9 @@ dtype with this kernel and run the 16-bit tiles on it unchanged
 (docs/concepts/layouts.md, "fp8 in the kernels").
 
 The source is raw uint32 words, four fp8 values a word.  Page ``j`` of the
-output is page ``pages[j]`` of the source: ``page_words`` words, of which the
-first ``k_words`` are K (times ``k_scale``) and the rest V (times
-``v_scale``).  A contiguous K or V is one page of all its words.  NaN and
+output is page ``pages[j]`` of the source: ``page_words`` words, whose
+first ``k_values`` values are K (times ``k_scale``) and the rest V (times
+``v_scale``); the boundary may fall inside a word.  A contiguous K or V is one page of all its words.  NaN and
 infinities stay what they are.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ KERNELS: dict = {}
 
 
 def widen_kernel(fp8_code: str, out_code: str):
-    """Kernel ``(src, pages, page_words, k_words, k_scale, v_scale, dst)``, any 1-D grid:
+    """Kernel ``(src, pages, page_words, k_values, k_scale, v_scale, dst)``, any 1-D grid:
     ``dst`` (raw, ``out_code``) gets ``len(pages) * page_words * 4`` values."""
     key = (fp8_code, out_code)
     if key in KERNELS:
@@ -37,7 +37,7 @@ def widen_kernel(fp8_code: str, out_code: str):
     to_f32 = fp8x4_to_f32(fp8_code)
     _, store_elem, _ = element_io(out_code)
 
-    def kernel(src, pages, page_words, k_words, k_scale, v_scale, dst):
+    def kernel(src, pages, page_words, k_values, k_scale, v_scale, dst):
         n = int64(pages.shape[0]) * page_words
         i = int64(cuda.grid(1))
         while i < n:
@@ -45,12 +45,13 @@ def widen_kernel(fp8_code: str, out_code: str):
             j = i // page_words
             w = i - j * page_words
             a, b, c, d = to_f32(src[int64(pages[j]) * page_words + w])
-            # K words take k_scale, V words v_scale; one rounding to q's dtype
-            s = float32(k_scale) if w < k_words else float32(v_scale)
-            store_elem(dst, 4 * i, a * s)
-            store_elem(dst, 4 * i + 1, b * s)
-            store_elem(dst, 4 * i + 2, c * s)
-            store_elem(dst, 4 * i + 3, d * s)
+            # values before k_values of a page are K (times k_scale), the rest V (times
+            # v_scale): a word may hold both; one rounding to q's dtype
+            e = 4 * w
+            store_elem(dst, 4 * i, a * (float32(k_scale) if e < k_values else float32(v_scale)))
+            store_elem(dst, 4 * i + 1, b * (float32(k_scale) if e + 1 < k_values else float32(v_scale)))
+            store_elem(dst, 4 * i + 2, c * (float32(k_scale) if e + 2 < k_values else float32(v_scale)))
+            store_elem(dst, 4 * i + 3, d * (float32(k_scale) if e + 3 < k_values else float32(v_scale)))
             i += cuda.gridsize(1)
 
     KERNELS[key] = jit_kernel(kernel)
