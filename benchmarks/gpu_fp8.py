@@ -31,7 +31,8 @@ Records (suite ``fp8``):
 
     PYTHONPATH=$PWD python3 benchmarks/gpu_fp8.py --commit SHA [--out DIR] [--quick]
 
-writes ``<out>/fp8.json``.  ``--quick`` runs two cases.  Under numba's CUDA
+writes ``<out>/fp8.json`` and the figure ``<out>/fp8.png`` (``--replot``: the figure
+again from the file, no GPU).  ``--quick`` leaves out batch 64 x 16k.  Under numba's CUDA
 simulator (no GPU) it is a dry run at tiny shapes, timed with the host clock:
 it checks that the script works, not how fast anything is.
 """
@@ -233,13 +234,62 @@ def compare(got: np.ndarray, want: np.ndarray) -> tuple[float, int, int]:
     return err, int((~same).sum()), int(fin.sum())
 
 
+def figure(recs, path):
+    """``fp8.png``: per decode case, the graph-replayed share of copy bandwidth of each
+    cache (left) and the fp8 time over the 16-bit cache's time (right; the target 0.6)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def key(c):                 # a case: its shape, q's dtype and the fp8 caches' path
+        return (c["batch"], c["kv_len"], c["q_dtype"], c["path"])
+
+    sel = [r for r in recs if r["case"].get("op") == "decode" and r["case"].get("mode") == "graph_replay"]
+    fp8 = [r for r in sel if r["case"]["kv_dtype"].startswith("float8")]
+    cases = list(dict.fromkeys(key(r["case"]) for r in fp8))
+    names = [f"b{b} x {k // 1024}k" + ("" if q == "float16" else f", {q[:4]} q") + (", warp" if p == "warp" else "")
+             for b, k, q, p in cases]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
+    x = np.arange(len(cases))
+    for j, (kv, color) in enumerate((("16-bit cache", "C0"), ("float8_e4m3fn", "C1"), ("float8_e5m2", "C2"))):
+        bw, ratio = [], []
+        for b, k, q, p in cases:
+            same = [r for r in (fp8 if kv != "16-bit cache" else sel) if r["case"]["batch"] == b
+                    and r["case"]["kv_len"] == k and r["case"]["q_dtype"] == q
+                    and (r["case"]["kv_dtype"] == kv if kv != "16-bit cache" else r["case"]["kv_dtype"] == q)
+                    and (kv == "16-bit cache" or r["case"]["path"] == p)]
+            bw.append(next((r["value"] for r in same if r["metric"] == "bw_fraction"), np.nan))
+            lat = next((r for r in same if r["metric"] == "latency_us"), None)
+            ratio.append(lat["value"] / lat["peers"]["fp16"] if lat and lat["peers"].get("fp16") else np.nan)
+        axes[0].bar(x + (j - 1) * 0.27, bw, 0.27, label=kv, color=color)
+        if kv != "16-bit cache":
+            axes[1].bar(x + (j - 1.5) * 0.35, ratio, 0.35, label=kv, color=color)
+    axes[0].axhline(0.85, color="k", lw=0.8, ls="--")
+    axes[0].set_ylabel("share of copy bandwidth (graph replay)")
+    axes[0].set_title("decode: bytes read (fp8 as 1 byte) over time; goal 0.85")
+    axes[1].axhline(0.6, color="k", lw=0.8, ls="--")
+    axes[1].set_ylabel("fp8 time / 16-bit cache time")
+    axes[1].set_title("decode: fp8 against the 16-bit cache, same run; goal 0.6")
+    for ax in axes:
+        ax.set_xticks(x, names, fontsize=8)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     t0 = time.perf_counter()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--commit", required=True, help="the nbattn commit measured (recorded in the file)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/nbattn_out"))
     ap.add_argument("--quick", action="store_true", help="two cases (b64 x 4k, b1 x 32k)")
+    ap.add_argument("--replot", action="store_true", help="only draw <out>/fp8.png again from <out>/fp8.json")
     args = ap.parse_args(argv)
+    if args.replot:
+        import json
+        figure(json.loads((Path(args.out) / "fp8.json").read_text())["records"], Path(args.out) / "fp8.png")
+        return 0
     copy_bw = copy_bandwidth(SIMULATOR)
     print(f"copy bandwidth {copy_bw:.0f} GB/s{' (simulator dry run: host memory)' if SIMULATOR else ''}",
           flush=True)
@@ -272,7 +322,8 @@ def main(argv=None) -> int:
         bench_case(recs, b, k, copy_bw, 100 + i, qdt, path)
         save()
     path = save()
-    print(f"wrote {path} ({len(recs)} records) in {time.perf_counter() - t0:.0f} s", flush=True)
+    figure(recs, Path(args.out) / "fp8.png")
+    print(f"wrote {path} ({len(recs)} records) and fp8.png in {time.perf_counter() - t0:.0f} s", flush=True)
     return 0
 
 

@@ -36,13 +36,13 @@ import math
 from typing import Any, Callable
 
 import numpy as np
-from numba import cuda
 
 from .. import layout as L
 from ..reference.fp8 import FP8_DTYPES, FP8_FORMS, check_kv_dtypes, check_scale, fp8_kind, kv_scales, reject_fp8
 from .blocks.fp8 import FP8_CODES
 from .blocks.primitives import SIMULATOR
 from .host import arrays as A
+from .host.driver import StagingRing, handle_of
 from .host.prefill_launch import check_kind_match, numba_stream
 from .kernels.fp8_widen import widen_kernel
 
@@ -55,6 +55,7 @@ FP8_READERS = ("nbattn.cuda.batch_decode_paged, single_decode, batch_prefill_pag
                "append_paged_kv_cache")
 _TORCH_FP8 = tuple(f"torch.{n}" for n in FP8_DTYPES)
 _NAMES = {code: name for name, code in FP8_CODES.items()}
+_PAGE_IDS = StagingRing(most=8)     # widen()'s page ids on their way to the device
 
 
 class Fp8NotSupported(L.LayoutError, NotImplementedError):
@@ -131,8 +132,13 @@ def widen(x: Any, name: str, fp8: str, code: str, k_scale: float, v_scale: float
     src = A.to_device(x, name, stream, fp8)
     result, dst = A.new_output("torch" if direct else "numba", shape, code, s, like=x)
     if len(pages) and per:
-        launch_widen(src, cuda.to_device(pages, stream=s), per, per // 2 if paged else per, fp8, code,
-                     k_scale, v_scale, dst, s)
+        # the page ids go through a staging ring (one asynchronous copy, no allocation, no
+        # wait for the kernels queued before), as the prefill forms' other metadata does
+        h = handle_of(s)
+        with _PAGE_IDS.lock:
+            slot, (span,) = _PAGE_IDS.stage([pages], h)
+            launch_widen(src, span.view(), per, per // 2 if paged else per, fp8, code, k_scale, v_scale, dst, s)
+            slot.done(h)
     return result
 
 
