@@ -247,7 +247,7 @@ def figure(recs, path):
     sel = [r for r in recs if r["case"].get("op") == "decode" and r["case"].get("mode") == "graph_replay"]
     fp8 = [r for r in sel if r["case"]["kv_dtype"].startswith("float8")]
     cases = list(dict.fromkeys(key(r["case"]) for r in fp8))
-    names = [f"b{b} x {k // 1024}k" + ("" if q == "float16" else f", {q[:4]} q") + (", warp" if p == "warp" else "")
+    names = [f"b{b} x {k // 1024}k" + ("" if q == "float16" else f", {q.replace('loat', '')} q") + (", warp" if p == "warp" else "")
              for b, k, q, p in cases]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
     x = np.arange(len(cases))
@@ -272,7 +272,7 @@ def figure(recs, path):
     axes[1].set_title("decode: fp8 against the 16-bit cache, same run; goal 0.6")
     for ax in axes:
         ax.set_xticks(x, names, fontsize=8)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
