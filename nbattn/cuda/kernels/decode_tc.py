@@ -28,7 +28,9 @@ An fp8 cache (``cfg.kv_code``) changes only how K/V words arrive: a lane's
 16-byte load holds 16 fp8 values, which ``cvt.rn.f16x2.{e4m3,e5m2}x2`` (and,
 for bf16 q, on through float32) turns into the eight fp16 / bf16 words the
 fragments take (exact: every fp8 value is an fp16 and a bf16 value), so a
-token takes half the loads and the math is unchanged.
+token takes half the loads and the math is unchanged.  A conversion waits for its
+load, so V (and, one step ahead, K) is kept raw until the step needs it, as the
+fp16 words are: V converts after the scores, K-ahead at the end of the step.
 Lane ``t``'s load ``jj`` holds dims ``64 jj + 16 t ..+16``, which stand where
 the fp16 layout puts chunks ``2 jj`` and ``2 jj + 1``; q is read with the same
 permutation, and the accumulator's dims are placed back by it.  ``sm_scale``
@@ -94,6 +96,8 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
     to_pairs = MMA.fp8x4_to_16x2(cfg.kv_code, cfg.code) if FP8 else None    # fp8 -> q's 16-bit type
     QL, HL, AL = 4 * NJ, 4 * NJ, 8 * NJ   # q words, words per token half, accumulator floats
     KL = 2 * HL
+    RL = 4 * LJ                  # raw words per token half (fp8: half of HL)
+    RW = 2 * RL
     NW = nwarps
     NT = 32 * NW
     STEP = 16 * NW
@@ -159,6 +163,27 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                 dst[o + 3] = w3
 
     @device_fn
+    def load_raw(kv_w, row, dst, o0):
+        """fp8: my LJ 16-byte chunks of the row at word ``row`` (zeros for -1) into
+        ``dst[o0:]`` as they are, converted later by :func:`to_pairs_row` (a conversion
+        right after the load would wait for the load there)."""
+        for j in range(LJ):
+            w0 = w1 = w2 = w3 = uint32(0)
+            if row >= 0:
+                w0, w1, w2, w3 = load_v4(kv_w, row + j * 16)
+            dst[o0 + 4 * j] = w0
+            dst[o0 + 4 * j + 1] = w1
+            dst[o0 + 4 * j + 2] = w2
+            dst[o0 + 4 * j + 3] = w3
+
+    @device_fn
+    def to_pairs_row(src, dst):
+        """fp8: both halves' raw words of :func:`load_raw` as the 16-bit pairs
+        :func:`load_row` gives (``dst`` of ``KL`` words)."""
+        for e in range(RW):
+            dst[2 * e], dst[2 * e + 1] = to_pairs(src[e])
+
+    @device_fn
     def q_word(j, t):
         """Word of a q row where lane ``t``'s 8 dims of chunk ``j`` start (fp16: dims
         ``32 j + 8 t``; fp8 caches: dims ``64 (j >> 1) + 16 t + 8 (j & 1)``, module doc)."""
@@ -184,6 +209,8 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
         kn = cuda.local.array(KL, np.uint32)
         rk = cuda.local.array(2, np.int64)
         vw = cuda.local.array(KL, np.uint32)
+        raw_v = cuda.local.array(RW, np.uint32)     # fp8: V (and K one step ahead) before conversion
+        raw_k = cuda.local.array(RW, np.uint32)
         acc = cuda.local.array(AL, np.float32)
         sc = cuda.local.array(4, np.float32)
         pg = cuda.local.array(2, np.int64)
@@ -265,7 +292,12 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                                               slot_words, my_off)
                             load_row(kv_w, rk[hf], kw, hf * HL)
                     for hf in range(2):
-                        load_row(kv_w, rk[hf] + v_off if rk[hf] >= 0 else rk[hf], vw, hf * HL)
+                        if FP8:      # raw V now, converted after the scores (the fp16 order of waits)
+                            load_raw(kv_w, rk[hf] + v_off if rk[hf] >= 0 else rk[hf], raw_v, hf * RL)
+                        else:
+                            load_row(kv_w, rk[hf] + v_off if rk[hf] >= 0 else rk[hf], vw, hf * HL)
+                    if FP8 and careful:
+                        to_pairs_row(raw_v, vw)
                     if careful:                          # step 1 of the rule: a bad V chunk poisons its K
                         for o in range(0, KL, 4):
                             (kw[o], kw[o + 1], kw[o + 2], kw[o + 3], vw[o], vw[o + 1], vw[o + 2],
@@ -275,7 +307,10 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                         for hf in range(2):
                             rk[hf] = page_row(base + STEP + 8 * hf + g, kv_end, pg[hf], page_size, ps_shift,
                                               page_words, slot_words, my_off)
-                            load_row(kv_w, rk[hf], kn, hf * HL)
+                            if FP8:
+                                load_raw(kv_w, rk[hf], raw_k, hf * RL)
+                            else:
+                                load_row(kv_w, rk[hf], kn, hf * HL)
                     for hf in range(2):
                         pos = base + LEAD + STEP + 8 * hf + g
                         if pos < kv_end:
@@ -322,6 +357,8 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                     b1 = pack(sc[2], sc[3])
                     f0 = shfl_idx_f32(f, 8 * t)          # columns 2t, 2t+1 of O^T are heads 2t, 2t+1
                     f1 = shfl_idx_f32(f, 8 * t + 4)
+                    if FP8 and not careful:
+                        to_pairs_row(raw_v, vw)
                     # O^T += V^T P^T: 16 dims x 8 heads per mma, k = the tile's 16 tokens
                     for j in range(NJ):
                         for pp in range(2):
@@ -337,7 +374,9 @@ def build_tc_kernel(cfg, nwarps: int, min_blocks: int = 3):
                             acc[c + 1] = d1
                             acc[c + 2] = d2
                             acc[c + 3] = d3
-                    if AHEAD:
+                    if AHEAD and FP8:
+                        to_pairs_row(raw_k, kw)
+                    elif AHEAD:
                         for e in range(KL):
                             kw[e] = kn[e]
 
