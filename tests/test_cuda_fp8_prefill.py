@@ -212,7 +212,10 @@ def test_the_prefill_wrapper_reads_fp8_and_replans(fmt, qdt, layout):
     want = R.batch_prefill_paged(*paged_args(b2), dtype=np.float64, sinks=sinks.numpy(), **kw)
     check(w.run(b2["q"], b2["cache"], k_scale=b2["ks"], v_scale=b2["vs"], return_lse=True, sinks=sinks), want,
           qdt, f"sinks seed={seed}")
-    plain = b2["cache"].to(torch.float32).to(QDT[qdt])
+    plain = b2["cache"].to(torch.float32)          # the same values with their scales, in q's dtype
+    plain[:, 0] *= b2["ks"]
+    plain[:, 1] *= b2["vs"]
+    plain = plain.to(QDT[qdt])
     w.plan(b2["qo_indptr"], b2["indptr"], b2["indices"], b2["last"], 4, 2, 32, 4, q_data_type=b2["q"].dtype)
     want = R.batch_prefill_paged(b2["q"], plain, *paged_args(b2)[2:], kv_layout=layout, dtype=np.float64)
     np.testing.assert_allclose(f64(w.run(b2["q"], plain)), f64(want), atol=TOL[qdt], rtol=TOL[qdt])
