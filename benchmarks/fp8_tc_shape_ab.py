@@ -15,14 +15,11 @@ Under the simulator it is a dry run at tiny shapes.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +30,8 @@ import nbattn.cuda as NC  # noqa: E402
 from nbattn.cuda.blocks.primitives import SIMULATOR  # noqa: E402
 from nbattn.cuda.tuning import DECODE  # noqa: E402
 from _timing import copy_bandwidth  # noqa: E402
-from gpu_fp8 import D, DEV, GROUP, HQ, K_SCALE, KV, PS, V_SCALE, caches, graph_replay_ms, sync  # noqa: E402
+from gpu_fp8 import (D, DEV, GROUP, HQ, K_SCALE, KV, PS, V_SCALE, caches, graph_replay_ms, sync,  # noqa: E402
+                     write_suite)
 
 SHAPES = [(6, 2), (4, 2), (8, 1), (4, 3), (8, 2), (2, 4)]
 
@@ -76,13 +74,7 @@ def main(argv=None) -> int:
             print(f"tc_shape {shape} {kv:14s} path {w._cfg.path}: {ms * 1e3:8.1f} us, {bw:.3f} of copy "
                   f"bandwidth", flush=True)
             del w, ws
-    from nbattn.perf import results
-    path = results.write_suite(
-        "fp8_tc_shape_ab", recs, gpu="numba CUDA simulator (dry run)" if SIMULATOR else torch.cuda.get_device_name(),
-        command="PYTHONPATH=$PWD python3 benchmarks/fp8_tc_shape_ab.py " + " ".join(argv or sys.argv[1:]),
-        versions={"nbattn_commit": args.commit, "torch": torch.__version__, "numpy": np.__version__,
-                  "python": platform.python_version()},
-        date=datetime.date.today().isoformat(), root=Path(args.out), copy_bandwidth_GBps=copy_bw)
+    path = write_suite("fp8_tc_shape_ab", recs, "fp8_tc_shape_ab.py", argv, args, copy_bw)
     print(f"wrote {path} ({len(recs)} records) in {time.perf_counter() - t0:.0f} s", flush=True)
     return 0
 

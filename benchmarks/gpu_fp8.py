@@ -234,6 +234,18 @@ def compare(got: np.ndarray, want: np.ndarray) -> tuple[float, int, int]:
     return err, int((~same).sum()), int(fin.sum())
 
 
+def write_suite(suite: str, recs: list, script: str, argv, args, copy_bw: float) -> Path:
+    """``<args.out>/<suite>.json`` with the records, this machine's GPU and versions, the
+    commit ``args.commit`` and the same run's copy bandwidth."""
+    from nbattn.perf import results
+    return results.write_suite(
+        suite, recs, gpu="numba CUDA simulator (dry run)" if SIMULATOR else torch.cuda.get_device_name(),
+        command=f"PYTHONPATH=$PWD python3 benchmarks/{script} " + " ".join(argv or sys.argv[1:]),
+        versions={"nbattn_commit": args.commit, "torch": torch.__version__, "numpy": np.__version__,
+                  "python": platform.python_version()},
+        date=datetime.date.today().isoformat(), root=Path(args.out), copy_bandwidth_GBps=copy_bw)
+
+
 def figure(recs, path):
     """``fp8.png``: per decode case, the graph-replayed share of copy bandwidth of each
     cache (left) and the fp8 time over the 16-bit cache's time (right; the target 0.6)."""
@@ -296,14 +308,7 @@ def main(argv=None) -> int:
     recs: list = []
 
     def save():
-        from nbattn.perf import results
-        path = results.write_suite(
-            "fp8", recs, gpu="numba CUDA simulator (dry run)" if SIMULATOR else torch.cuda.get_device_name(),
-            command="PYTHONPATH=$PWD python3 benchmarks/gpu_fp8.py " + " ".join(argv or sys.argv[1:]),
-            versions={"nbattn_commit": args.commit, "torch": torch.__version__, "numpy": np.__version__,
-                      "python": platform.python_version()},
-            date=datetime.date.today().isoformat(), root=Path(args.out), copy_bandwidth_GBps=copy_bw)
-        return path
+        return write_suite("fp8", recs, "gpu_fp8.py", argv, args, copy_bw)
 
     bench_error(recs, 19)
     save()

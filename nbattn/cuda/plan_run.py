@@ -256,7 +256,6 @@ class PlanRunWrapper:
         self._run_seen = None           # what the last run() of this plan accepted (see _run_inputs)
         self._scratch_lse = None
         self._widened = self._widen_pages = None    # a prefill fp8 plan's scratch cache and page ids
-        self._widen_per = 0
         self._user_state = None         # the values a plan's score_mod / mask_mod read (blocks.variants.user_state)
         self.plan_seconds = 0.0
 

@@ -18,6 +18,7 @@ only as a part of the whole queue.
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -190,14 +191,13 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         a later plan fits it; returns the page table the tiles read (``arange``)."""
         page = (2, page_size, num_kv_heads, head_dim) if self._kv_layout == "NHD" else (
             2, num_kv_heads, page_size, head_dim)
-        per = page_values((1,) + page, "head_dim_qk", True)
+        page_values((1,) + page, "head_dim_qk", True)     # a page must be whole 32-bit words
         n = max(len(pages), 1)
         old = self._widened
         if old is None or old.shape[0] < n or old.shape[1:] != page or old.dtype != A.RAW[code]:
             self._widened = None                       # the old scratch goes before the new one comes
             self._widened = cuda.device_array((n,) + page, A.RAW[code])
         self._widen_pages = cuda.to_device(np.ascontiguousarray(pages, np.int32)) if len(pages) else None
-        self._widen_per = per
         return np.arange(len(pages), dtype=np.int32)
 
     def _widen(self, cache, kv_dev, k_scale, v_scale, stream):
@@ -209,7 +209,7 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
             return kv_dev
         check_widened_range(fp8, self._code, ks, vs)
         if self._widen_pages is not None:
-            per = self._widen_per
+            per = math.prod(self._widened.shape[1:])        # values a page
             launch_widen(A.to_device(kv_dev, "paged_kv_cache", 0, fp8), self._widen_pages, per, per // 2, fp8,
                          self._code, ks, vs, self._widened, numba_stream(stream))
         return self._widened

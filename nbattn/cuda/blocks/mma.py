@@ -290,7 +290,6 @@ else:
         return None
 
 
-
 # fp8 -> fp16 / bf16 (the decode tensor-core path's fp8 caches): the four fp8 values of a word
 # as two 16-bit pair words, ``lo`` holding elements 0, 1 and ``hi`` elements 2, 3 (the lower
 # element in the lower half, as everywhere).  ``cvt.rn.f16x2.{e4m3x2,e5m2x2}`` (sm_89 and
