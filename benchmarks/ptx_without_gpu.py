@@ -145,6 +145,7 @@ def configurations():
         "tc_g4_split": (lambda: fast(group=4, batch_kv_heads=8), dsig),
         "warp_g4_f16": (lambda: fast(group=4, tuning=DECODE.replace(path="warp")), dsig),
         "warp_g4_e4m3": (lambda: fast(group=4, kv_code="e4m3", tuning=DECODE.replace(path="warp")), dsig),
+        "warp_g4_rope": (lambda: fast(group=4, variant=rope, tuning=DECODE.replace(path="warp")), dsig),
         "tc_g4_e4m3": (lambda: fast(group=4, kv_code="e4m3"), dsig),
         "tc_g8_e5m2": (lambda: fast(group=8, kv_code="e5m2"), dsig),
         "tc_g4_e4m3_bf16": (lambda: fast(group=4, kv_code="e4m3", code="bf16"), dsig),

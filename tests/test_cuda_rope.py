@@ -6,8 +6,8 @@ q turns to its own position (bottom-right aligned), each key to its position in
 the request, and the cache holds keys unrotated.  The kernels that rotate are
 the decode teaching kernel (``path="smem"``) and the warp decode path, and the
 CUDA-core teaching prefill tile; a call that asks for another fast path gets a
-teaching kernel.  The warp path's turn (float32 cos/sin of an angle reduced in
-float64) is also checked alone at positions up to 10**6.
+teaching kernel.  The warp path's turn (the angle in fixed-point turns, approximate
+float32 cos/sin on a GPU) is also checked alone at positions up to 2**31 - 1.
 """
 import numpy as np
 import pytest
@@ -66,48 +66,49 @@ def test_paged_decode_kernel_rotates_q_and_every_key(kv_lens, page_size, group, 
 
 def test_the_warp_turn_is_float32_accurate_at_large_positions():
     """blocks.rope.fast_rotation alone, against the rotation in float64 (NumPy): positions
-    up to 10**6, the frequencies of theta 5e5 and 10, every element of a row of 32."""
+    up to 2**31 - 1, theta 5e5 and 10 and a scale of 0.1 (pair 0 turns more than once per
+    position), every element of a row of 32.  Runs on a GPU too (cos.approx / sin.approx)."""
     from nbattn.cuda.blocks.primitives import device_fn
-    from nbattn.cuda.blocks.rope import fast_rotation, rope_frequency
+    from nbattn.cuda.blocks.rope import fast_rotation, turns_per_position
     D, VEC = 32, 8
     turn = fast_rotation(D, VEC)
     rng, seed = fresh()
-    for theta in (5e5, 10.0):
-        freq_of = rope_frequency(D, 1.0, theta)
+    for theta, scale in ((5e5, 1.0), (10.0, 1.0), (1e4, 0.1)):
+        turns = turns_per_position(D, scale, theta)
 
         @device_fn
-        def one(x, xp, out, freqs, d0, pos):
-            turn(x, 0, xp, out, d0, pos, freqs)
+        def one(x, xp, out, turns, d0, pos):
+            turn(x, 0, xp, out, d0, pos, turns)
 
         @cuda.jit
-        def kern(x, pos, freqs_out, out):
+        def kern(x, pos, turns, out):
             xp = cuda.local.array(VEC, np.float32)
             xo = cuda.local.array(VEC, np.float32)
-            freqs = cuda.local.array(16, np.float64)
-            for i in range(16):
-                freqs[i] = freq_of(i)
-                freqs_out[i] = freqs[i]
             c = cuda.threadIdx.x              # chunk c of row b: partners are chunk c ^ 2
             b = cuda.blockIdx.x
             xs = cuda.local.array(VEC, np.float32)
             for e in range(VEC):
                 xs[e] = x[b, c * VEC + e]
                 xp[e] = x[b, (c ^ 2) * VEC + e]
-            one(xs, xp, xo, freqs, c * VEC, pos[b])
+            one(xs, xp, xo, turns, c * VEC, pos[b])
             for e in range(VEC):
                 out[b, c * VEC + e] = xo[e]
 
-        pos = np.array([0, 1, 777, 65_537, 999_999], np.int64)
+        pos = np.array([0, 1, 777, 65_537, 999_999, 2 ** 24 + 3, 1_234_567_891, 2 ** 31 - 1], np.int64)
         x = rng.standard_normal((pos.size, D)).astype(np.float32)
         out = np.zeros_like(x)
-        freqs = np.zeros(16)
-        kern[pos.size, D // VEC](x, pos, freqs, out)
+        kern[pos.size, D // VEC](x, pos, turns, out)
         i = np.arange(D // 2)
-        np.testing.assert_allclose(freqs, theta ** (-2.0 * i / D), rtol=1e-14)
-        ang = pos[:, None].astype(np.float64) * theta ** (-2.0 * i / D)
+        freq = theta ** (-2.0 * i / D) / scale
+        fixed = turns[:D // 2].astype(np.float64) * 2.0 ** -32 + turns[D // 2:] * 2.0 ** -64
+        np.testing.assert_allclose(fixed, freq / (2 * np.pi) % 1.0, rtol=1e-15, atol=1e-18)
+        # float64 angles lose ~pos * 1e-16 rad; reduce pos * freq mod 2 pi in exact integers
+        # of 2**-60 turns instead, from the same float64 turns per position
+        r = [int(np.ldexp(t, 60)) for t in freq / (2 * np.pi) % 1.0]
+        ang = np.array([[((int(pp) * ri) % 2 ** 60) / 2.0 ** 60 for ri in r] for pp in pos]) * 2 * np.pi
         z = (x[:, :D // 2] + 1j * x[:, D // 2:].astype(np.float64)) * np.exp(1j * ang)
         want = np.concatenate([z.real, z.imag], axis=1)
-        np.testing.assert_allclose(out, want, atol=2e-6, rtol=2e-6, err_msg=f"theta {theta} (seed={seed})")
+        np.testing.assert_allclose(out, want, atol=4e-6, rtol=2e-6, err_msg=f"theta {theta} (seed={seed})")
 
 
 @pytest.mark.parametrize("path", ["warp", "tc", "auto"])

@@ -31,6 +31,9 @@ Interface (stable; the prefill/sparse/cascade kernels use it too):
     f32_to_f16_bits(x)       -> uint16 bits of x rounded to fp16 (nearest even)
     f32_to_bf16_bits(x)      -> uint16 bits of x rounded to bf16 (nearest even, NaN kept)
     exp2f(x)                 -> 2**x in float32 (ex2.approx on the GPU; exp2f(-inf) = 0)
+    mul_hi_u32(a, b)         -> uint32 high half of the 64-bit product of uint32 a and b
+    cos_sin_approx(a)        -> (cos a, sin a) in float32 for |a| <= pi (cos.approx /
+                                sin.approx on the GPU, about 5e-7 off; exact under the simulator)
     device_fn                   decorator: a force-inlined device function (plain
                                 cuda.jit(device=True) under the simulator)
     shfl_xor_f32(x, lane_mask)  -> float32 x of lane (lane ^ lane_mask) of this warp
@@ -56,7 +59,8 @@ import numpy as np
 from ..._compat import simulator_enabled
 
 __all__ = ["load_v4", "load_i32_cg", "prefetch_l2", "ld_v4", "st_v4", "SHARED_ALIGN", "u32_as_f32", "f32_as_u32",
-           "f16x2_to_f32", "bf16x2_to_f32", "f32_to_f16_bits", "f32_to_bf16_bits", "exp2f", "device_fn",
+           "f16x2_to_f32", "bf16x2_to_f32", "f32_to_f16_bits", "f32_to_bf16_bits", "exp2f", "cos_sin_approx",
+           "mul_hi_u32", "device_fn",
            "SIMULATOR", "shfl_xor_f32", "shfl_idx_f32", "warp_sync"]
 
 SIMULATOR = simulator_enabled()
@@ -88,6 +92,12 @@ if SIMULATOR:
 
     def exp2f(x):
         return np.float32(math.exp2(float(x))) if x != -math.inf else np.float32(0.0)
+
+    def cos_sin_approx(a):
+        return np.float32(math.cos(float(a))), np.float32(math.sin(float(a)))
+
+    def mul_hi_u32(a, b):
+        return np.uint32(((int(a) & 0xFFFFFFFF) * (int(b) & 0xFFFFFFFF)) >> 32)
 
     def load_v4(words, i):
         return words[i], words[i + 1], words[i + 2], words[i + 3]
@@ -306,6 +316,35 @@ else:  # pragma: no cover - needs a GPU
         return op
 
     exp2f = _f32_asm("ex2.approx.ftz.f32 $0, $1;", types.float32, _f32, "=f,f")
+
+    @intrinsic
+    def mul_hi_u32(typingctx, a, b):
+        if not (isinstance(a, types.Integer) and isinstance(b, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            x, y = (context.cast(builder, v, t, types.uint32) for v, t in zip(args, sig.args))
+            asm = ir.InlineAsm(ir.FunctionType(_i32, [_i32, _i32]), "mul.hi.u32 $0, $1, $2;", "=r,r,r",
+                               side_effect=False)
+            return builder.call(asm, [x, y])
+
+        return types.uint32(a, b), codegen
+
+    @intrinsic
+    def cos_sin_approx(typingctx, a):
+        if not isinstance(a, types.Float):
+            return None
+        ret = types.UniTuple(types.float32, 2)
+
+        def codegen(context, builder, sig, args):
+            v = context.cast(builder, args[0], sig.args[0], types.float32)
+            fnty = ir.FunctionType(ir.LiteralStructType([_f32, _f32]), [_f32])
+            asm = ir.InlineAsm(fnty, "cos.approx.ftz.f32 $0, $2; sin.approx.ftz.f32 $1, $2;", "=f,=f,f",
+                               side_effect=False)
+            st = builder.call(asm, [v])
+            return context.make_tuple(builder, ret, [builder.extract_value(st, 0), builder.extract_value(st, 1)])
+
+        return ret(a), codegen
 
     @device_fn
     def shfl_xor_f32(x, lane_mask):

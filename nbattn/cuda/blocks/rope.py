@@ -22,22 +22,30 @@ Three forms, by kernel layout:
 - :func:`row_rotation` for a kernel that holds whole rows in shared memory (the
   prefill teaching tile): one thread turns one pair in place;
 - :func:`fast_rotation`, the same turn for the warp decode path, which turns every
-  key it streams: the angle is still formed in float64, but reduced to
-  ``[-pi, pi]`` there, so that float32 ``cos`` and ``sin`` (about 1e-7 off) take
-  the place of float64 ones, which cost more than the whole key's memory traffic.
-  The frequencies ``rope_theta ** (-2 i / D) / rope_scale`` come from
-  :func:`rope_frequency`, once per CTA.
+  key it streams.  A float64 cosine and sine per element cost more than the key's
+  memory traffic, so the angle is counted in *turns* (``angle / 2 pi``) as a
+  64-bit fixed-point fraction: ``pos * turns_i`` in integers keeps exactly the
+  fraction of a turn that matters, for any int32 position, with no float64 at
+  all.  Its top bits become a float32 angle in ``[-pi, pi]``, whose cosine and
+  sine the GPU's approximate ``cos.approx`` / ``sin.approx`` take (about 5e-7
+  off).  The per-pair ``turns_i = rope_theta ** (-2 i / D) / rope_scale / 2 pi``
+  come from :func:`turns_per_position`, on the host, once per kernel.
 """
 from __future__ import annotations
 
 import math
 
-from numba import float32, float64
+import numpy as np
+from numba import float32, float64, uint32
 
-from .primitives import device_fn
+from .primitives import cos_sin_approx, device_fn, mul_hi_u32, u32_as_f32
 
-__all__ = ["chunk_rotation", "row_rotation", "fast_rotation", "rope_frequency", "partner_chunk",
-           "rope_supported"]
+__all__ = ["chunk_rotation", "row_rotation", "fast_rotation", "rope_frequency", "turns_per_position",
+           "partner_chunk", "rope_supported"]
+
+_LOW32 = np.uint64(0xFFFFFFFF)
+_HALF_TURN_AND_ROUND = np.uint64(0x80000100)   # + half a turn, + half of the 9 bits dropped below
+_ONE_F32 = np.uint64(0x3F800000)               # the bits of 1.0f: 23 fraction bits below them
 
 
 def rope_supported(head_dim: int, vec: int) -> bool:
@@ -126,31 +134,45 @@ def row_rotation(head_dim: int, rope_scale: float, rope_theta: float):
     return rotate_pair
 
 
+def turns_per_position(head_dim: int, rope_scale: float, rope_theta: float) -> np.ndarray:
+    """uint32 ``[head_dim]``: how far pair ``i`` turns per position, in turns
+    (``rope_theta ** (-2 i / D) / rope_scale / (2 pi)``), whole turns dropped, as a
+    64-bit fixed-point fraction: its high 32 bits at ``[i]``, its low 32 bits at
+    ``[D/2 + i]``.  :func:`fast_rotation` reads it."""
+    half = head_dim // 2
+    out = np.zeros(head_dim, np.uint32)
+    for i in range(half):
+        r = rope_theta ** (-2.0 * i / head_dim) / float(rope_scale) / (2.0 * math.pi)
+        fixed = int(math.ldexp(r - math.floor(r), 64)) % 2 ** 64     # exact: a power-of-two scale
+        out[i], out[half + i] = fixed >> 32, fixed & 0xFFFFFFFF
+    return out
+
+
 def fast_rotation(head_dim: int, vec: int):
-    """Device function ``turn(x, xo, xp, out, d0, pos, freqs)``: ``out[e]`` becomes
-    element ``d0 + e`` of the row turned to ``pos``, for ``e < vec``, from
-    ``x[xo:xo + vec]`` (elements ``d0 ..``) and ``xp[:vec]`` (the partner chunk's;
-    ``x``'s own chunk when one chunk holds the row).  ``freqs[i]`` is
-    :func:`rope_frequency` of pair ``i``.  Same formulas as :func:`chunk_rotation`;
-    the angle is reduced to ``[-pi, pi]`` in float64 before float32 takes over."""
+    """Device function ``turn(x, xo, xp, out, d0, pos, turns)``: ``out[e]`` becomes
+    element ``d0 + e`` of the row turned to ``pos`` (``0 <= pos < 2**31``), for
+    ``e < vec``, from ``x[xo:xo + vec]`` (elements ``d0 ..``) and ``xp[:vec]`` (the
+    partner chunk's; ``x``'s own chunk when one chunk holds the row).  ``turns`` is
+    :func:`turns_per_position` (a uint32 array, in shared memory in a kernel).  Same
+    formulas as :func:`chunk_rotation`, with the angle in fixed-point turns."""
     half = head_dim // 2
     whole = vec == head_dim
-    inv_two_pi = 1.0 / (2.0 * math.pi)
-    two_pi = 2.0 * math.pi
+    two_pi = float32(2.0 * math.pi)
 
     @device_fn
-    def turn(x, xo, xp, out, d0, pos, freqs):
+    def turn(x, xo, xp, out, d0, pos, turns):
+        p = uint32(max(pos, 0))            # (an empty request's q sits at -1; nothing reads it)
         for e in range(vec):
             d = d0 + e
-            i = d if d < half else d - half
-            ang = float64(pos) * freqs[i]
-            a = float32(ang - math.floor(ang * inv_two_pi + 0.5) * two_pi)    # in [-pi, pi]
-            c = math.cos(a)
-            s = math.sin(a)
-            pe = (e + half) % vec if whole else e      # where my partner sits in xp
-            if d < half:
-                out[e] = x[xo + e] * c - xp[pe] * s
-            else:
-                out[e] = xp[pe] * s + x[xo + e] * c
+            upper = d >= half                          # element i + D/2 of pair i
+            i = d - half if upper else d
+            # pos * turns_i mod 1 turn, exactly: the top 32 bits of the 64-bit fraction
+            frac = (mul_hi_u32(p, turns[half + i]) + p * turns[i]) & _LOW32
+            # as float32 turns in [-1/2, 1/2) (23 bits, rounded), then radians
+            bits = (((frac + _HALF_TURN_AND_ROUND) & _LOW32) >> 9) | _ONE_F32
+            c, s = cos_sin_approx((u32_as_f32(bits) - float32(1.5)) * two_pi)
+            # x1' = x1 c - x2 s;  x2' = x2 c + x1 s   (my partner sits at pe in xp)
+            pe = (e + half) % vec if whole else e
+            out[e] = x[xo + e] * c + (s if upper else -s) * xp[pe]
 
     return turn

@@ -56,14 +56,14 @@ lanes away, one shuffle each, and the turn is
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32, float64, int64, uint32
+from numba import cuda, float32, int64, uint32
 
 from ..blocks import nanrule as NR
 from ..blocks.fp8 import fp8_unpack4
 from ..blocks.mma import grid_dependents_launch
 from ..blocks.primitives import (ELEMS_PER_WORD, SHARED_ALIGN, device_fn, element_io, load_v4, shfl_idx_f32,
                                  shfl_xor_f32, st_v4)
-from ..blocks.rope import fast_rotation, rope_frequency
+from ..blocks.rope import fast_rotation, turns_per_position
 from ..blocks.softmax import online_step
 from ..blocks.variants import LOG2E, sigmoid_weight, variant_device_fns
 from ..host.driver import jit_kernel
@@ -110,17 +110,17 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
     transform, keep = variant_device_fns(var)
     ROPE = var.has_rope
     WHOLE = NX == 1                  # RoPE: one chunk holds the row, partners included
-    FREQ_LEN = D // 2 if ROPE else 1
+    TURNS = turns_per_position(D, var.rope_scale, var.rope_theta) if ROPE else np.zeros(1, np.uint32)
+    TURNS_LEN = TURNS.size
     turn = fast_rotation(D, VEC)
-    freq_of = rope_frequency(D, var.rope_scale, var.rope_theta)
     poison = NR.poison_kv(cfg.kv)
 
     @device_fn
-    def turn_chunk(x, xo, xp, xr, d0, pos, freqs):
+    def turn_chunk(x, xo, xp, xr, d0, pos, turns):
         """x[xo:xo + VEC] turned to ``pos`` in place; the partner chunk comes from lane x ^ NX/2."""
         for e in range(VEC):
             xp[e] = x[xo + e] if WHOLE else shfl_xor_f32(x[xo + e], HALF)
-        turn(x, xo, xp, xr, d0, pos, freqs)
+        turn(x, xo, xp, xr, d0, pos, turns)
         for e in range(VEC):
             x[xo + e] = xr[e]
 
@@ -143,7 +143,7 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
         xf = cuda.local.array(VEC, np.float32)
         xp = cuda.local.array(VEC, np.float32)      # RoPE: the partner chunk
         xr = cuda.local.array(VEC, np.float32)      # RoPE: my chunk, turned
-        st_freq = cuda.shared.array(FREQ_LEN, float64)
+        st_turns = cuda.shared.array(TURNS_LEN, uint32)
 
         grid_dependents_launch()     # a programmatically launched merge may start its prologue now
         tid = cuda.threadIdx.x
@@ -159,8 +159,8 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
         qscale = float32(sm_scale * float32(LOG2E))
         slope = slopes[h_mine] if ALIBI else float32(0.0)
         if ROPE:
-            for i in range(tid, FREQ_LEN, NT):
-                st_freq[i] = freq_of(i)
+            for i in range(tid, TURNS_LEN, NT):
+                st_turns[i] = TURNS[i]
             cuda.syncthreads()
 
         for item in range(cta_indptr[cta], cta_indptr[cta + 1]):
@@ -179,7 +179,7 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
                             qv[g * VEC + e] *= qscale
             if ROPE:        # q turned to its position q_idx, then scaled
                 for g in range(HG):
-                    turn_chunk(qv, g * VEC, xp, xr, x * VEC, q_idx, st_freq)
+                    turn_chunk(qv, g * VEC, xp, xr, x * VEC, q_idx, st_turns)
                     if PLAIN:
                         for e in range(VEC):
                             qv[g * VEC + e] *= qscale
@@ -236,7 +236,7 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
                     for u in range(U):
                         unpack4(kw[4 * u], kw[4 * u + 1], kw[4 * u + 2], kw[4 * u + 3], xf, 0)
                         if ROPE:    # the key turned to its position
-                            turn_chunk(xf, 0, xp, xr, x * VEC, base + u * R + row, st_freq)
+                            turn_chunk(xf, 0, xp, xr, x * VEC, base + u * R + row, st_turns)
                         for g in range(HP):
                             d = float32(0.0)
                             for e in range(VEC):
