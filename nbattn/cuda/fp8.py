@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import threading
 from typing import Any, Callable
 
 import numpy as np
@@ -42,7 +43,7 @@ from ..reference.fp8 import FP8_DTYPES, FP8_FORMS, check_kv_dtypes, check_scale,
 from .blocks.fp8 import FP8_CODES
 from .blocks.primitives import SIMULATOR
 from .host import arrays as A
-from .host.driver import StagingRing, handle_of
+from .host.driver import BoundLaunch, Span, StagingRing, handle_of
 from .host.prefill_launch import check_kind_match, numba_stream
 from .kernels.fp8_widen import widen_kernel
 
@@ -129,15 +130,20 @@ def widen(x: Any, name: str, fp8: str, code: str, k_scale: float, v_scale: float
     if paged:
         shape = (len(pages),) + shape[1:]
     s = numba_stream(stream)
-    src = A.to_device(x, name, stream, fp8)
-    result, dst = A.new_output("torch" if direct else "numba", shape, code, s, like=x)
+    if direct:      # torch CUDA tensors as they are: the bound launch reads their addresses
+        import torch
+        result = dst = torch.empty(shape, dtype=getattr(torch, _TORCH_NAMES[code]), device=x.device)
+        src = x
+    else:
+        src = A.to_device(x, name, stream, fp8)
+        result, dst = A.new_output("numba", shape, code, s)
     if len(pages) and per:
         # the page ids go through a staging ring (one asynchronous copy, no allocation, no
         # wait for the kernels queued before), as the prefill forms' other metadata does
         h = handle_of(s)
         with _PAGE_IDS.lock:
             slot, (span,) = _PAGE_IDS.stage([pages], h)
-            launch_widen(src, span.view(), per, per // 2 if paged else per, fp8, code, k_scale, v_scale, dst, s)
+            launch_widen(src, span, per, per // 2 if paged else per, fp8, code, k_scale, v_scale, dst, h)
             slot.done(h)
     return result
 
@@ -152,17 +158,52 @@ def page_values(shape: tuple, name: str, paged: bool) -> int:
     return per
 
 
+#: The widening launches, bound once per (fp8 code, output code); a call patches the rest.
+_BOUND: dict = {}
+_BOUND_LOCK = threading.Lock()
+_TORCH_NAMES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
+
+
+def _words(x) -> int:
+    """32-bit words of a contiguous device array or torch tensor."""
+    size = x.element_size() if hasattr(x, "element_size") else np.dtype(x.dtype).itemsize
+    return math.prod(int(n) for n in x.shape) * size // 4
+
+
 def launch_widen(src, pages, per: int, k_values: int, fp8: str, code: str, k_scale: float, v_scale: float,
-                 dst, s) -> None:
-    """Launch the widening kernel on numba stream ``s``: page ``j`` (``per`` values) of
-    raw ``dst`` (q's dtype ``code``) from page ``pages[j]`` of fp8 device array ``src``,
-    its first ``k_values`` values times ``k_scale`` and the rest times ``v_scale``.
-    ``pages`` is a device array; the grid covers ``len(pages)`` pages."""
-    n = int(pages.shape[0]) * per // 4
+                 dst, stream: int) -> None:
+    """Launch the widening kernel on driver stream handle ``stream``: page ``j`` (``per``
+    values) of ``dst`` (q's dtype ``code``) from page ``pages[j]`` of fp8 ``src``, its
+    first ``k_values`` values times ``k_scale`` and the rest times ``v_scale``.  ``src``
+    and ``dst``: contiguous torch CUDA tensors or device arrays; ``pages``: an int32
+    device array or a staging :class:`~nbattn.cuda.host.driver.Span`.  The launch is
+    bound once per dtype pair (:class:`~nbattn.cuda.host.driver.BoundLaunch`), so a call
+    costs no numba dispatch; the grid covers ``len(pages)`` pages."""
+    n_pages = int(pages.n if isinstance(pages, Span) else pages.shape[0])
+    n = n_pages * per // 4
     threads = 32 if SIMULATOR else 256
     blocks = 1 if SIMULATOR else max(1, min(-(-n // threads), 65535))
-    widen_kernel(fp8, code)[blocks, threads, s](A.words(src), pages, np.int64(per // 4), np.int64(k_values),
-                                                np.float32(k_scale), np.float32(v_scale), A.flat(dst))
+    key = (fp8, code)
+    bl = _BOUND.get(key)
+    if bl is None:
+        view = pages.view() if isinstance(pages, Span) else pages
+        bl = _BOUND[key] = BoundLaunch(
+            widen_kernel(fp8, code), blocks, threads,
+            (A.words(A.to_device(src, "paged_kv_cache", 0, fp8)), view, np.int64(per // 4), np.int64(k_values),
+             np.float32(k_scale), np.float32(v_scale), A.flat(A.to_device(dst, "out", 0, code))),
+            convert={0: lambda x: A.words(A.to_device(x, "paged_kv_cache", 0, fp8)),
+                     1: lambda x: x.view() if isinstance(x, Span) else x,
+                     6: lambda x: A.flat(A.to_device(x, "out", 0, code))})
+    with _BOUND_LOCK:                     # the patched launch is this call's until it is queued
+        bl.set(0, src, _words(src))
+        bl.set(1, pages, n_pages)
+        bl.set(6, dst, _words(dst) * 4 // np.dtype(A.RAW[code]).itemsize)
+        bl.set_scalar(2, np.int64(per // 4))
+        bl.set_scalar(3, np.int64(k_values))
+        bl.set_scalar(4, np.float32(k_scale))
+        bl.set_scalar(5, np.float32(v_scale))
+        bl.set_grid(blocks)
+        bl(stream)
 
 
 def fp8_data_type(kv_data_type: Any) -> str | None:

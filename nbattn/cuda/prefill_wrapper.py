@@ -30,7 +30,6 @@ from ..sched.plan import DIRECT, plan as lpt_plan
 from ..sched.tiles import choose_tile_q
 from .blocks.variants import kernel_variant, user_state
 from .fp8 import check_widened_range, launch_widen, page_values, plan_kv_code, run_scales
-from .host.prefill_launch import numba_stream
 from .host import arrays as A
 from .host.driver import BoundLaunch, sm_count
 from .merge import merge_tiles_launch
@@ -210,8 +209,7 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         check_widened_range(fp8, self._code, ks, vs)
         if self._widen_pages is not None:
             per = math.prod(self._widened.shape[1:])        # values a page
-            launch_widen(A.to_device(kv_dev, "paged_kv_cache", 0, fp8), self._widen_pages, per, per // 2, fp8,
-                         self._code, ks, vs, self._widened, numba_stream(stream))
+            launch_widen(kv_dev, self._widen_pages, per, per // 2, fp8, self._code, ks, vs, self._widened, stream)
         return self._widened
 
     def run(self, q, paged_kv_cache, out=None, lse=None, return_lse: bool = False, *, k_scale=None,
