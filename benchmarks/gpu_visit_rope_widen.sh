@@ -32,7 +32,7 @@ for r in 1 2; do
   for t in before now; do
     d=$root; [ $t = before ] && d=$root/$BEFORE
     (cd "$d" && export PYTHONPATH=$d KEEP=6 && step rope_$t$r ${ROPE_S:-90} python3 "$d/benchmarks/gpu_variants.py" \
-        --commit "$t" --parts rope --out /tmp/rope_$t$r)
+        --commit "$([ $t = before ] && echo ${BEFORE_COMMIT:-before} || echo $COMMIT)" --parts rope --out /tmp/rope_$t$r)
     cp /tmp/rope_$t$r/variants.json "$OUT/rope_$t$r.json" 2>/dev/null
   done
 done
