@@ -75,6 +75,7 @@ DEV = "cpu" if SIMULATOR else "cuda"
 REPS = 20
 SOFT_CAP, WINDOW = 30.0, (5 if SIMULATOR else 1023)
 ROPE_CASES = [(2, 24), (1, 40)] if SIMULATOR else [(64, 4096), (1, 32768)]
+ROPE_PREFILL_LEN = 12 if SIMULATOR else 8192          # one request, q and keys this long, causal
 DECODE_CASE = (2, 24) if SIMULATOR else (64, 4096)
 PREFILL_LEN = 12 if SIMULATOR else 4096
 VARIANTS = ("plain", "soft_cap", "window", "alibi", "mask_mod", "sinks")
@@ -160,6 +161,37 @@ def bench_rope(recs, copy_bw):
                          "peers": {k: v for k, v in times.items() if k != name}})
         print(f"rope b{batch} x {kv_len}: " + ", ".join(f"{k} {v:.1f} us" for k, v in times.items())
               + f"; max |fused - separate| {recs[-4]['value']:.2e}", flush=True)
+    bench_rope_prefill(recs)
+
+
+def bench_rope_prefill(recs):
+    """single_prefill, causal, q and K/V of ROPE_PREFILL_LEN rows: no RoPE, RoPE fused
+    (q and keys turned inside the kernel), and the two standalone rotations first."""
+    n = ROPE_PREFILL_LEN
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    q, k, v = (torch.randn((n, h, D), dtype=torch.float16, device=DEV, generator=gen) for h in (HQ, HKV, HKV))
+    pos = np.arange(n, dtype=np.int32)
+
+    def separate():
+        q_rot, k_rot = NC.apply_rope_pos_ids(q, k, pos)
+        return NC.single_prefill(q_rot, k_rot, v, causal=True)
+
+    fused = lambda: NC.single_prefill(q, k, v, causal=True, pos_encoding_mode="ROPE_LLAMA")  # noqa: E731
+    none = lambda: NC.single_prefill(q, k, v, causal=True)  # noqa: E731
+    a, b = fused(), separate()
+    sync()
+    case = {"part": "rope", "op": "prefill", "qo_len": n, "kv_len": n, "causal": True, "num_qo_heads": HQ,
+            "num_kv_heads": HKV, "head_dim": D, "dtype": "float16"}
+    recs.append({"case": dict(case, compared="fused vs separate"), "metric": "max_abs_err",
+                 "value": max_err(a, b), "unit": "", "peers": {}})
+    times = {name: timed_ms(fn) * 1e3 for name, fn in (("none", none), ("separate", separate), ("fused", fused))}
+    flops = 4.0 * HQ * D * n * (n + 1) / 2                    # causal: half the score matrix
+    for name, us in times.items():
+        recs.append({"case": dict(case, mode=name), "metric": "latency_us", "value": us, "unit": "us",
+                     "tflops": flops / us * 1e-6, "peers": {k: v for k, v in times.items() if k != name}})
+    print(f"rope prefill {n} x {n} causal: " + ", ".join(f"{k} {v:.1f} us ({flops / v * 1e-6:.0f} TFLOP/s)"
+                                                          for k, v in times.items())
+          + f"; max |fused - separate| {recs[-4]['value']:.2e}", flush=True)
 
 
 # ---------------------------------------------------------------------------
@@ -287,12 +319,19 @@ def figure(recs, path):
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     rope = [r for r in recs if r["case"].get("part") == "rope" and r["metric"] == "latency_us"]
-    labels = sorted({(r["case"]["batch"], r["case"]["kv_len"]) for r in rope})
+
+    def rope_label(c):
+        if c.get("op") == "prefill":
+            return f"prefill {c['qo_len']} causal"
+        return f"decode b{c['batch']} x {c['kv_len']}"
+
+    labels = sorted({rope_label(r["case"]) for r in rope})
     for j, mode in enumerate(("none", "separate", "fused")):
-        vals = [next((r["value"] for r in rope if (r["case"]["batch"], r["case"]["kv_len"]) == lab
+        vals = [next((r["value"] for r in rope if rope_label(r["case"]) == lab
                       and r["case"]["mode"] == mode), np.nan) for lab in labels]
         axes[0].bar(np.arange(len(labels)) + (j - 1) * 0.27, vals, 0.27, label=mode)
-    axes[0].set_xticks(np.arange(len(labels)), [f"decode b{b} x {k}" for b, k in labels])
+    axes[0].set_xticks(np.arange(len(labels)), labels)
+    axes[0].set_yscale("log")
     axes[0].set_ylabel("microseconds per call (eager)")
     axes[0].set_title("RoPE: fused, separate, none")
     axes[0].legend(fontsize=8)

@@ -160,6 +160,8 @@ def configurations():
                                                                             None, custom_mask=True)),
                                     persistent_signature(True)),
         "prefill_pipelined_causal": (lambda: tc_prefill(Variant(causal=True), 128), tc_prefill_signature()),
+        "prefill_pipelined_rope": (lambda: tc_prefill(Variant(causal=True, pos_encoding_mode="ROPE_LLAMA"), 128),
+                                   tc_prefill_signature()),
         "prefill_pipelined_window": (lambda: tc_prefill(window, 128), tc_prefill_signature()),
         "prefill_mma_window_d96": (lambda: tc_prefill(window, 96), tc_prefill_signature()),
         "merge_tiles_prefill": (lambda: tile_merge_kernel("f16", 128, False), merge_tiles_signature()),

@@ -4,8 +4,9 @@ Every case is checked against tests/brute.py's complex-number rotation and float
 attention loop (:func:`brute.brute_rope`), not against :mod:`nbattn.reference`:
 q turns to its own position (bottom-right aligned), each key to its position in
 the request, and the cache holds keys unrotated.  The kernels that rotate are
-the decode teaching kernel (``path="smem"``) and the warp decode path, and the
-CUDA-core teaching prefill tile; a call that asks for another fast path gets a
+the decode teaching kernel (``path="smem"``) and the warp decode path, the
+CUDA-core teaching prefill tile, and on a GPU the pipelined tensor-core prefill
+tile (tests/test_gpu_variants.py); a call that asks for another fast path gets a
 teaching kernel.  The warp path's turn (the angle in fixed-point turns, approximate
 float32 cos/sin on a GPU) is also checked alone at positions up to 2**31 - 1.
 """
@@ -223,7 +224,7 @@ def test_single_decode_rotates():
     np.testing.assert_allclose(lse, want_lse[0], atol=3e-5, rtol=3e-5)
 
 
-def test_rope_never_builds_a_fast_prefill_tile():
+def test_rope_off_the_tensor_cores_builds_the_teaching_prefill_tile():
     spec = make_spec("paged", "NHD", "f32", 16, 4, 2, Variant(pos_encoding_mode="ROPE_LLAMA"))
     assert not spec.tensor_cores
     from nbattn.cuda.kernels import prefill_cc as CC
@@ -251,8 +252,9 @@ def test_bad_rope_requests_are_refused_before_any_kernel_runs():
 def test_on_a_gpu_the_dispatch_sends_rope_to_the_warp_path_and_masks_to_the_teaching_tile(monkeypatch):
     """The simulator never offers the fast paths, so the choice is checked with the GPU's
     answers patched in: the same shapes take tensor cores without RoPE or a mask; with
-    RoPE decode takes the warp path and prefill the teaching tile, with a mask the
-    teaching tile."""
+    RoPE decode takes the warp path and prefill the pipelined tensor-core tile where it
+    builds (head_dim 64 / 128, keys with positions), else the teaching tile; with a mask
+    the teaching tile."""
     from nbattn.cuda.kernels import decode_common as DC
     from nbattn.cuda.kernels import prefill_dispatch as PD
     monkeypatch.setattr(DC, "SIMULATOR", False)
@@ -265,6 +267,12 @@ def test_on_a_gpu_the_dispatch_sends_rope_to_the_warp_path_and_masks_to_the_teac
                               tuning=tuning).path == "warp"
     assert DC.make_config("f16", 128, 4, "NHD", Variant(pos_encoding_mode="ROPE_LLAMA"),
                           tuning=DECODE.replace(path="smem")).path == "smem"
+    rope = Variant(pos_encoding_mode="ROPE_LLAMA")
     assert PD.make_spec("paged", "NHD", "f16", 128, 32, 8, Variant()).tensor_cores
-    assert not PD.make_spec("paged", "NHD", "f16", 128, 32, 8, Variant(pos_encoding_mode="ROPE_LLAMA")).tensor_cores
+    for mode, head_dim in (("paged", 128), ("ragged", 64), ("paged", 64)):     # the pipelined tile turns q and K
+        assert PD.make_spec(mode, "NHD", "f16", head_dim, 32, 8, rope).tensor_cores
+    for mode, head_dim in (("bsr", 128), ("paged", 96), ("paged", 256)):       # no positions, or the mma tile
+        assert not PD.make_spec(mode, "NHD", "f16", head_dim, 32, 8, rope).tensor_cores
+        with pytest.raises(ValueError, match="^tensor_cores: pos_encoding_mode='ROPE_LLAMA' runs on the tensor"):
+            PD.make_spec(mode, "NHD", "f16", head_dim, 32, 8, rope, True)
     assert not PD.make_spec("paged", "NHD", "f16", 128, 32, 8, Variant(), custom_mask=True).tensor_cores

@@ -214,8 +214,9 @@ def test_gpu_pipelined_sparse_and_cascade(d):
 @pytest.mark.skipif(SIM, reason="needs a real GPU")
 @pytest.mark.gpu
 def test_gpu_rope_block_sparse_and_cascade():
-    """RoPE in block_sparse and in a split cascade on a GPU (the teaching tile, head_dim 128,
-    keys at positions up to about 800), against the golden model."""
+    """RoPE in block_sparse (the teaching tile) and in a split cascade (fp16, head_dim 128:
+    the pipelined tensor-core tile) on a GPU, keys at positions up to about 800, against
+    the golden model."""
     rng = np.random.default_rng(128)
     kw = dict(pos_encoding_mode="ROPE_LLAMA", rope_theta=5e5, causal=True)
     m, n = 150, 700

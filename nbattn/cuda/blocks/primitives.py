@@ -31,7 +31,8 @@ Interface (stable; the prefill/sparse/cascade kernels use it too):
     f32_to_f16_bits(x)       -> uint16 bits of x rounded to fp16 (nearest even)
     f32_to_bf16_bits(x)      -> uint16 bits of x rounded to bf16 (nearest even, NaN kept)
     exp2f(x)                 -> 2**x in float32 (ex2.approx on the GPU; exp2f(-inf) = 0)
-    mul_hi_u32(a, b)         -> uint32 high half of the 64-bit product of uint32 a and b
+    mul_mid_u32(a, hi, lo)   -> uint32 bits 32..63 of a * (hi * 2**32 + lo), all uint32
+                                (mul.hi + mad.lo on the GPU)
     cos_sin_approx(a)        -> (cos a, sin a) in float32 for |a| <= pi (cos.approx /
                                 sin.approx on the GPU, about 5e-7 off; exact under the simulator)
     device_fn                   decorator: a force-inlined device function (plain
@@ -60,7 +61,7 @@ from ..._compat import simulator_enabled
 
 __all__ = ["load_v4", "load_i32_cg", "prefetch_l2", "ld_v4", "st_v4", "SHARED_ALIGN", "u32_as_f32", "f32_as_u32",
            "f16x2_to_f32", "bf16x2_to_f32", "f32_to_f16_bits", "f32_to_bf16_bits", "exp2f", "cos_sin_approx",
-           "mul_hi_u32", "device_fn",
+           "mul_mid_u32", "device_fn",
            "SIMULATOR", "shfl_xor_f32", "shfl_idx_f32", "warp_sync"]
 
 SIMULATOR = simulator_enabled()
@@ -96,8 +97,9 @@ if SIMULATOR:
     def cos_sin_approx(a):
         return np.float32(math.cos(float(a))), np.float32(math.sin(float(a)))
 
-    def mul_hi_u32(a, b):
-        return np.uint32(((int(a) & 0xFFFFFFFF) * (int(b) & 0xFFFFFFFF)) >> 32)
+    def mul_mid_u32(a, hi, lo):
+        wide = (int(hi) & 0xFFFFFFFF) << 32 | (int(lo) & 0xFFFFFFFF)
+        return np.uint32((((int(a) & 0xFFFFFFFF) * wide) >> 32) & 0xFFFFFFFF)
 
     def load_v4(words, i):
         return words[i], words[i + 1], words[i + 2], words[i + 3]
@@ -318,17 +320,18 @@ else:  # pragma: no cover - needs a GPU
     exp2f = _f32_asm("ex2.approx.ftz.f32 $0, $1;", types.float32, _f32, "=f,f")
 
     @intrinsic
-    def mul_hi_u32(typingctx, a, b):
-        if not (isinstance(a, types.Integer) and isinstance(b, types.Integer)):
+    def mul_mid_u32(typingctx, a, hi, lo):
+        if not all(isinstance(x, types.Integer) for x in (a, hi, lo)):
             return None
 
         def codegen(context, builder, sig, args):
-            x, y = (context.cast(builder, v, t, types.uint32) for v, t in zip(args, sig.args))
-            asm = ir.InlineAsm(ir.FunctionType(_i32, [_i32, _i32]), "mul.hi.u32 $0, $1, $2;", "=r,r,r",
+            x, h, l_ = (context.cast(builder, v, t, types.uint32) for v, t in zip(args, sig.args))
+            asm = ir.InlineAsm(ir.FunctionType(_i32, [_i32, _i32, _i32]),
+                               "{ .reg .u32 t; mul.hi.u32 t, $1, $3; mad.lo.u32 $0, $1, $2, t; }", "=r,r,r,r",
                                side_effect=False)
-            return builder.call(asm, [x, y])
+            return builder.call(asm, [x, h, l_])
 
-        return types.uint32(a, b), codegen
+        return types.uint32(a, hi, lo), codegen
 
     @intrinsic
     def cos_sin_approx(typingctx, a):

@@ -14,7 +14,7 @@ the score.  The angle and its cosine and sine are taken in float64 (positions
 reach 10^5 and more, where a float32 angle would be off by 10^-2 radians);
 the rotated values are float32, as every score is.
 
-Three forms, by kernel layout:
+Four forms, by kernel layout:
 
 - :func:`chunk_rotation` for a kernel where a lane holds one chunk of ``VEC``
   consecutive elements and reads its partner chunk (elements ``± D/2``) too
@@ -30,6 +30,10 @@ Three forms, by kernel layout:
   sine the GPU's approximate ``cos.approx`` / ``sin.approx`` take (about 5e-7
   off).  The per-pair ``turns_i = rope_theta ** (-2 i / D) / rope_scale / 2 pi``
   come from :func:`turns_per_position`, on the host, once per kernel.
+- :func:`word_rotation`, the same turn for the tensor-core prefill tile, whose K
+  tiles and Q rows sit in shared memory as 16-bit values in 32-bit words: one
+  thread turns two pairs of one row in place, the result rounded back to fp16 /
+  bf16 (as rotating the cache first would round it).
 """
 from __future__ import annotations
 
@@ -38,10 +42,10 @@ import math
 import numpy as np
 from numba import float32, float64, uint32
 
-from .primitives import cos_sin_approx, device_fn, mul_hi_u32, u32_as_f32
+from .primitives import cos_sin_approx, device_fn, mul_mid_u32, u32_as_f32
 
-__all__ = ["chunk_rotation", "row_rotation", "fast_rotation", "rope_frequency", "turns_per_position",
-           "partner_chunk", "rope_supported"]
+__all__ = ["chunk_rotation", "row_rotation", "fast_rotation", "word_rotation", "turn_angle", "rope_frequency",
+           "turns_per_position", "partner_chunk", "rope_supported"]
 
 _LOW32 = np.uint64(0xFFFFFFFF)
 _HALF_TURN_AND_ROUND = np.uint64(0x80000100)   # + half a turn, + half of the 9 bits dropped below
@@ -148,6 +152,23 @@ def turns_per_position(head_dim: int, rope_scale: float, rope_theta: float) -> n
     return out
 
 
+def turn_angle(head_dim: int):
+    """Device function ``cos_sin(p, i, turns) -> (cos, sin)`` (float32) of pair ``i``'s
+    angle at position ``p`` (a uint32), from ``turns`` (:func:`turns_per_position`)."""
+    half = head_dim // 2
+    two_pi = float32(2.0 * math.pi)
+
+    @device_fn
+    def cos_sin(p, i, turns):
+        # pos * turns_i mod 1 turn, exactly: the top 32 bits of the 64-bit fraction
+        frac = mul_mid_u32(p, turns[i], turns[half + i])
+        # as float32 turns in [-1/2, 1/2) (23 bits, rounded), then radians
+        bits = (((frac + _HALF_TURN_AND_ROUND) & _LOW32) >> 9) | _ONE_F32
+        return cos_sin_approx((u32_as_f32(bits) - float32(1.5)) * two_pi)
+
+    return cos_sin
+
+
 def fast_rotation(head_dim: int, vec: int):
     """Device function ``turn(x, xo, xp, out, d0, pos, turns)``: ``out[e]`` becomes
     element ``d0 + e`` of the row turned to ``pos`` (``0 <= pos < 2**31``), for
@@ -157,7 +178,7 @@ def fast_rotation(head_dim: int, vec: int):
     formulas as :func:`chunk_rotation`, with the angle in fixed-point turns."""
     half = head_dim // 2
     whole = vec == head_dim
-    two_pi = float32(2.0 * math.pi)
+    cos_sin = turn_angle(head_dim)
 
     @device_fn
     def turn(x, xo, xp, out, d0, pos, turns):
@@ -165,14 +186,34 @@ def fast_rotation(head_dim: int, vec: int):
         for e in range(vec):
             d = d0 + e
             upper = d >= half                          # element i + D/2 of pair i
-            i = d - half if upper else d
-            # pos * turns_i mod 1 turn, exactly: the top 32 bits of the 64-bit fraction
-            frac = (mul_hi_u32(p, turns[half + i]) + p * turns[i]) & _LOW32
-            # as float32 turns in [-1/2, 1/2) (23 bits, rounded), then radians
-            bits = (((frac + _HALF_TURN_AND_ROUND) & _LOW32) >> 9) | _ONE_F32
-            c, s = cos_sin_approx((u32_as_f32(bits) - float32(1.5)) * two_pi)
+            c, s = cos_sin(p, d - half if upper else d, turns)
             # x1' = x1 c - x2 s;  x2' = x2 c + x1 s   (my partner sits at pe in xp)
             pe = (e + half) % vec if whole else e
             out[e] = x[xo + e] * c + (s if upper else -s) * xp[pe]
 
     return turn
+
+
+def word_rotation(head_dim: int, unpack2, pack2):
+    """Device function ``turn_words(words, o, m, pos, turns)`` for a row of 16-bit
+    values held as 32-bit words from ``words[o]`` (the tensor-core prefill tile's
+    shared-memory rows): word ``m < D/4`` (elements ``2m``, ``2m + 1``) and its
+    partner word ``m + D/4`` (elements ``2m + D/2``, ``2m + 1 + D/2``) turned to
+    ``pos`` in place, two pairs at once.  ``unpack2(w) -> (lo, hi)`` and
+    ``pack2(lo, hi) -> w`` convert a word; the turned values are rounded back to
+    the row's type."""
+    quarter = head_dim // 4
+    cos_sin = turn_angle(head_dim)
+
+    @device_fn
+    def turn_words(words, o, m, pos, turns):
+        p = uint32(max(pos, 0))
+        a0, a1 = unpack2(words[o + m])
+        b0, b1 = unpack2(words[o + m + quarter])
+        c0, s0 = cos_sin(p, 2 * m, turns)
+        c1, s1 = cos_sin(p, 2 * m + 1, turns)
+        # x1' = x1 c - x2 s;  x2' = x2 c + x1 s
+        words[o + m] = pack2(a0 * c0 - b0 * s0, a1 * c1 - b1 * s1)
+        words[o + m + quarter] = pack2(b0 * c0 + a0 * s0, b1 * c1 + a1 * s1)
+
+    return turn_words

@@ -64,7 +64,7 @@ def kernel_tiles(head_dim: int, kind: str, tensor_cores: bool,
     :func:`nbattn.sched.tiles.choose_tile_q`, over that menu.  The simulator gets
     small tiles (each thread is a Python thread); the teaching tile fits its
     shared memory in 48 KB.  ``teaching`` asks for the teaching tile whatever
-    else covers the shape (RoPE at attention time turns q and K there only)."""
+    else covers the shape (RoPE at attention time off the tensor cores, a custom mask)."""
     if tensor_cores:
         return tensor_core_tiles(head_dim)
     cc = None if teaching else CC.cuda_core_tiles(head_dim, kind, tuning)
@@ -88,20 +88,24 @@ def make_spec(mode: str, kv_layout: str, kind: str, head_dim: int, num_qo_heads:
     ``tuning`` None is :data:`~nbattn.cuda.tuning.PREFILL`; ``custom_mask`` a build that
     reads a runtime mask (:func:`~nbattn.cuda.kernels.prefill_common.masked_entry`)."""
     tuning = PREFILL if tuning is None else tuning
-    rope = variant.has_rope             # RoPE turns q and K in the teaching tile only
-    if rope and tensor_cores:
-        raise ValueError("tensor_cores: pos_encoding_mode='ROPE_LLAMA' runs on the CUDA-core teaching tile; "
-                         "pass tensor_cores=None or False")
+    rope = variant.has_rope
+    # RoPE turns q and K in the teaching tile, and in the pipelined tensor-core tile
+    # (head_dim 64 / 128, keys with positions: not block-sparse)
+    rope_tc = rope and mode != "bsr" and PIPE.fast_path(int(head_dim))
+    if rope and tensor_cores and not rope_tc:
+        raise ValueError("tensor_cores: pos_encoding_mode='ROPE_LLAMA' runs on the tensor cores only for head_dim "
+                         "64 or 128 and not block-sparse, else on the CUDA-core teaching tile; pass "
+                         "tensor_cores=None or False")
     if custom_mask and tensor_cores:
         raise ValueError("tensor_cores: a custom mask is read by the CUDA-core teaching tile; "
                          "pass tensor_cores=None or False")
-    teaching = rope or custom_mask      # the kernels that only the teaching tile computes
     if rope and head_dim % 2:
         raise ValueError(f"pos_encoding_mode: 'ROPE_LLAMA' needs an even head_dim, got {head_dim}")
-    use_tc = (not teaching and tensor_cores_usable(kind, head_dim, variant)) if tensor_cores is None \
-        else bool(tensor_cores)
+    use_tc = (not custom_mask and (rope_tc or not rope) and tensor_cores_usable(kind, head_dim, variant)) \
+        if tensor_cores is None else bool(tensor_cores)
     if use_tc and not tensor_cores_usable(kind, head_dim, variant):
         raise ValueError("tensor_cores: needs a GPU, fp16/bf16 and head_dim a multiple of 16 up to 256")
+    teaching = custom_mask or (rope and not use_tc)     # the kernels that only the teaching tile computes
     tq, tk, nt = kernel_tiles(head_dim, kind, use_tc, tuning, teaching=teaching)
     return KernelSpec(mode, kv_layout, kind, out_kind or kind, int(head_dim), num_qo_heads // num_kv_heads,
                       int(num_qo_heads), variant, use_tc, tq, tk, nt, tuning, bool(custom_mask))

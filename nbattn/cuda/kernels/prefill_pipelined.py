@@ -14,7 +14,10 @@ how its operands move:
   per-element variant/mask runs only on key tiles that need it (a 64-key tile
   every row of a warp sees whole, with no variant, is only scaled);
 - the NaN rule's V check runs as a second pass over the keys, only for a tile
-  whose O came out non-finite (:func:`pipelined_tile`).
+  whose O came out non-finite (:func:`pipelined_tile`);
+- RoPE at attention time turns the Q rows and then each K tile in shared memory,
+  once they land (:func:`~nbattn.cuda.blocks.rope.word_rotation`; rounded back to
+  fp16 / bf16 there), where the teaching tile turns float32 rows.
 
 head_dim 256 stays on the mma tile: O, Q and S of this tile would not fit in
 registers.  The fragment code and the copy issue are generated straight-line
@@ -25,11 +28,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
 from ..blocks import mma as _mma
 from ..blocks import nanrule as NR
-from ..blocks.primitives import device_fn
+from ..blocks.primitives import bf16x2_to_f32, device_fn, f16x2_to_f32
+from ..blocks.rope import turns_per_position, word_rotation
 from ..blocks.variants import LOG2E, sigmoid_weight
 from ..host.prefill_launch import nan_row_at
 from .prefill_common import (NO_KEY, KernelSpec, compile_functions, kv_reader, pow2_shift, scale_only, tile_item,
@@ -274,6 +279,10 @@ def pipelined_tile(spec: KernelSpec):
     assert NT % CH == 0 and NT % T_k == 0
     LOCS = 2 * T_k                   # key locations of two tiles
     align_mask = uint32(0xFFFFFFF0)
+    ROPE = var.has_rope                  # q rows and each K tile turned where they land
+    TURNS = turns_per_position(D, var.rope_scale, var.rope_theta) if ROPE else np.zeros(1, np.uint32)
+    TURNS_LEN, ROW_WORDS, QUARTER = TURNS.size, ROW // 4, D // 4
+    turn_words = word_rotation(D, bf16x2_to_f32 if spec.kind == "bf16" else f16x2_to_f32, pack)
 
     env = {"float32": float32, "uint32": uint32, "mma": mma, "pack": pack, "ldsm": _mma.ldsm_x4,
            "ldsm_t": _mma.ldsm_x4_t, "score": tile_score(spec, positional), "cuda": cuda, "math": math,
@@ -320,6 +329,16 @@ def pipelined_tile(spec: KernelSpec):
         s_vpos[at] = vp
 
     @device_fn
+    def turn_rows(buf, first, pos_of, at, n, offset, tid, turns):
+        """RoPE: rows 0..n-1 of the tile at word ``first`` of ``buf``, row j turned to
+        ``pos_of[at + j] + offset`` (a row at NO_KEY holds zeros and is left alone)."""
+        for e in range(tid, n * QUARTER, NT):
+            j = e // QUARTER
+            pos = pos_of[at + j]
+            if pos != NO_KEY:
+                turn_words(buf, first + j * ROW_WORDS, e % QUARTER, pos + offset, turns)
+
+    @device_fn
     def tile(wi, q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
              block, n_keys, out, lse):
         tid, kv_head, head0, warp, lane, g, tq = thread()
@@ -336,6 +355,11 @@ def pipelined_tile(spec: KernelSpec):
         s_range = cuda.shared.array(3, int32)
         s_k = (shared_addr(buf) + uint32(15)) & align_mask
         s_v = s_k + uint32(TILE)
+        s_turns = cuda.shared.array(TURNS_LEN, uint32)
+        k_word = int32((s_k - shared_addr(buf)) >> uint32(2))      # s_k as a word index of buf
+        if ROPE:
+            for i in range(tid, TURNS_LEN, NT):
+                s_turns[i] = TURNS[i]
 
         # Q tile staged at the start of the buffer (rows past the tile zero-filled).
         for i in range(Q_ITERS):
@@ -350,6 +374,12 @@ def pipelined_tile(spec: KernelSpec):
         lo, hi, sink_end = stage(tid, n_rows, qo_start, row0, row_pos, row_kvoff, row_req, kv_begin, kv_end,
                                  s_qpos, s_diag, s_req, s_range)
 
+        kvoff = 0
+        if ROPE:        # q rows turned to their positions; a key's position is kvoff + s_kpos
+            cuda.syncthreads()
+            turn_rows(buf, k_word, s_qpos, 0, n_rows, 0, tid, s_turns)
+            kvoff = s_qpos[0] - s_diag[0]
+            cuda.syncthreads()
         row_base = warp * 16
         r_lo = row_base + g
         r_hi = r_lo + 8
@@ -390,6 +420,9 @@ def pipelined_tile(spec: KernelSpec):
             commit()
             wait_all()
             cuda.syncthreads()
+            if ROPE and t0 < hi:
+                turn_rows(buf, k_word, s_kpos, 0, T_k, kvoff, tid, s_turns)
+                cuda.syncthreads()
 
             o = o_zero()
             m_lo = neg_inf
@@ -427,6 +460,9 @@ def pipelined_tile(spec: KernelSpec):
                 o = pv(o, p, v_lane, alpha_lo, alpha_hi)
                 wait_all()
                 cuda.syncthreads()
+                if ROPE and t1 < hi:
+                    turn_rows(buf, k_word, s_kpos, nbase, T_k, kvoff, tid, s_turns)
+                    cuda.syncthreads()
                 t0 = t1
                 base = nbase
             if scrub:
