@@ -375,7 +375,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--commit", required=True, help="the nbattn commit measured (recorded in the file)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/nbattn_out"))
-    ap.add_argument("--parts", nargs="*", default=["rope", "decode", "prefill"], choices=["rope", "decode", "prefill"])
+    ap.add_argument("--parts", nargs="*", default=["rope", "decode", "prefill"],
+                    choices=["rope", "rope_prefill", "decode", "prefill"],
+                    help="rope_prefill: only the prefill case of the rope part")
     ap.add_argument("--replot", action="store_true",
                     help="only draw <out>/variants.png again from the suite files in <out> (no GPU)")
     args = ap.parse_args(argv)
@@ -410,6 +412,8 @@ def main(argv=None) -> int:
     for part in args.parts:
         if part == "rope":
             bench_rope(recs, copy_bw)
+        elif part == "rope_prefill":
+            bench_rope_prefill(recs)
         else:
             bench_variants(recs, part, copy_bw)
         save()

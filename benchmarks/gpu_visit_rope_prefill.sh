@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One GPU visit for RoPE on the pipelined tensor-core prefill tile (issue 19), about 6 minutes:
 #   COMMIT=<sha> BEFORE=_ab/A BEFORE_COMMIT=<sha> bash benchmarks/gpu_visit_rope_prefill.sh
+# or, to set trees side by side on the prefill case alone (no BEFORE run):
+#   COMMIT=<sha> TREES="N B ." PARTS=rope_prefill bash benchmarks/gpu_visit_rope_prefill.sh
+#   ("." is this tree, NAME is _ab/NAME; $OUT/rope_<NAME>.json)
 # 1. GPU tests: RoPE on the pipelined tile (paged, the wrapper with a graph replay, single),
 #    the RoPE cascade on it, and the pipelined tile's other variants (unchanged code paths);
 # 2. benchmarks/gpu_variants.py --parts rope (decode b64 x 4k and b1 x 32k, prefill 8k causal)
@@ -12,7 +15,7 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 OUT=${OUT:-/tmp/nbattn_out}; mkdir -p "$OUT"; root=$PWD
 LOG=/tmp/nbattn_visit; mkdir -p $LOG
 COMMIT=${COMMIT:?pass COMMIT=<sha>, since the git of the device copy may be stale}
-BEFORE=${BEFORE:?pass BEFORE=<the tree before, relative to the repository root>}
+BEFORE=${BEFORE:-}
 t0=$(date +%s)
 step() {   # name, seconds, command...
     local name=$1 secs=$2; shift 2
@@ -26,8 +29,19 @@ export PYTHONPATH=$root
 step tests ${TESTS_S:-240} python3 -m pytest -p no:cacheprovider -q -rfE -n 12 \
     tests/test_gpu_variants.py::test_prefill_rope_on_the_pipelined_tile \
     tests/test_cuda_sparse_cascade.py::test_gpu_rope_block_sparse_and_cascade \
-    tests/test_gpu_variants.py::test_paged_prefill_variant_on_path -k "rope or cascade or pipelined"
+    ${MORE_TESTS:-}
 pkill -f "exec\(eval\(sys.stdin" ; sleep 1      # xdist workers a timeout left behind
+if [ -n "${TREES:-}" ]; then
+  for t in $TREES; do
+    d=$root; c=$COMMIT; name=now
+    [ "$t" != . ] && d=$root/_ab/$t && c=$t && name=$t
+    cp "$root/benchmarks/gpu_variants.py" "$d/benchmarks/gpu_variants_visit.py"
+    (cd "$d" && export PYTHONPATH=$d KEEP=8 && step rope_$name ${ROPE_S:-150} python3 \
+        "$d/benchmarks/gpu_variants_visit.py" --commit "$c" --parts ${PARTS:-rope} --out /tmp/rope_$name)
+    cp /tmp/rope_$name/variants.json "$OUT/rope_$name.json" 2>/dev/null
+  done
+  exit 0
+fi
 for r in $(seq ${ROUNDS:-1}); do
   for t in before now; do
     d=$root; c=$COMMIT; [ $t = before ] && d=$root/$BEFORE && c=${BEFORE_COMMIT:-before}
