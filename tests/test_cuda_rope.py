@@ -112,6 +112,43 @@ def test_the_warp_turn_is_float32_accurate_at_large_positions():
         np.testing.assert_allclose(out, want, atol=4e-6, rtol=2e-6, err_msg=f"theta {theta} (seed={seed})")
 
 
+def test_the_prefill_tiles_word_turn_rounds_like_rotating_first():
+    """blocks.rope.word_rotation alone (the tensor-core prefill tile turns its shared-memory
+    rows with it): fp16 rows held as 32-bit words, positions up to 2**31 - 1, theta 1e4 and
+    a scale of 0.1, against the float64 rotation: every turned value within one fp16 unit of
+    it (rounding alone gives half a unit).  Runs on a GPU too."""
+    from numba import uint32
+    from nbattn.cuda.blocks.primitives import device_fn, f16x2_to_f32, f32_to_f16_bits
+    from nbattn.cuda.blocks.rope import turns_per_position, word_rotation
+    D = 16
+    rng, seed = fresh()
+
+    @device_fn
+    def pack2(lo, hi):
+        return uint32(f32_to_f16_bits(lo)) | (uint32(f32_to_f16_bits(hi)) << 16)
+
+    turn_words = word_rotation(D, f16x2_to_f32, pack2)
+
+    @cuda.jit
+    def kern(words, pos, turns):
+        r = cuda.blockIdx.x                   # row r, words r * D/2 ..; thread m turns words m and m + D/4
+        turn_words(words, r * (D // 2), cuda.threadIdx.x, pos[r], turns)
+
+    for theta, scale in ((1e4, 1.0), (1e4, 0.1)):
+        pos = np.array([0, 1, 5, 4095, 65_537, 2 ** 24 + 3, 1_234_567_891, 2 ** 31 - 1], np.int64)
+        x = rng.standard_normal((pos.size, D)).astype(np.float16)
+        words = x.view(np.uint32).reshape(-1).copy()  # two fp16 a word, element 2m in the low half
+        kern[pos.size, D // 4](words, pos, turns_per_position(D, scale, theta))
+        got = words.view(np.float16).reshape(x.shape).astype(np.float64)
+        freq = theta ** (-2.0 * np.arange(D // 2) / D) / scale
+        r = [int(np.ldexp(t, 60)) for t in freq / (2 * np.pi) % 1.0]     # exact turns, as in the warp test
+        ang = np.array([[((int(pp) * ri) % 2 ** 60) / 2.0 ** 60 for ri in r] for pp in pos]) * 2 * np.pi
+        z = (x[:, :D // 2].astype(np.float64) + 1j * x[:, D // 2:]) * np.exp(1j * ang)
+        want = np.concatenate([z.real, z.imag], axis=1)
+        unit = np.spacing(np.abs(want).astype(np.float16)).astype(np.float64)
+        assert np.all(np.abs(got - want) <= unit), (theta, scale, seed, np.abs(got - want).max())
+
+
 @pytest.mark.parametrize("path", ["warp", "tc", "auto"])
 def test_a_decode_that_asks_for_a_fast_path_rotates_on_the_warp_or_teaching_kernel(path):
     rng, seed = fresh()

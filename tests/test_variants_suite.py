@@ -39,7 +39,9 @@ def test_the_variants_suite_runs_and_nbattn_and_flex_state_the_same_variants(tmp
                 assert (part, name) in compared, (part, name)
         assert any(r["case"]["part"] == part and r["case"].get("variant") == "sinks" and r["metric"] == "latency_us"
                    for r in recs)
-    assert sum(r["case"]["part"] == "rope" for r in errs) == len(mod.ROPE_CASES)
+    assert sum(r["case"]["part"] == "rope" for r in errs) == len(mod.ROPE_CASES) + 1      # + the prefill case
+    assert {r["case"]["mode"] for r in recs if r["case"].get("op") == "prefill" and r["case"]["part"] == "rope"
+            and r["metric"] == "latency_us"} == {"fused", "separate", "none"}
     for r in errs:                       # fp16 outputs: a few units in the last place
         assert r["value"] < 4e-3, r
     modes = {r["case"].get("mode") for r in recs if r["case"]["part"] == "rope"}
