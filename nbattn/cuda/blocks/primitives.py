@@ -284,23 +284,28 @@ else:  # pragma: no cover - needs a GPU
     u32_as_f32 = _bitcast(types.Integer, types.uint32, types.float32, _f32)
     f32_as_u32 = _bitcast(types.Float, types.float32, types.uint32, _i32)
 
-    @intrinsic
-    def f16x2_to_f32(typingctx, w):
-        if not isinstance(w, types.Integer):
-            return None
+    def _pair_asm(ptx: str, kind, arg, arg_ir, constraints: str):
+        """An intrinsic ``(x) -> (float32, float32)``: ``ptx`` on ``x`` (any ``kind``
+        number) cast to ``arg``, its two outputs ``$0`` and ``$1``."""
         ret = types.UniTuple(types.float32, 2)
 
-        def codegen(context, builder, sig, args):
-            v = context.cast(builder, args[0], sig.args[0], types.uint32)
-            fnty = ir.FunctionType(ir.LiteralStructType([_f32, _f32]), [_i32])
-            asm = ir.InlineAsm(fnty, "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
-                                     "cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }",
-                               "=f,=f,r", side_effect=False)
-            st = builder.call(asm, [v])
-            return context.make_tuple(builder, ret, [builder.extract_value(st, 0),
-                                                     builder.extract_value(st, 1)])
+        @intrinsic
+        def op(typingctx, x):
+            if not isinstance(x, kind):
+                return None
 
-        return ret(w), codegen
+            def codegen(context, builder, sig, args):
+                v = context.cast(builder, args[0], sig.args[0], arg)
+                asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([_f32, _f32]), [arg_ir]), ptx, constraints,
+                                   side_effect=False)
+                st = builder.call(asm, [v])
+                return context.make_tuple(builder, ret, [builder.extract_value(st, 0), builder.extract_value(st, 1)])
+
+            return ret(x), codegen
+        return op
+
+    f16x2_to_f32 = _pair_asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }",
+                             types.Integer, types.uint32, _i32, "=f,=f,r")
 
     def _f32_asm(ptx: str, ret, ret_ir, constraints: str):
         """An intrinsic ``(x) -> ret``: ``ptx`` on ``x`` (any float) cast to float32."""
@@ -333,21 +338,8 @@ else:  # pragma: no cover - needs a GPU
 
         return types.uint32(a, hi, lo), codegen
 
-    @intrinsic
-    def cos_sin_approx(typingctx, a):
-        if not isinstance(a, types.Float):
-            return None
-        ret = types.UniTuple(types.float32, 2)
-
-        def codegen(context, builder, sig, args):
-            v = context.cast(builder, args[0], sig.args[0], types.float32)
-            fnty = ir.FunctionType(ir.LiteralStructType([_f32, _f32]), [_f32])
-            asm = ir.InlineAsm(fnty, "cos.approx.ftz.f32 $0, $2; sin.approx.ftz.f32 $1, $2;", "=f,=f,f",
-                               side_effect=False)
-            st = builder.call(asm, [v])
-            return context.make_tuple(builder, ret, [builder.extract_value(st, 0), builder.extract_value(st, 1)])
-
-        return ret(a), codegen
+    cos_sin_approx = _pair_asm("cos.approx.ftz.f32 $0, $2; sin.approx.ftz.f32 $1, $2;", types.Float, types.float32,
+                               _f32, "=f,=f,f")
 
     @device_fn
     def shfl_xor_f32(x, lane_mask):
