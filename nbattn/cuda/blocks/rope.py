@@ -10,9 +10,10 @@ non-interleaved layout), and at position ``pos`` it turns by::
     x'_{i+D/2}  = x_i sin(angle_i) + x_{i+D/2} cos(angle_i)
 
 q turns by its own position, each key by its position in the request, before
-the score.  The angle and its cosine and sine are taken in float64 (positions
-reach 10^5 and more, where a float32 angle would be off by 10^-2 radians);
-the rotated values are float32, as every score is.
+the score.  Positions reach 10^5 and more, where a float32 angle would be off by
+10^-2 radians: the teaching forms take the angle and its cosine and sine in
+float64, the fast forms count it in fixed-point turns (below).  The rotated
+values are float32, as every score is.
 
 Four forms, by kernel layout:
 
@@ -45,7 +46,7 @@ from numba import float32, float64, uint32
 from .primitives import cos_sin_approx, device_fn, mul_mid_u32, u32_as_f32
 
 __all__ = ["chunk_rotation", "row_rotation", "fast_rotation", "word_rotation", "turn_angle", "rope_frequency",
-           "turns_per_position", "partner_chunk", "rope_supported"]
+           "turns_per_position", "turns_table", "partner_chunk", "rope_supported"]
 
 _LOW32 = np.uint64(0xFFFFFFFF)
 _HALF_TURN_AND_ROUND = np.uint64(0x80000100)   # + half a turn, + half of the 9 bits dropped below
@@ -150,6 +151,14 @@ def turns_per_position(head_dim: int, rope_scale: float, rope_theta: float) -> n
         fixed = int(math.ldexp(r - math.floor(r), 64)) % 2 ** 64     # exact: a power-of-two scale
         out[i], out[half + i] = fixed >> 32, fixed & 0xFFFFFFFF
     return out
+
+
+def turns_table(variant, head_dim: int) -> np.ndarray:
+    """The :func:`turns_per_position` table a kernel copies into shared memory: the
+    variant's with RoPE, else one unused word (a shared array needs a size)."""
+    if not variant.has_rope:
+        return np.zeros(1, np.uint32)
+    return turns_per_position(head_dim, variant.rope_scale, variant.rope_theta)
 
 
 def turn_angle(head_dim: int):

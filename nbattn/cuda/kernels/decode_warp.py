@@ -63,7 +63,7 @@ from ..blocks.fp8 import fp8_unpack4
 from ..blocks.mma import grid_dependents_launch
 from ..blocks.primitives import (ELEMS_PER_WORD, SHARED_ALIGN, device_fn, element_io, load_v4, shfl_idx_f32,
                                  shfl_xor_f32, st_v4)
-from ..blocks.rope import fast_rotation, turns_per_position
+from ..blocks.rope import fast_rotation, turns_table
 from ..blocks.softmax import online_step
 from ..blocks.variants import LOG2E, sigmoid_weight, variant_device_fns
 from ..host.driver import jit_kernel
@@ -110,7 +110,7 @@ def build_warp_kernel(cfg, nwarps: int, unroll: int, min_blocks: int = 4):
     transform, keep = variant_device_fns(var)
     ROPE = var.has_rope
     WHOLE = NX == 1                  # RoPE: one chunk holds the row, partners included
-    TURNS = turns_per_position(D, var.rope_scale, var.rope_theta) if ROPE else np.zeros(1, np.uint32)
+    TURNS = turns_table(var, D)
     TURNS_LEN = TURNS.size
     turn = fast_rotation(D, VEC)
     poison = NR.poison_kv(cfg.kv)

@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
 from ..blocks import mma as _mma
 from ..blocks import nanrule as NR
 from ..blocks.primitives import bf16x2_to_f32, device_fn, f16x2_to_f32
-from ..blocks.rope import turns_per_position, word_rotation
+from ..blocks.rope import turns_table, word_rotation
 from ..blocks.variants import LOG2E, sigmoid_weight
 from ..host.prefill_launch import nan_row_at
 from .prefill_common import (NO_KEY, KernelSpec, compile_functions, kv_reader, pow2_shift, scale_only, tile_item,
@@ -280,7 +279,7 @@ def pipelined_tile(spec: KernelSpec):
     LOCS = 2 * T_k                   # key locations of two tiles
     align_mask = uint32(0xFFFFFFF0)
     ROPE = var.has_rope                  # q rows and each K tile turned where they land
-    TURNS = turns_per_position(D, var.rope_scale, var.rope_theta) if ROPE else np.zeros(1, np.uint32)
+    TURNS = turns_table(var, D)
     TURNS_LEN, ROW_WORDS, QUARTER = TURNS.size, ROW // 4, D // 4
     turn_words = word_rotation(D, bf16x2_to_f32 if spec.kind == "bf16" else f16x2_to_f32, pack)
 
