@@ -3,7 +3,8 @@
 #   COMMIT=<sha> BEFORE=_ab/A BEFORE_COMMIT=<sha> bash benchmarks/gpu_visit_rope_prefill.sh
 # or, to set trees side by side on the prefill case alone (no BEFORE run):
 #   COMMIT=<sha> TREES="N B ." PARTS=rope_prefill bash benchmarks/gpu_visit_rope_prefill.sh
-#   ("." is this tree, NAME is _ab/NAME; $OUT/rope_<NAME>.json)
+#   ("." is this tree, NAME is _ab/NAME; $OUT/rope_<NAME><round>.json, ROUNDS rounds;
+#   TESTS_DIR=_ab/NAME runs step 1 in that tree instead of this one)
 # 1. GPU tests: RoPE on the pipelined tile (paged, the wrapper with a graph replay, single),
 #    the RoPE cascade on it, and the pipelined tile's other variants (unchanged code paths);
 # 2. benchmarks/gpu_variants.py --parts rope (decode b64 x 4k and b1 x 32k, prefill 8k causal)
@@ -26,19 +27,23 @@ step() {   # name, seconds, command...
 }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/visit.log"
 export PYTHONPATH=$root
+[ -n "${TESTS_DIR:-}" ] && cd "$root/$TESTS_DIR" && export PYTHONPATH=$PWD
 step tests ${TESTS_S:-240} python3 -m pytest -p no:cacheprovider -q -rfE -n 12 \
     tests/test_gpu_variants.py::test_prefill_rope_on_the_pipelined_tile \
     tests/test_cuda_sparse_cascade.py::test_gpu_rope_block_sparse_and_cascade \
     ${MORE_TESTS:-}
 pkill -f "exec\(eval\(sys.stdin" ; sleep 1      # xdist workers a timeout left behind
+cd "$root"; export PYTHONPATH=$root
 if [ -n "${TREES:-}" ]; then
-  for t in $TREES; do
-    d=$root; c=$COMMIT; name=now
-    [ "$t" != . ] && d=$root/_ab/$t && c=$t && name=$t
-    cp "$root/benchmarks/gpu_variants.py" "$d/benchmarks/gpu_variants_visit.py"
-    (cd "$d" && export PYTHONPATH=$d KEEP=8 && step rope_$name ${ROPE_S:-150} python3 \
-        "$d/benchmarks/gpu_variants_visit.py" --commit "$c" --parts ${PARTS:-rope} --out /tmp/rope_$name)
-    cp /tmp/rope_$name/variants.json "$OUT/rope_$name.json" 2>/dev/null
+  for r in $(seq ${ROUNDS:-1}); do
+    for t in $TREES; do
+      d=$root; c=$COMMIT; name=now
+      [ "$t" != . ] && d=$root/_ab/$t && c=$t && name=$t
+      cp "$root/benchmarks/gpu_variants.py" "$d/benchmarks/gpu_variants_visit.py"
+      (cd "$d" && export PYTHONPATH=$d KEEP=8 && step rope_$name$r ${ROPE_S:-150} python3 \
+          "$d/benchmarks/gpu_variants_visit.py" --commit "$c" --parts ${PARTS:-rope} --out /tmp/rope_$name$r)
+      cp /tmp/rope_$name$r/variants.json "$OUT/rope_$name$r.json" 2>/dev/null
+    done
   done
   exit 0
 fi

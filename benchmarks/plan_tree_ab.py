@@ -6,9 +6,9 @@ lengths 1..8191, page 16, 32/8 heads, head_dim 128; median of 200 calls after 20
     PYTHONPATH=$PWD python3 benchmarks/plan_tree_ab.py --trees _ab/<old> . --rounds 3 [--out FILE]
 
 On a GPU the workspace is a torch CUDA tensor and the copies are real. In the
-simulator the copies are skipped (staging still runs), and the planner sees the
-simulator's 4 SMs, so a CPU run compares the trees' Python work only, not what a
-GPU host measures.  Prints (and writes) one JSON object.
+simulator the copies are skipped (staging still runs) and the planner balances over
+33 CTAs a KV head, as on an H100/H200 at 32/8 heads, so a CPU run compares the trees'
+host work without the driver calls, not what a GPU host measures.  Prints (and writes) one JSON object.
 """
 from __future__ import annotations
 
@@ -32,7 +32,9 @@ for batch in (1, 64, 1024):
     pkv = L.PagedKV.allocate(rng.integers(1, 8192, size=batch), 16, rng=rng)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    w = NC.BatchDecodeWithPagedKVCacheWrapper(ws if dev == "cuda" else ws.numpy(), "NHD")
+    # on the CPU: a grid of 33 CTAs a KV head, what the H100/H200 plans for at 32/8 heads
+    w = (NC.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD") if dev == "cuda"
+         else NC.BatchDecodeWithPagedKVCacheWrapper(ws.numpy(), "NHD", num_ctas=33))
     if dev == "cpu":                # the simulator's copies are Python loops: time the host work alone
         w._h2d.copy = lambda *a, **k: None
     fn = lambda: w.plan(pkv.paged_kv_indptr, pkv.paged_kv_indices, pkv.paged_kv_last_page_len, 32, 8, 128, 16)

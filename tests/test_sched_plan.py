@@ -1,6 +1,7 @@
 """Tests of the LPT planner and the tile heuristic (docs/concepts/scheduler.md)."""
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 
@@ -413,8 +414,24 @@ def test_plan_rejects_bad_input(bad):
 
 def test_plan_arrays_are_read_only():
     p = plan([1, 2], [50, 60], 3)
-    with pytest.raises(ValueError):
-        p.request[0] = 1
+    for name in ("qo_lens", "kv_lens", "cta_indptr", "request", "qo_tile", "kv_start", "kv_end", "out_slot",
+                 "merge_indptr", "merge_request", "merge_qo_tile", "merge_slots", "cta_cost"):
+        with pytest.raises(ValueError):
+            getattr(p, name)[:1] = 1
+
+
+def test_plan_of_is_the_dataclass_without_its_init():
+    p = plan([1, 3, 2], [50, 900, 0], 3, chunk_limit=200)
+    fields = {f.name: getattr(p, f.name) for f in dataclasses.fields(Plan)}
+    q = Plan.of(**fields)
+    assert type(q) is Plan and q.num_items == p.num_items and q.placement == p.placement
+    assert all(getattr(q, k) is v for k, v in fields.items())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        q.num_ctas = 4
+    with pytest.raises(TypeError, match="missing.*placement"):
+        Plan.of(**{k: v for k, v in fields.items() if k != "placement"})
+    with pytest.raises(TypeError, match="extra.*colour"):
+        Plan.of(**fields, colour=1)
 
 
 @SETTINGS

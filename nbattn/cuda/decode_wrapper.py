@@ -225,7 +225,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         span = float(cost.max(initial=0.0))
         steps = np.arange(n + 1, dtype=np.int32)
         merge_indptr = steps[::splits] if not direct else steps[:1]
-        return Plan(num_ctas=n, tile_q=1, group=1, chunk_limit=int(largest), alpha=0.0, beta=1.0,
+        return Plan.of(num_ctas=n, tile_q=1, group=1, chunk_limit=int(largest), alpha=0.0, beta=1.0,
                     chunk_overhead=0.0, causal=False, qo_lens=np.ones(batch, np.int32),
                     kv_lens=kv_lens.astype(np.int32), cta_indptr=steps, request=request,
                     qo_tile=np.zeros(n, np.int32), kv_start=start, kv_end=end,
@@ -233,7 +233,8 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
                     merge_indptr=merge_indptr, merge_request=steps[:0 if direct else batch],
                     merge_qo_tile=np.zeros(0 if direct else batch, np.int32),
                     merge_slots=steps[:0 if direct else n],
-                    num_partials=0 if direct else n, cta_cost=cost, makespan=span, lower_bound=span)
+                    num_partials=0 if direct else n, cta_cost=cost, makespan=span, lower_bound=span,
+                    placement="request", cost_model=None, predicted_makespan=float("nan"))
 
     # -- run ------------------------------------------------------------------
     def run(self, q, paged_kv_cache, out=None, lse=None, return_lse: bool = False, *, k_scale=None,

@@ -57,6 +57,7 @@ with different lengths, as long as the head configuration, dtype and batch
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -74,6 +75,8 @@ from .fp8 import check_run_dtypes, is_fp8
 from .host import arrays as A
 from .host import hostwork as HW
 from .host.driver import HostToDevice, data_ptr, sm_count, stream_handle, torch_stream
+
+_FIRST = itemgetter(0)
 
 __all__ = ["PlanRunWrapper", "WorkspaceLayout", "default_num_ctas", "data_code", "plan_page_table",
            "ALIGN", "HEADER", "H_NUM_ITEMS", "H_NUM_MERGES", "H_NUM_PARTIALS", "H_BATCH", "ELEM_BYTES"]
@@ -325,8 +328,8 @@ class PlanRunWrapper:
         """Write the staged arrays into the pinned image and copy them to the workspace
         (:func:`nbattn.cuda.host.hostwork.stage_arrays`): arrays
         closer than 4096 words go in one copy, and the small ones sit together."""
-        staged = sorted(self._dirty, key=lambda x: x[0])
-        self._dirty = []
+        staged, self._dirty = self._dirty, []
+        staged.sort(key=_FIRST)
         spans = HW.stage_arrays(self._host, [o for o, _ in staged], [a for _, a in staged], 4096)
         if self._ints_ptr is None and not SIMULATOR:
             self._ints_ptr = data_ptr(self._ints)

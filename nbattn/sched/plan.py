@@ -93,7 +93,7 @@ lets the run step preallocate the partial buffer once (CUDA-graph friendly).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -173,6 +173,19 @@ class Plan:
     #: Its predicted makespan under ``cost_model`` (merge pass included), else NaN.
     predicted_makespan: float = float("nan")
 
+    @classmethod
+    def of(cls, **fields) -> "Plan":
+        """``Plan(**fields)`` for a caller that passes every field, built without the
+        frozen dataclass's ``__init__`` (one ``object.__setattr__`` per field, 5 us on
+        a CI-class CPU): the wrappers' ``plan()`` makes one per generation step."""
+        if fields.keys() != cls._FIELDS:
+            missing = cls._FIELDS.difference(fields)
+            raise TypeError(f"Plan.of: needs exactly the fields {sorted(cls._FIELDS)}; missing "
+                            f"{sorted(missing)}, extra {sorted(set(fields) - cls._FIELDS)}")
+        p = object.__new__(cls)
+        p.__dict__.update(fields)
+        return p
+
     @property
     def num_items(self) -> int:
         return int(self.request.shape[0])
@@ -208,6 +221,9 @@ class Plan:
         """Elements of partial buffer this plan writes (outputs plus LSEs)."""
         num_kv_heads = _num_kv_heads(num_qo_heads, self.group)
         return self.num_partials * self.tile_q * num_kv_heads * (head_dim + 1)
+
+
+Plan._FIELDS = frozenset(f.name for f in fields(Plan))
 
 
 def _num_kv_heads(num_qo_heads: int, group: int) -> int:
@@ -273,40 +289,43 @@ def _plan_core(qo_lens, kv_lens, group, tile_q, num_ctas, alpha, beta, overhead,
             num_partials += n
             num_merges += 1
 
-    request = np.empty(num_items, np.int32)
-    qo_tile = np.empty(num_items, np.int32)
-    kv_start = np.empty(num_items, np.int32)
-    kv_end = np.empty(num_items, np.int32)
-    out_slot = np.empty(num_items, np.int32)
-    cost = np.empty(num_items, np.float64)
-    merge_indptr = np.empty(num_merges + 1, np.int32)
-    merge_request = np.empty(num_merges, np.int32)
-    merge_qo_tile = np.empty(num_merges, np.int32)
-    merge_slots = np.empty(num_partials, np.int32)
+    # Every int32 array of the plan in one buffer (one array to hand back to Python, not
+    # ten): cta_indptr, the five item arrays in queue order, then the reduction map.
+    n, M, P = num_items, num_merges, num_partials
+    words = np.empty(num_ctas + 1 + 5 * n + 3 * M + 1 + P, np.int32)
+    cta_indptr = words[:num_ctas + 1]
+    at = num_ctas + 1
+    request = words[at:at + n]
+    qo_tile = words[at + n:at + 2 * n]
+    kv_start = words[at + 2 * n:at + 3 * n]
+    kv_end = words[at + 3 * n:at + 4 * n]
+    out_slot = words[at + 4 * n:at + 5 * n]
+    at += 5 * n
+    merge_indptr = words[at:at + M + 1]
+    merge_request = words[at + M + 1:at + 2 * M + 1]
+    merge_qo_tile = words[at + 2 * M + 1:at + 3 * M + 1]
+    merge_slots = words[at + 3 * M + 1:]
     merge_indptr[0] = 0
 
-    # Items in (request, tile, chunk) order; slots numbered in the same order.
+    # Items in (request, tile, chunk) order: the tile and chunk of each, and its cost.
+    item_tile = np.empty(n, np.int32)
+    item_chunk = np.empty(n, np.int32)
+    cost = np.empty(n, np.float64)
     i = 0
     slot = 0
     m = 0
     for t in range(num_tiles):
-        n = max(1, (tile_kv[t] + chunk_limit - 1) // chunk_limit)
-        for k in range(n):
-            start = k * chunk_limit
-            end = min(start + chunk_limit, tile_kv[t])
-            request[i] = tile_request[t]
-            qo_tile[i] = tile_index[t]
-            kv_start[i] = start
-            kv_end[i] = end
-            cost[i] = overhead + alpha * tile_rows[t] + beta * (end - start)
-            if n > 1:
-                out_slot[i] = slot
+        k_tile = max(1, (tile_kv[t] + chunk_limit - 1) // chunk_limit)
+        for k in range(k_tile):
+            item_tile[i] = t
+            item_chunk[i] = k
+            cost[i] = overhead + alpha * tile_rows[t] + beta * (min((k + 1) * chunk_limit, tile_kv[t])
+                                                                 - k * chunk_limit)
+            i += 1
+        if k_tile > 1:      # slots in (request, tile, chunk) order
+            for k in range(k_tile):
                 merge_slots[slot] = slot
                 slot += 1
-            else:
-                out_slot[i] = -1
-            i += 1
-        if n > 1:
             merge_request[m] = tile_request[t]
             merge_qo_tile[m] = tile_index[t]
             merge_indptr[m + 1] = slot
@@ -316,48 +335,45 @@ def _plan_core(qo_lens, kv_lens, group, tile_q, num_ctas, alpha, beta, overhead,
     if mode == LPT_ORDER:
         order = np.argsort(-cost, kind="mergesort")
     else:
-        order = np.arange(num_items)
+        order = np.arange(n)
 
     assigned, _ = lpt_assign(cost, order, num_ctas)
 
     # Per-CTA queues in assignment order (a counting sort by CTA id).
-    cta_indptr = np.zeros(num_ctas + 1, np.int32)
-    for j in range(num_items):
+    cta_indptr[:] = 0
+    for j in range(n):
         cta_indptr[assigned[j] + 1] += 1
     for c in range(num_ctas):
         cta_indptr[c + 1] += cta_indptr[c]
     fill = cta_indptr[:-1].copy()
-    queue = np.empty(num_items, np.int64)
+    first_slot = np.empty(num_tiles, np.int32)      # a split tile's first partial slot
+    slot = 0
+    for t in range(num_tiles):
+        k_tile = max(1, (tile_kv[t] + chunk_limit - 1) // chunk_limit)
+        first_slot[t] = slot if k_tile > 1 else -1
+        slot += k_tile if k_tile > 1 else 0
     cta_cost = np.zeros(num_ctas, np.float64)
-    for j in range(num_items):
+    for j in range(n):
         c = assigned[j]
-        queue[fill[c]] = order[j]
+        item = order[j]
+        q = fill[c]
         fill[c] += 1
-        cta_cost[c] += cost[order[j]]
+        t = item_tile[item]
+        k = item_chunk[item]
+        request[q] = tile_request[t]
+        qo_tile[q] = tile_index[t]
+        kv_start[q] = k * chunk_limit
+        kv_end[q] = min((k + 1) * chunk_limit, tile_kv[t])
+        out_slot[q] = first_slot[t] + k if first_slot[t] >= 0 else DIRECT
+        cta_cost[c] += cost[item]
 
     total_cost = 0.0
     max_cost = 0.0
-    for j in range(num_items):
+    for j in range(n):
         total_cost += cost[j]
         max_cost = max(max_cost, cost[j])
     lower_bound = max(total_cost / num_ctas, max_cost)
-
-    return (
-        chunk_limit,
-        cta_indptr,
-        request[queue],
-        qo_tile[queue],
-        kv_start[queue],
-        kv_end[queue],
-        out_slot[queue],
-        merge_indptr,
-        merge_request,
-        merge_qo_tile,
-        merge_slots,
-        num_partials,
-        cta_cost,
-        lower_bound,
-    )
+    return words, cta_cost, chunk_limit, n, M, P, lower_bound
 
 
 def _lengths(values, name: str) -> np.ndarray:
@@ -489,21 +505,23 @@ def plan_lengths(
             limit, mode, predicted = choose_plan(t_rows, t_kv, num_ctas, alpha, beta, overhead, mc, mr, ml, mt,
                                                  launch, solo, spec, two)
             limit = int(limit)
-    (chunk_limit, cta_indptr, request, qo_tile, kv_start, kv_end, out_slot, merge_indptr,
-     merge_request, merge_qo_tile, merge_slots, num_partials, cta_cost,
-     lower_bound) = _plan_core(qo, kv, group, tile_q, num_ctas, alpha, beta, overhead, bool(causal),
-                               limit, mode)
+    words, cta_cost, chunk_limit, n, M, P, lower_bound = _plan_core(qo, kv, group, tile_q, num_ctas, alpha, beta,
+                                                                    overhead, bool(causal), limit, mode)
     if cost is not None and not np.isfinite(predicted):
         predicted = float(plan_span(t_rows, t_kv, int(chunk_limit), mode, num_ctas, alpha, beta, overhead,
                                     mc, mr, ml, mt, launch, solo, two))
-
-    arrays = dict(qo_lens=qo.astype(np.int32), kv_lens=kv.astype(np.int32), cta_indptr=cta_indptr,
-                  request=request, qo_tile=qo_tile, kv_start=kv_start, kv_end=kv_end, out_slot=out_slot,
-                  merge_indptr=merge_indptr, merge_request=merge_request, merge_qo_tile=merge_qo_tile,
-                  merge_slots=merge_slots, cta_cost=cta_cost)
-    for arr in arrays.values():
-        arr.setflags(write=False)
-    result = Plan(
+    # The int32 arrays are read-only views of the one buffer the core filled, in its order.
+    words.setflags(write=False)
+    cta_cost.setflags(write=False)
+    a, b = num_ctas + 1, num_ctas + 1 + 5 * n
+    cta_indptr, merge_slots = words[:a], words[b + 3 * M + 1:]
+    request, qo_tile, kv_start, kv_end, out_slot = [words[a + j * n:a + (j + 1) * n] for j in range(5)]
+    merge_indptr, merge_request, merge_qo_tile = words[b:b + M + 1], words[b + M + 1:b + 2 * M + 1], \
+        words[b + 2 * M + 1:b + 3 * M + 1]
+    qo_lens, kv_lens = qo.astype(np.int32), kv.astype(np.int32)
+    qo_lens.setflags(write=False)
+    kv_lens.setflags(write=False)
+    result = Plan.of(
         num_ctas=num_ctas,
         tile_q=tile_q,
         group=group,
@@ -512,13 +530,16 @@ def plan_lengths(
         beta=beta,
         chunk_overhead=overhead,
         causal=bool(causal),
-        num_partials=int(num_partials),
+        qo_lens=qo_lens, kv_lens=kv_lens, cta_indptr=cta_indptr, request=request, qo_tile=qo_tile,
+        kv_start=kv_start, kv_end=kv_end, out_slot=out_slot, merge_indptr=merge_indptr,
+        merge_request=merge_request, merge_qo_tile=merge_qo_tile, merge_slots=merge_slots,
+        num_partials=int(P),
+        cta_cost=cta_cost,
         makespan=float(cta_cost.max()),
         lower_bound=float(lower_bound),
         placement="lpt" if mode == LPT_ORDER else "request",
         cost_model=cost,
         predicted_makespan=float(predicted),
-        **arrays,
     )
     if partial_capacity is not None:
         if num_qo_heads is None or head_dim is None:
