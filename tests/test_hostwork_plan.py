@@ -72,3 +72,52 @@ def test_kv_lengths_equals_the_layout_rule(seed):
     np.testing.assert_array_equal(
         HW.kv_lengths(pkv.paged_kv_indptr, pkv.paged_kv_last_page_len, page),
         L.kv_lengths(pkv.paged_kv_indptr, pkv.paged_kv_last_page_len, page))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_query_rows_equal_the_numpy_rule(seed):
+    rng = np.random.default_rng(seed)
+    batch = int(rng.integers(1, 9))
+    lens = rng.integers(0, 50, batch)
+    lens[rng.random(batch) < 0.2] = 0                      # empty requests
+    kv = lens + rng.integers(0, 3000, batch)
+    indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    pos, req = HW.query_rows(indptr, kv.astype(np.int64))
+    want_req = np.repeat(np.arange(batch), lens)
+    want_pos = kv[want_req] - lens[want_req] + (np.arange(lens.sum()) - indptr[:-1][want_req])
+    assert pos.dtype == np.int32 and req.dtype == np.int32
+    np.testing.assert_array_equal(req, want_req)
+    np.testing.assert_array_equal(pos, want_pos)
+
+
+@pytest.mark.parametrize("seed", range(15))
+def test_prefill_rows_equal_the_numpy_rule(seed):
+    """The prefill wrapper's work rows against the NumPy statements it replaced."""
+    from nbattn.sched import plan
+    rng = np.random.default_rng(seed)
+    batch, group, tq = int(rng.integers(1, 7)), int(rng.choice([1, 4])), 16
+    qo = rng.integers(0, 40, batch)
+    kv = qo + rng.integers(0, 300, batch)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo)]).astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(-(-kv // 16))]).astype(np.int32)
+    C, grid = int(rng.integers(1, 6)), 8
+    p = plan(qo, kv, C, tq, group=group, causal=True, chunk_limit=int(rng.integers(20, 200)))
+    slot_rows = tq // group if tq % group == 0 else tq // group + 2
+    final, part, fi, pi = HW.prefill_rows(p.request, p.qo_tile, p.kv_start, p.kv_end, p.out_slot, p.cta_indptr,
+                                          grid, qo_indptr, kv_indptr, tq, group, slot_rows)
+    r = p.request.astype(np.int64)
+    row0 = p.qo_tile.astype(np.int64) * tq
+    slot = p.out_slot.astype(np.int64)
+    qo_start = qo_indptr[:-1].astype(np.int64)[r]
+    out_row0 = np.where(slot == -1, qo_start, slot * slot_rows - row0 // group)
+    rows = np.stack([qo_start, qo[r], row0, kv_indptr[:-1][r], np.zeros_like(r), p.kv_start, p.kv_end, out_row0],
+                    axis=1)
+    split = slot != -1
+    cta = p.item_cta()
+    np.testing.assert_array_equal(final, rows[~split])
+    np.testing.assert_array_equal(part, rows[split])
+    for got, keep in ((fi, ~split), (pi, split)):
+        want = np.zeros(grid + 1, np.int64)
+        want[1:C + 1] = np.bincount(cta[keep], minlength=C)
+        np.testing.assert_array_equal(got, np.cumsum(want))
+    assert final.dtype == part.dtype == np.int32

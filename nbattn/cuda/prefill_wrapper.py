@@ -31,6 +31,7 @@ from ..sched.tiles import choose_tile_q
 from .blocks.variants import kernel_variant, user_state
 from .fp8 import check_widened_range, launch_widen, page_values, plan_kv_code, run_scales
 from .host import arrays as A
+from .host import hostwork as HW
 from .host.driver import BoundLaunch, sm_count
 from .merge import merge_tiles_launch
 from .plan_run import H_NUM_MERGES, PlanRunWrapper, data_code, plan_page_table
@@ -135,23 +136,11 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         self._check_fits(qo.batch_size, int(pkv.paged_kv_indices.size), n_direct, hq, D, slot_rows,
                          tq, qo.total)
 
-        # Work rows in the plan's CTA-queue order: the persistent kernel's CTA c
-        # runs rows cta_indptr[c]:cta_indptr[c+1].
-        r = p.request.astype(np.int64)
-        row0 = p.qo_tile.astype(np.int64) * tq
-        slot = p.out_slot.astype(np.int64)
-        qo_start = qo.qo_indptr[:-1].astype(np.int64)[r]
-        out_row0 = np.where(slot == DIRECT, qo_start, slot * slot_rows - row0 // group)
-        rows = np.stack([qo_start, qo.lengths[r], row0, pkv.paged_kv_indptr[:-1][r],
-                         np.zeros_like(r), p.kv_start, p.kv_end, out_row0], axis=1)
-        # Each CTA's queue, cut by output kind: two persistent launches (see run()).
-        cta = p.item_cta()
-        split = slot != DIRECT
-        final_indptr = np.zeros(self.num_ctas + 1, np.int32)
-        part_indptr = np.zeros(self.num_ctas + 1, np.int32)
-        final_indptr[1:p.num_ctas + 1] = np.bincount(cta[~split], minlength=p.num_ctas)
-        part_indptr[1:p.num_ctas + 1] = np.bincount(cta[split], minlength=p.num_ctas)
-        final_indptr, part_indptr = np.cumsum(final_indptr), np.cumsum(part_indptr)
+        # Work rows in the plan's CTA-queue order, cut by output kind (two persistent
+        # launches, see run()): the kernel's CTA c runs rows indptr[c]:indptr[c+1] of each.
+        final_rows, part_rows, final_indptr, part_indptr = HW.prefill_rows(
+            p.request, p.qo_tile, p.kv_start, p.kv_end, p.out_slot, p.cta_indptr, self.num_ctas, qo.qo_indptr,
+            pkv.paged_kv_indptr, tq, group, slot_rows)
         row_pos, row_kvoff, row_req = P.request_rows(qo, kv_lens)
 
         indices = pkv.paged_kv_indices
@@ -161,8 +150,8 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
             self._widened = self._widen_pages = None
         stream = self._begin_plan()
         self._write_common(p, pkv.paged_kv_indptr, indices, pkv.paged_kv_last_page_len, stream)
-        self._copy("final_rows", rows[~split])
-        self._copy("part_rows", rows[split])
+        self._copy("final_rows", final_rows)
+        self._copy("part_rows", part_rows)
         self._copy("final_indptr", final_indptr)
         self._copy("part_indptr", part_indptr)
         self._copy("qo_indptr", qo.qo_indptr)

@@ -25,7 +25,7 @@ from ..._jit import njit_cached
 from ... import layout as L
 
 __all__ = ["page_table", "checked_page_table", "page_table_check", "page_table_ok", "decode_work", "DECODE_PARTS", "stage_arrays", "split_plan", "kv_lengths",
-           "int32_tables", "decode_call_work"]
+           "int32_tables", "decode_call_work", "query_rows", "prefill_rows"]
 
 #: The arrays :func:`decode_work` writes, in order, each at a 16-byte aligned offset.
 DECODE_PARTS = ("kv_indptr", "kv_indices", "kv_last", "cta_indptr", "request", "kv_start", "kv_end",
@@ -280,3 +280,75 @@ def kv_lengths(indptr, last, page_size):
         n = indptr[r + 1] - indptr[r]
         out[r] = (n - 1) * page_size + last[r] if n > 0 else 0
     return out
+
+
+@njit_cached
+def query_rows(qo_indptr, kv_lens):
+    """Per query row of a ragged batch (``qo_indptr[0] == 0``): its position, bottom-right
+    aligned (row ``i`` of a request of ``n`` queries and ``k`` keys sits at ``k - n + i``),
+    and its request; int32 arrays of ``qo_indptr[-1]`` rows.  In NumPy::
+
+        req = np.repeat(np.arange(batch), lens)
+        pos = kv_lens[req] - lens[req] + (np.arange(total) - qo_indptr[:-1][req])
+
+    six array passes of a few microseconds each; one loop here."""
+    batch = qo_indptr.shape[0] - 1
+    total = qo_indptr[batch]
+    pos = np.empty(total, np.int32)
+    req = np.empty(total, np.int32)
+    for r in range(batch):
+        first, last = qo_indptr[r], qo_indptr[r + 1]
+        at = kv_lens[r] - (last - first) - first
+        for i in range(first, last):
+            pos[i] = at + i
+            req[i] = r
+    return pos, req
+
+
+@njit_cached
+def prefill_rows(request, qo_tile, kv_start, kv_end, out_slot, cta_indptr, grid_ctas, qo_indptr, kv_indptr,
+                 tile_q, group, slot_rows):
+    """The prefill wrapper's work rows of a plan (its arrays in CTA-queue order), cut by
+    output kind: ``(final, part, final_indptr, part_indptr)``.  A row is 8 int32 columns
+    (:func:`nbattn.cuda.host.prefill_launch.build_work`): query start, query length,
+    first fused row, first page slot, 0, the chunk's key range, and the first output row:
+    the request's own rows for an unsplit tile (``out_slot == -1``), else slot
+    ``out_slot`` of ``slot_rows`` rows, moved back by the tile's first position.  CTA
+    ``c``'s rows of each kind are ``indptr[c]:indptr[c + 1]``, for ``grid_ctas`` CTAs
+    (past the plan's, empty)."""
+    n = request.shape[0]
+    n_part = 0
+    for i in range(n):
+        if out_slot[i] != -1:
+            n_part += 1
+    final = np.empty((n - n_part, 8), np.int32)
+    part = np.empty((n_part, 8), np.int32)
+    final_indptr = np.zeros(grid_ctas + 1, np.int32)
+    part_indptr = np.zeros(grid_ctas + 1, np.int32)
+    f = 0
+    k = 0
+    for c in range(cta_indptr.shape[0] - 1):
+        for i in range(cta_indptr[c], cta_indptr[c + 1]):
+            r = request[i]
+            row0 = qo_tile[i] * tile_q
+            if out_slot[i] == -1:
+                dst, j, out_row0 = final, f, qo_indptr[r]
+                f += 1
+            else:
+                dst, j, out_row0 = part, k, out_slot[i] * slot_rows - row0 // group
+                k += 1
+            dst[j, 0] = qo_indptr[r]
+            dst[j, 1] = qo_indptr[r + 1] - qo_indptr[r]
+            dst[j, 2] = row0
+            dst[j, 3] = kv_indptr[r]
+            dst[j, 4] = 0
+            dst[j, 5] = kv_start[i]
+            dst[j, 6] = kv_end[i]
+            dst[j, 7] = out_row0
+        final_indptr[c + 1] = f
+        part_indptr[c + 1] = k
+    for c in range(cta_indptr.shape[0] - 1, grid_ctas):
+        final_indptr[c + 1] = f
+        part_indptr[c + 1] = k
+    return final, part, final_indptr, part_indptr
+

@@ -26,6 +26,7 @@ from numba import cuda
 from ... import layout as L
 from ...variants import alibi_slopes
 from . import arrays as A
+from . import hostwork as HW
 from .driver import BoundLaunch, Span, StagingRing, handle_of, launch as launch_kernel
 
 __all__ = ["default_stream", "resolve_stream", "device_in", "torch_direct", "Outputs", "check_kind_match",
@@ -164,12 +165,10 @@ def build_work(qo_starts, qo_lens, kv_ptrs, kv_bases, kv_lens, group: int, tile_
 
 
 def request_rows(qo: L.RaggedQ, kv_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per query row: position (bottom-right aligned), key offset 0, request index."""
-    lens = qo.lengths.astype(np.int64)
-    req = np.repeat(np.arange(qo.batch_size), lens)
-    local = np.arange(qo.total) - np.repeat(qo.qo_indptr[:-1].astype(np.int64), lens)
-    pos = np.asarray(kv_lens, np.int64)[req] - lens[req] + local
-    return pos.astype(np.int32), np.zeros(qo.total, np.int32), req.astype(np.int32)
+    """Per query row: position (bottom-right aligned), key offset 0, request index
+    (:func:`nbattn.cuda.host.hostwork.query_rows`)."""
+    pos, req = HW.query_rows(qo.qo_indptr, np.asarray(kv_lens, np.int64))
+    return pos, np.zeros(qo.total, np.int32), req
 
 
 def longest_first(spec, work: np.ndarray, row_pos, row_kvoff) -> np.ndarray:
