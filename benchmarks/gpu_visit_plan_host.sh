@@ -4,7 +4,7 @@
 # 1. benchmarks/gpu_plan_host.py in this tree: plan() statement by statement at batch
 #    1 / 64 / 1024 with real copies, and one driver call per staging span against one
 #    batched call: $OUT/plan_host_<COMMIT>.json;
-# 2. benchmarks/plan_tree_ab.py: _ab/$BASE and this tree in turn, 3 rounds:
+# 2. benchmarks/plan_tree_ab.py: _ab/$BASE and this tree in turn, AB_ROUNDS (3) rounds:
 #    $OUT/plan_tree_ab_<COMMIT>.json.
 # The logs go to $OUT/visit.log.
 set -u
@@ -18,7 +18,7 @@ PYTHONPATH=$PWD timeout ${HOST_S:-200} python3 benchmarks/gpu_plan_host.py --com
     --out "$OUT/plan_host_$COMMIT.json" > /tmp/plan_host.log 2>&1
 echo "== plan_host rc=$? at $(( $(date +%s) - t0 )) s" >> "$OUT/visit.log"
 grep -v -i warn /tmp/plan_host.log | tail -20 | cut -c1-600 >> "$OUT/visit.log"
-PYTHONPATH=$PWD timeout ${AB_S:-300} python3 benchmarks/plan_tree_ab.py --trees "_ab/$BASE" . --rounds 3 \
+PYTHONPATH=$PWD timeout ${AB_S:-300} python3 benchmarks/plan_tree_ab.py --trees "_ab/$BASE" . --rounds ${AB_ROUNDS:-3} \
     --commit "$COMMIT" --out "$OUT/plan_tree_ab_$COMMIT.json" > /tmp/plan_ab.log 2>&1
 echo "== plan_tree_ab rc=$? at $(( $(date +%s) - t0 )) s" >> "$OUT/visit.log"
 tail -8 /tmp/plan_ab.log | cut -c1-400 >> "$OUT/visit.log"

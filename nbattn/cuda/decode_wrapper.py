@@ -163,8 +163,9 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         if mode == "lpt" and small:       # the persistent grid runs the batch-independent shape
             cfg = make_config(code, D, group, self._kv_layout, var, tuning=tuning)
         # a sliding window's hidden keys are planned out: plan the keys from the first visible one
-        first = first_visible(kv_lens, window_edge(var), split_rule(cfg, batch, hq)[2])
-        seen = kv_lens - first
+        edge = window_edge(var)
+        first = first_visible(kv_lens, edge, split_rule(cfg, batch, hq)[2]) if edge >= 0 else None
+        seen = kv_lens.astype(np.int64) if first is None else kv_lens - first
         if mode == "split":
             p = self._split_plan(seen, batch, hq // cfg.heads_per_cta, cfg)
         else:
@@ -178,7 +179,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
                              alpha=alpha, beta=beta, chunk_overhead=overhead, chunk_limit=chunk_limit,
                              cost=cost)
             self._check_bound(p)
-        if first.any():
+        if first is not None and first.any():
             at = first[p.request].astype(np.int32)
             p = dataclasses.replace(p, kv_lens=kv_lens.astype(np.int32), kv_start=p.kv_start + at,
                                     kv_end=p.kv_end + at)
