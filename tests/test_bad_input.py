@@ -82,6 +82,9 @@ CUDA_ONLY = [
         WS, num_ctas=2).plan([0, 1, 4], [0, 1, 2, 3], [1, 5], 2, 1, 8, 1 << 30)),
     ("prefill_plan_kv_length_over_int32", "paged_kv_indptr", lambda d: C.BatchPrefillWithPagedKVCacheWrapper(
         WS, num_ctas=2).plan([0, 1, 2], [0, 1, 4], [0, 1, 2, 3], [1, 5], 2, 1, 8, 1 << 30)),
+    # 2**28 + 1 queries of one request times a group of 8 fused rows pass int32
+    ("prefill_plan_fused_rows_over_int32", "qo_indptr", lambda d: C.BatchPrefillWithPagedKVCacheWrapper(
+        WS, num_ctas=2).plan([0, (1 << 28) + 1], [0, 1], [0], [4], 8, 1, 8, 16)),
 ]
 SCHED = [
     ("plan_num_ctas_float", "num_ctas", lambda: P.plan([1], [5], 2.7)),

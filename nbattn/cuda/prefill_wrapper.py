@@ -26,8 +26,7 @@ import numpy as np
 from numba import cuda
 
 from .. import layout as L
-from ..sched.plan import DIRECT, plan as lpt_plan
-from ..sched.tiles import choose_tile_q
+from ..sched.plan import DIRECT, plan_lengths
 from .blocks.variants import kernel_variant, user_state
 from .fp8 import check_widened_range, launch_widen, page_values, plan_kv_code, run_scales
 from .host import arrays as A
@@ -115,7 +114,7 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
         if qo.batch_size != pkv.batch_size:
             raise L.LayoutError(f"paged_kv_indptr: has {pkv.batch_size} requests, qo_indptr has "
                                 f"{qo.batch_size}")
-        kv_lens = pkv.kv_lens
+        kv_lens = HW.kv_lengths(pkv.paged_kv_indptr, pkv.paged_kv_last_page_len, pkv.page_size)
         if var.causal:
             L.check_causal_lengths(qo.lengths, kv_lens)
         mask = P.mask_arrays(custom_mask, packed_custom_mask, qo.lengths, kv_lens, causal=var.causal)
@@ -124,13 +123,17 @@ class BatchPrefillWithPagedKVCacheWrapper(PlanRunWrapper):
                            custom_mask=masked)
         spec_part = P.make_spec("paged", self._kv_layout, code, D, hq, hk, var, spec.tensor_cores,
                                 out_kind="f32", tuning=tuning, custom_mask=masked)
-        tq = choose_tile_q(qo.lengths, group, (spec.tile_q,))    # the kernel's menu: its one T_q
+        tq = spec.tile_q        # choose_tile_q over the kernel's menu, its one T_q
+        if qo.total and int(qo.lengths.max()) * group > L.INT32_MAX:
+            raise L.LayoutError(f"qo_indptr: a request's {int(qo.lengths.max())} queries times the group "
+                                f"({group}) must fit in int32")
         # Positions one tile spans: tq/group when tiles start on a position boundary.
         slot_rows = tq // group if tq % group == 0 else tq // group + 2
         ctas = prefill_plan_ctas(hk, self.num_ctas, tuning) if num_ctas is None else int(num_ctas)
-        p = lpt_plan(qo.lengths, kv_lens, ctas, tile_q=tq, group=group, alpha=alpha,
-                     beta=beta, chunk_overhead=chunk_overhead, chunk_limit=chunk_limit,
-                     causal=var.causal, cost=cost)
+        # the lengths are checked above (RaggedQ, the page table, the causal rule)
+        p = plan_lengths(qo.lengths.astype(np.int64), kv_lens.astype(np.int64), ctas, tile_q=tq, group=group,
+                         alpha=alpha, beta=beta, chunk_overhead=chunk_overhead, chunk_limit=chunk_limit,
+                         causal=var.causal, cost=cost)
         self._check_bound(p)
         n_direct = int(np.count_nonzero(p.out_slot == DIRECT))
         self._check_fits(qo.batch_size, int(pkv.paged_kv_indices.size), n_direct, hq, D, slot_rows,
