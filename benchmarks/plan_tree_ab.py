@@ -3,7 +3,10 @@ machine (host timings of the lent machines vary up to 2x between visits, so an A
 runs in one visit): each round runs every tree in a fresh process, batch 1 / 64 / 1024,
 lengths 1..8191, page 16, 32/8 heads, head_dim 128; median of 200 calls after 20.
 
-    PYTHONPATH=$PWD python3 benchmarks/plan_tree_ab.py --trees _ab/<old> . --rounds 3 [--out FILE]
+    PYTHONPATH=$PWD python3 benchmarks/plan_tree_ab.py --trees _ab/<old> . --rounds 3 [--prefill] [--out FILE]
+
+``--prefill`` adds the prefill wrapper's plan() of one 8k x 8k causal request (32/32
+heads, head_dim 128, page 16; on the CPU over a 132-CTA grid).
 
 On a GPU the workspace is a torch CUDA tensor and the copies are real. In the
 simulator the copies are skipped (staging still runs) and the planner balances over
@@ -40,6 +43,19 @@ for batch in (1, 64, 1024):
     fn = lambda: w.plan(pkv.paged_kv_indptr, pkv.paged_kv_indices, pkv.paged_kv_last_page_len, 32, 8, 128, 16)
     fn()
     res[str(batch)] = host_us(fn, 200, 20)
+if os.environ.get("NBATTN_AB_PREFILL"):        # the prefill wrapper: 8k x 8k causal, 32/32 heads (eager.json's case)
+    n, dev = 8192, ("cuda" if torch.cuda.is_available() else "cpu")
+    pkv = L.PagedKV.allocate([n], 16)
+    ws = torch.empty(512 << 20, dtype=torch.uint8, device=dev)
+    w = (NC.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD") if dev == "cuda"
+         else NC.BatchPrefillWithPagedKVCacheWrapper(ws.numpy(), "NHD", num_ctas=132))
+    if dev == "cpu":
+        w._h2d.copy = lambda *a, **k: None
+    qo_indptr = np.array([0, n], np.int32)
+    fn = lambda: w.plan(qo_indptr, pkv.paged_kv_indptr, pkv.paged_kv_indices, pkv.paged_kv_last_page_len,
+                        32, 32, 128, 16, causal=True)
+    fn()
+    res["prefill_8k_causal"] = host_us(fn, 200, 20)
 print("@@" + json.dumps(res))
 '''
 
@@ -55,12 +71,15 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=None, help="the commit measured (default: git HEAD here)")
+    ap.add_argument("--prefill", action="store_true",
+                    help="also the prefill wrapper's plan(), 8k x 8k causal, 32/32 heads, page 16")
     args = ap.parse_args(argv)
     here = os.path.dirname(os.path.abspath(__file__))
     runs = []
     for r in range(args.rounds):
         for tree in args.trees:
-            env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), NBATTN_AB_HERE=here)
+            env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), NBATTN_AB_HERE=here,
+                       NBATTN_AB_PREFILL="1" if args.prefill else "")
             out = subprocess.run([sys.executable, "-c", _ONE], env=env, cwd=os.path.abspath(tree),  # "" on sys.path is the tree
                                  capture_output=True, text=True, timeout=300)
             line = next((ln for ln in out.stdout.splitlines() if ln.startswith("@@")), None)
