@@ -174,16 +174,16 @@ class Plan:
     predicted_makespan: float = float("nan")
 
     @classmethod
-    def of(cls, **fields) -> "Plan":
-        """``Plan(**fields)`` for a caller that passes every field, built without the
+    def of(cls, **values) -> "Plan":
+        """``Plan(**values)`` for a caller that passes every field, built without the
         frozen dataclass's ``__init__`` (one ``object.__setattr__`` per field, 5 us on
         a CI-class CPU): the wrappers' ``plan()`` makes one per generation step."""
-        if fields.keys() != cls._FIELDS:
-            missing = cls._FIELDS.difference(fields)
+        if values.keys() != cls._FIELDS:
+            missing = cls._FIELDS.difference(values)
             raise TypeError(f"Plan.of: needs exactly the fields {sorted(cls._FIELDS)}; missing "
-                            f"{sorted(missing)}, extra {sorted(set(fields) - cls._FIELDS)}")
+                            f"{sorted(missing)}, extra {sorted(set(values) - cls._FIELDS)}")
         p = object.__new__(cls)
-        p.__dict__.update(fields)
+        p.__dict__.update(values)
         return p
 
     @property
