@@ -307,10 +307,12 @@ def _plan_core(qo_lens, kv_lens, group, tile_q, num_ctas, alpha, beta, overhead,
     merge_slots = words[at + 3 * M + 1:]
     merge_indptr[0] = 0
 
-    # Items in (request, tile, chunk) order: the tile and chunk of each, and its cost.
+    # Items in (request, tile, chunk) order: the tile and chunk of each, and its cost;
+    # a split tile's partial slots are consecutive, from first_slot[t] (-1: unsplit).
     item_tile = np.empty(n, np.int32)
     item_chunk = np.empty(n, np.int32)
     cost = np.empty(n, np.float64)
+    first_slot = np.full(num_tiles, -1, np.int32)
     i = 0
     slot = 0
     m = 0
@@ -323,6 +325,7 @@ def _plan_core(qo_lens, kv_lens, group, tile_q, num_ctas, alpha, beta, overhead,
                                                                  - k * chunk_limit)
             i += 1
         if k_tile > 1:      # slots in (request, tile, chunk) order
+            first_slot[t] = slot
             for k in range(k_tile):
                 merge_slots[slot] = slot
                 slot += 1
@@ -346,12 +349,6 @@ def _plan_core(qo_lens, kv_lens, group, tile_q, num_ctas, alpha, beta, overhead,
     for c in range(num_ctas):
         cta_indptr[c + 1] += cta_indptr[c]
     fill = cta_indptr[:-1].copy()
-    first_slot = np.empty(num_tiles, np.int32)      # a split tile's first partial slot
-    slot = 0
-    for t in range(num_tiles):
-        k_tile = max(1, (tile_kv[t] + chunk_limit - 1) // chunk_limit)
-        first_slot[t] = slot if k_tile > 1 else -1
-        slot += k_tile if k_tile > 1 else 0
     cta_cost = np.zeros(num_ctas, np.float64)
     for j in range(n):
         c = assigned[j]
