@@ -1,5 +1,6 @@
-"""Where the decode wrapper's ``plan()`` spends its host time on a GPU machine, line by
-line, and what one driver call per copy costs against one batched call.
+"""Where the decode wrapper's ``plan()`` and the plain decode call spend their host time
+on a GPU machine, statement by statement, and what one driver call per copy costs
+against one batched call.
 
     PYTHONPATH=$PWD python3 benchmarks/gpu_plan_host.py --commit SHA [--out FILE]
 
@@ -7,7 +8,10 @@ line, and what one driver call per copy costs against one batched call.
    1..8191, page 16, 32/8 heads, head_dim 128, real copies into a torch workspace): the
    median host microseconds of each statement of its body (the body is re-executed with
    a clock read after every statement; 400 calls after 100), and the whole call.
-2. The staging copies of a batch-64 plan alone, from the pinned image to the workspace:
+2. The plain ``batch_decode_paged`` (torch CUDA tensors, NumPy page table) at b1 x 32k
+   group 4 and 8 and b64 x 4k group 4, the same way (``decode_call.fast_decode``'s body,
+   the statements inside its ``with`` block each timed).
+3. The staging copies of a batch-64 plan alone, from the pinned image to the workspace:
    one ``cuMemcpyHtoDAsync`` per span (what ``plan()`` does) against one
    ``cuMemcpyBatchAsync`` (CUDA 12.8+) for all of them, checked by reading the words back.
 
@@ -32,21 +36,65 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import host_us  # noqa: E402
 
 
-def timed_body(cls, name: str, module) -> tuple:
-    """``cls.name`` re-compiled with a clock read after each top-level statement; returns
+def timed_body(obj, name: str, module) -> tuple:
+    """``obj.name`` (a class's method or a module's function) re-compiled with a clock
+    read after each statement, the statements inside ``with`` blocks included; returns
     (function, source lines, list the reads go to)."""
-    src = textwrap.dedent(inspect.getsource(getattr(cls, name)))
+    src = textwrap.dedent(inspect.getsource(getattr(obj, name)))
     tree = ast.parse(src)
     fn = tree.body[0]
     reads: list = []
-    body = [ast.parse("_READS.append((0, _clock()))").body[0]]
-    for st in fn.body:
-        body += [st, ast.parse(f"_READS.append(({st.lineno}, _clock()))").body[0]]
-    fn.body, fn.decorator_list = body, []
+
+    def clocked(stmts):
+        out = []
+        for st in stmts:
+            if isinstance(st, ast.With):
+                st.body = clocked(st.body)
+            out += [st, ast.parse(f"_READS.append(({st.lineno}, _clock()))").body[0]]
+        return out
+    fn.body = [ast.parse("_READS.append((0, _clock()))").body[0]] + clocked(fn.body)
+    fn.decorator_list = []
     ast.fix_missing_locations(tree)
     env = dict(vars(module), _READS=reads, _clock=time.perf_counter)
     exec(compile(tree, f"<timed {name}>", "exec"), env)
     return env[name], src.splitlines(), reads
+
+
+def per_statement(fn, args, lines, reads, n: int = 500, warm: int = 100) -> tuple:
+    """Median microseconds of each statement of ``fn(*args)`` over ``n - warm`` calls
+    (the stream drained every 20 calls), as [[us, text], ...] largest first, and their sum."""
+    import torch
+    per = collections.defaultdict(list)
+    for i in range(n):
+        reads.clear()
+        fn(*args)
+        if i % 20 == 19:
+            torch.cuda.synchronize()
+        if i >= warm:
+            for (_, t0), (line, t1) in zip(reads, reads[1:]):
+                per[line].append(t1 - t0)
+    rows = sorted(((float(np.median(v)) * 1e6, lines[ln - 1].strip()[:90]) for ln, v in per.items()), reverse=True)
+    torch.cuda.synchronize()
+    return [[round(us, 2), text] for us, text in rows if us >= 0.3], sum(us for us, _ in rows)
+
+
+def plain_lines(batch: int, kv_len: int, hkv: int, rng) -> dict:
+    """The plain ``batch_decode_paged`` call (torch CUDA tensors, NumPy page table) statement
+    by statement: ``decode_call.fast_decode``'s body."""
+    import torch
+    import nbattn.cuda as NC
+    import nbattn.cuda.decode_call as DC
+    from nbattn import layout as L
+    pkv = L.PagedKV.allocate(np.full(batch, kv_len), 16, rng=rng)
+    cache = torch.randn((pkv.num_pages, 2, 16, hkv, 128), dtype=torch.float16, device="cuda")
+    q = torch.randn((batch, 32, 128), dtype=torch.float16, device="cuda")
+    meta = (pkv.paged_kv_indptr, pkv.paged_kv_indices, pkv.paged_kv_last_page_len)
+    whole = host_us(lambda: NC.batch_decode_paged(q, cache, *meta), 400, 100)
+    fn, lines, reads = timed_body(DC, "fast_decode", DC)
+    args = (q, cache, *meta)
+    kw = dict(kv_layout="NHD", return_lse=False, out=None, lse=None, variant={})
+    rows, total = per_statement(lambda *a: fn(*a, **kw), args, lines, reads)
+    return {"plain_us": whole, "statements_us": rows, "sum_of_statements_us": total}
 
 
 def plan_lines(batch: int, rng) -> dict:
@@ -60,18 +108,9 @@ def plan_lines(batch: int, rng) -> dict:
     args = (pkv.paged_kv_indptr, pkv.paged_kv_indices, pkv.paged_kv_last_page_len, 32, 8, 128, 16)
     whole = host_us(lambda: w.plan(*args), 400, 100)
     fn, lines, reads = timed_body(DW.BatchDecodeWithPagedKVCacheWrapper, "plan", DW)
-    per = collections.defaultdict(list)
-    for i in range(500):
-        reads.clear()
-        fn(w, *args)
-        if i >= 100:
-            for (_, t0), (line, t1) in zip(reads, reads[1:]):
-                per[line].append(t1 - t0)
-    rows = sorted(((float(np.median(v)) * 1e6, lines[ln - 1].strip()[:90]) for ln, v in per.items()), reverse=True)
-    torch.cuda.synchronize()
+    rows, total = per_statement(fn, (w, *args), lines, reads)
     return {"plan_us": whole, "num_items": int(w.last_plan.num_items), "num_ctas": int(w.last_plan.num_ctas),
-            "statements_us": [[round(us, 2), text] for us, text in rows if us >= 0.3],
-            "sum_of_statements_us": sum(us for us, _ in rows)}
+            "statements_us": rows, "sum_of_statements_us": total}
 
 
 def batched_copies(rng) -> dict:
@@ -164,6 +203,11 @@ def main(argv=None) -> dict:
     for batch in (1, 64, 1024):
         res["plan"][f"b{batch}"] = plan_lines(batch, rng)
         print(f"b{batch}", json.dumps(res["plan"][f"b{batch}"])[:1500], flush=True)
+    res["plain"] = {}
+    for batch, kv_len, hkv in ((1, 32768, 8), (1, 32768, 4), (64, 4096, 8)):
+        key = f"b{batch}x{kv_len}_g{32 // hkv}"
+        res["plain"][key] = plain_lines(batch, kv_len, hkv, rng)
+        print("plain", key, json.dumps(res["plain"][key])[:1500], flush=True)
     res["copies"] = batched_copies(rng)
     print("copies", json.dumps(res["copies"]), flush=True)
     if args.out:

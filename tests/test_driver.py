@@ -17,6 +17,7 @@ import pytest
 
 import nbattn  # noqa: F401  (compat first)
 from nbattn.cuda.host import driver as D
+from nbattn.cuda.host import staging as S
 from nbattn.cuda import decode as DEC
 from nbattn.cuda import merge as M
 from nbattn.variants import Variant
@@ -111,9 +112,9 @@ def test_staging_ring_never_hands_out_a_slot_in_flight(monkeypatch):
     done, so 'in flight' is faked here)."""
     in_flight: set = set()
     waited: list = []
-    monkeypatch.setattr(D.Staged, "busy", lambda self: id(self) in in_flight)
-    monkeypatch.setattr(D.HostToDevice, "begin", lambda self: waited.append(id(self)))
-    ring = D.StagingRing(most=3)
+    monkeypatch.setattr(S.Staged, "busy", lambda self: id(self) in in_flight)
+    monkeypatch.setattr(S.HostToDevice, "begin", lambda self: waited.append(id(self)))
+    ring = S.StagingRing(most=3)
     a = ring.take(10)
     assert ring.take(10) is a                        # idle: reused
     in_flight.add(id(a))
@@ -141,8 +142,8 @@ def test_staging_ring_asks_the_oldest_slot_first(monkeypatch):
     def busy(self):
         asked.append(id(self))
         return id(self) in in_flight
-    monkeypatch.setattr(D.Staged, "busy", busy)
-    ring = D.StagingRing(most=4)
+    monkeypatch.setattr(S.Staged, "busy", busy)
+    ring = S.StagingRing(most=4)
     slots = []
     for _ in range(4):                      # four calls in flight: four slots
         s = ring.take(10)
@@ -160,7 +161,7 @@ def test_staging_ring_stage_packs_each_array_where_its_span_says():
     """stage() sends int arrays as int32 and a float32 array as its bits, each at a
     16-byte aligned offset, and each span reads back its own array."""
     rng = np.random.default_rng()
-    ring = D.StagingRing(most=2)
+    ring = S.StagingRing(most=2)
     arrays = [rng.integers(-50, 50, size=5).astype(np.int64), np.zeros(0, np.int32),
               rng.integers(0, 9, size=(3, 8)).astype(np.int32), rng.standard_normal(7).astype(np.float32)]
     slot, spans = ring.stage(arrays, 0)

@@ -5,7 +5,7 @@ order: the variant from a cache of keyword sets; the page table checked by one
 compiled function (:func:`nbattn.cuda.host.hostwork.page_table_ok`; on a fault
 :meth:`nbattn.layout.PagedKV.validate` raises the rule's message); the shape
 checks; then, in one staging slot of a ring
-(:class:`nbattn.cuda.host.driver.StagingRing`), the page table, the work list and
+(:class:`nbattn.cuda.host.staging.StagingRing`), the page table, the work list and
 the reduction map written by one more compiled function
 (:func:`nbattn.cuda.host.hostwork.decode_work`, the rules of
 :func:`nbattn.cuda.decode_problem.choose_chunk` and :func:`nbattn.cuda.decode.split_work`)
@@ -32,7 +32,8 @@ from .blocks.variants import cached_variant
 from .fp8 import kv_fp8, is_fp8
 from .host import arrays as A
 from .host import hostwork as HW
-from .host.driver import BoundLaunch, Span, StagingRing, data_ptr, stream_handle
+from .host.driver import BoundLaunch, data_ptr, stream_handle
+from .host.staging import Span, StagingRing
 from .kernels.decode_common import WorkList, make_config
 from .merge import MergeMap, merge_partials_launch
 from .tuning import DECODE, DecodeTuning

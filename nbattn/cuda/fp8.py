@@ -43,7 +43,8 @@ from ..reference.fp8 import FP8_DTYPES, FP8_FORMS, check_kv_dtypes, check_scale,
 from .blocks.fp8 import FP8_CODES
 from .blocks.primitives import SIMULATOR
 from .host import arrays as A
-from .host.driver import BoundLaunch, Span, StagingRing, handle_of
+from .host.driver import BoundLaunch, handle_of
+from .host.staging import Span, StagingRing
 from .host.prefill_launch import check_kind_match, numba_stream
 from .kernels.fp8_widen import widen_kernel
 
@@ -176,7 +177,7 @@ def launch_widen(src, pages, per: int, k_values: int, fp8: str, code: str, k_sca
     values) of ``dst`` (q's dtype ``code``) from page ``pages[j]`` of fp8 ``src``, its
     first ``k_values`` values times ``k_scale`` and the rest times ``v_scale``.  ``src``
     and ``dst``: contiguous torch CUDA tensors or device arrays; ``pages``: an int32
-    device array or a staging :class:`~nbattn.cuda.host.driver.Span`.  The launch is
+    device array or a staging :class:`~nbattn.cuda.host.staging.Span`.  The launch is
     bound once per dtype pair (:class:`~nbattn.cuda.host.driver.BoundLaunch`), so a call
     costs no numba dispatch; the grid covers ``len(pages)`` pages."""
     n_pages = int(pages.n if isinstance(pages, Span) else pages.shape[0])

@@ -74,7 +74,8 @@ from .decode_problem import check_out
 from .fp8 import check_run_dtypes, is_fp8
 from .host import arrays as A
 from .host import hostwork as HW
-from .host.driver import HostToDevice, data_ptr, sm_count, stream_handle, torch_stream
+from .host.driver import data_ptr, sm_count, stream_handle, torch_stream
+from .host.staging import HostToDevice
 
 _FIRST = itemgetter(0)
 

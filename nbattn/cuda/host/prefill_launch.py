@@ -27,7 +27,8 @@ from ... import layout as L
 from ...variants import alibi_slopes
 from . import arrays as A
 from . import hostwork as HW
-from .driver import BoundLaunch, Span, StagingRing, handle_of, launch as launch_kernel
+from .driver import BoundLaunch, handle_of, launch as launch_kernel
+from .staging import Span, StagingRing
 
 __all__ = ["default_stream", "resolve_stream", "device_in", "torch_direct", "Outputs", "check_kind_match",
            "contig_dims", "build_work", "request_rows", "longest_first", "NAN_ROW", "nan_row_at", "tile_slopes",
