@@ -50,8 +50,8 @@ two base limits, which the fixed sizes and the cuts in 2 to 8 straddle
 So every fixed-split policy with one of those chunk sizes, and one request per
 CTA (the longest tile as the limit), is itself a candidate: under the model, the
 chosen plan is never predicted slower than any of them.  (Request order is left
-out at the other limits to keep the search within its time budget: at batch
-1024 a candidate costs about 30 us on one core.)  Candidates whose partial slots
+out at the other limits to keep the search within its time budget: each
+candidate is a whole LPT placement.)  Candidates whose partial slots
 or merges exceed the workspace bound (``2*C`` slots, ``C`` merges) are skipped;
 the unsplit candidate always fits.  A candidate whose lower bound (streaming at
 the full wave's aggregate rate, or its largest chunk alone at ``solo_speedup``)

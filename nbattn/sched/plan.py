@@ -176,8 +176,8 @@ class Plan:
     @classmethod
     def of(cls, **values) -> "Plan":
         """``Plan(**values)`` for a caller that passes every field, built without the
-        frozen dataclass's ``__init__`` (one ``object.__setattr__`` per field, 5 us on
-        a CI-class CPU): the wrappers' ``plan()`` makes one per generation step."""
+        frozen dataclass's ``__init__`` (one ``object.__setattr__`` per field): the
+        wrappers' ``plan()`` makes one per generation step."""
         if values.keys() != cls._FIELDS:
             missing = cls._FIELDS.difference(values)
             raise TypeError(f"Plan.of: needs exactly the fields {sorted(cls._FIELDS)}; missing "

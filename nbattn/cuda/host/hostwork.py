@@ -228,10 +228,10 @@ def stage_arrays(host, offsets, arrays, gap):
     pairs in increasing order: the written ranges, neighbours closer than ``gap``
     words joined into one so a plan is a few copies.  ``offsets`` must increase.
 
-    Plain Python over NumPy's slice assignment (a memcpy): a compiled element loop
-    wrote the page ids of a batch-1024 plan (1 MB) in 657 us on an H100's host, NumPy
-    in 55 us (benchmarks/results/experiments/small_batch_2026-12-06/plan_profile_e435824.txt);
-    a slice assignment costs half of ``np.copyto``'s 1 us for a small array."""
+    Plain Python over NumPy's slice assignment, a memcpy: a compiled element loop was
+    an order of magnitude slower on a large page table, and ``np.copyto`` costs more
+    per small array (benchmarks/EXPERIMENTS.md, "Writing the plan's staging image
+    with ``np.copyto``")."""
     spans = []
     for first, a in zip(offsets, arrays):
         first = int(first)
