@@ -7,8 +7,8 @@ its queue ``cta_indptr[c]:cta_indptr[c+1]``
 (:func:`nbattn.cuda.decode.run_decode_work`), reading the queue bounds from the
 workspace; the merge is the split-KV contraction on a fixed grid of G CTAs
 (:func:`nbattn.cuda.merge.merge_partials_fixed_launch`, an LPT plan: the merge
-count is read on the device, and the launch is programmatic on a GPU, so a plan
-without merges costs no wait) or :func:`nbattn.cuda.merge.merge_partials_launch` sized
+count is read on the device, and on a GPU the launch is programmatic, so it
+becomes resident while the decode finishes) or :func:`nbattn.cuda.merge.merge_partials_launch` sized
 to the plan (a ``"split"`` plan; the one-round form where it fits).  For an
 LPT plan G is the configuration's planner CTAs (:func:`decode_plan_ctas`, or the
 plan's ``num_ctas`` where that is larger), so every plan of one configuration

@@ -124,7 +124,7 @@ def merge_partials_fixed_launch(num_merges, partial_o, partial_lse, merge_map: M
     with ``fixed_grid``): the merge count ``num_merges[0]`` is read on the device, so
     one bound launch serves every plan.  One warp a CTA; ``out`` at ``args[6]``,
     ``lse`` at ``args[7]``.  ``programmatic``: the kernel to launch programmatically
-    behind the decode (a plan without merges then costs no wait for it)."""
+    behind the decode (it waits for the decode in every CTA)."""
     num_heads, head_dim = int(partial_o.shape[1]), int(partial_o.shape[2])
     po = A.flat(partial_o)
     vec = _partial_vec(po, head_dim)

@@ -150,9 +150,9 @@ def partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, threa
     the device) as its first argument and CTA x merges ``x, x + gridDim.x, ...``,
     so one launch serves every plan (the plan/run wrappers' fixed grid).  With
     ``programmatic`` (fixed grid only) it may be launched programmatically behind the
-    decode that writes the partials: a CTA reads the merge count (the plan's, copied
-    before that decode ran), and only a CTA with merges to do waits for the decode
-    (``griddepcontrol.wait``); a plan without merges ends the launch at once."""
+    decode that writes the partials: its CTAs become resident and read the merge count
+    while the decode finishes, then every CTA waits for it (``griddepcontrol.wait``),
+    those without a merge too, so that the launch ends only after the decode has."""
     assert fixed_grid or not programmatic
     key = ("partials", code, head_dim, use_sigmoid, vec, threads, bool(fixed_grid), bool(programmatic))
     if key in KERNELS:
@@ -232,9 +232,11 @@ def partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, threa
             sm_l = cuda.shared.array(NB, np.float32)
             acc = cuda.local.array(ACC, np.float32)
             ov = cuda.local.array(ACC, np.float32)
-            n = num_merges[0]
-            if PDL and cuda.blockIdx.x < n:
-                grid_dependency_wait()          # the partials are the previous kernel's
+            n = num_merges[0]               # the plan's, copied before the decode ran
+            if PDL:
+                # Every CTA waits, even one with no merge: the stream's next kernel waits only
+                # for this grid to end, so this grid must not end before the decode does.
+                grid_dependency_wait()
             for m in range(cuda.blockIdx.x, n, cuda.gridDim.x):
                 merge_one(m, cuda.blockIdx.y, cuda.threadIdx.x, red, sm_m, sm_l, acc, ov, part_o, part_lse,
                           merge_indptr, merge_row, merge_slots, out, lse, num_heads)
