@@ -14,7 +14,7 @@ item and partial counts), then
 
 * refits the decode model separately to the wrapper's records and to the fixed
   splits' records (FlashDecoding: another decode launch, another merge kernel)
-  and prints each path's errors and prices;
+  and prints each path's errors (in sample, and out: each step left out) and prices;
 * asks the planner what it would choose under the wrapper's refit model, and
   under that model with the fixed splits' merge prices;
 * fits the mixed prefill + decode records under the planner's own view (all
@@ -395,6 +395,22 @@ def fit_decode_records(rows, overheads=OVERHEAD_GRID, solos=SOLO_SWEEP_GRID):
     return model, rms, e
 
 
+def held_out_errors(rows, overheads=OVERHEAD_GRID, solos=SOLO_SWEEP_GRID):
+    """Relative errors of :func:`fit_decode_records` out of sample: each (workload,
+    batch) step's records predicted by the model refitted to all the other steps (in
+    the order of ``rows``)."""
+    models, errs = {}, []
+    for r in rows:
+        step = (r["workload"], r["batch"])
+        if step not in models:
+            models[step] = fit_decode_records([x for x in rows if (x["workload"], x["batch"]) != step],
+                                              overheads, solos)[0]
+        m = models[step]
+        A = decode_features(r, m.chunk_overhead / m.beta, m.solo_speedup)
+        errs.append(float(np.dot(A, [m.beta, m.launch, m.merge_launch, m.merge_total, m.merge_cost])) / r["t"] - 1)
+    return np.array(errs)
+
+
 def _list_schedule(times, resident):
     """Makespan of jobs started in the given order on ``resident`` slots, each on the
     slot free first (the block scheduler with a grid larger than one wave)."""
@@ -498,6 +514,9 @@ def analyse_sweep(path, fit_path=None, overheads=OVERHEAD_GRID, solos=SOLO_SWEEP
               f"{model.solo_speedup:.2f}, launch {model.launch:.1f} us; merge: {model.merge_launch:.1f} us when "
               f"there is one, {model.merge_total:.3f} us a partial, {model.merge_cost * SWEEP_GROUP:.3f} us a "
               f"partial of the busiest merge CTA")
+        h = out[path_name]["held_out"] = held_out_errors(sel, overheads, solos)
+        print(f"  out of sample (each step predicted by the refit to the other steps): rms "
+              f"{np.sqrt(np.mean(h ** 2)):.1%}, largest {h[np.argmax(np.abs(h))]:+.1%}")
     wrapper, split = out["wrapper"]["model"], out["split"]["model"]
     cheap_merge = wrapper.replace(merge_launch=split.merge_launch, merge_total=split.merge_total,
                                   merge_cost=split.merge_cost)

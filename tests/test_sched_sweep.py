@@ -209,7 +209,9 @@ def test_split_items_are_flashdecodings_chunks():
 def test_decode_refit_recovers_the_model_that_made_the_times(path):
     rng = np.random.default_rng()
     tokens, solo = int(rng.choice([0, 16, 48])), float(rng.choice([1.0, 1.25, 1.5]))
-    beta = float(rng.uniform(0.02, 0.05))
+    # beta a multiple of 2**-10: every chunk time is then exact in both units (us and
+    # tokens), so CTAs of equal load tie in the simulator's schedule as in the fit's
+    beta = int(rng.integers(20, 52)) / 1024
     truth = CostModel(alpha=0.0, beta=beta, chunk_overhead=tokens * beta, launch=float(rng.uniform(2, 20)),
                       merge_launch=float(rng.uniform(1, 20)), merge_total=float(rng.uniform(0.05, 0.5)),
                       merge_cost=float(rng.uniform(0.01, 0.2)), solo_speedup=solo, search="plans", unit="us")
@@ -223,12 +225,12 @@ def test_decode_refit_recovers_the_model_that_made_the_times(path):
         if path == "wrapper":
             p = plan(qo, kv, 33, tile_q=4, group=4, chunk_overhead=0.0, chunk_limit=chunk or int(kv.max()))
             rows.append(dict(path="wrapper", plan=p, merges=np.diff(p.merge_indptr).astype(float),
-                             t=simulate_plan(p, truth).makespan))
+                             t=simulate_plan(p, truth).makespan, workload=w.name, batch=k))
         else:
             items, merges = fit_cost.split_items(kv, chunk)
             sim = simulate(qo, kv, 33, "fixed_split" if chunk else "one_per_cta", group=4, tile_q=4, cost=truth,
                            **(dict(chunk_size=chunk) if chunk else {}))
-            rows.append(dict(path="split", items=items, merges=merges, t=sim.makespan))
+            rows.append(dict(path="split", items=items, merges=merges, t=sim.makespan, workload=w.name, batch=k))
     model, rms, _ = fit_cost.fit_decode_records(rows, overheads=(0, 16, 48), solos=(1.0, 1.25, 1.5))
     assert rms < 1e-6
     assert model.solo_speedup == solo and model.beta == pytest.approx(beta, rel=1e-6)
@@ -236,6 +238,13 @@ def test_decode_refit_recovers_the_model_that_made_the_times(path):
     assert model.launch == pytest.approx(truth.launch, rel=1e-4)
     for f in ("merge_launch", "merge_total", "merge_cost"):
         assert getattr(model, f) == pytest.approx(getattr(truth, f), rel=1e-4, abs=1e-6), f
+    # out of sample: every record predicted from the others; then one record measured
+    # 20% slow is predicted from the others, which are the truth
+    grids = dict(overheads=(0, 16, 48), solos=(1.0, 1.25, 1.5))
+    assert fit_cost.held_out_errors(rows, **grids) == pytest.approx(np.zeros(len(rows)), abs=1e-6)
+    odd = int(rng.integers(len(rows)))
+    rows[odd] = dict(rows[odd], t=rows[odd]["t"] * 1.2)
+    assert fit_cost.held_out_errors(rows, **grids)[odd] == pytest.approx(1 / 1.2 - 1, abs=1e-6)
 
 
 def _list_schedule_reference(times, resident):
