@@ -475,7 +475,9 @@ def predict_baseline(lens, slots, chunk, model):
                     chunk_size=int(chunk)).makespan
 
 
-def decode_case(name, batch, w, slots, model, bw, records, checks):
+def decode_case(name, batch, w, slots, model, bw, records, checks, more=None):
+    """One decode step under every policy (``more``: further wrapper policies, a name
+    and the cost model its plan is made under)."""
     lens = decode_lens(name, batch, seed=100 + batch)
     q, cache, indptr, indices, last = make_batch(lens, 2)
     out = torch.empty_like(q)
@@ -496,6 +498,7 @@ def decode_case(name, batch, w, slots, model, bw, records, checks):
         except Exception as exc:  # noqa: BLE001
             log(key, "failed", repr(exc)[:200])
     policies = {"lpt": dict(cost=model), "lpt_default": {}, "lpt_spec": dict(chunk_overhead=0.0, chunk_limit=None)}
+    policies.update({k: dict(cost=m) for k, m in (more or {}).items()})
     for key, kw in policies.items():
         if left() < 20 or (key == "lpt" and model is None):
             continue
