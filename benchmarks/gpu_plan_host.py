@@ -13,7 +13,9 @@ against one batched call.
    the statements inside its ``with`` block each timed).
 3. The staging copies of a batch-64 plan alone, from the pinned image to the workspace:
    one ``cuMemcpyHtoDAsync`` per span (what ``plan()`` does) against one
-   ``cuMemcpyBatchAsync`` (CUDA 12.8+) for all of them, checked by reading the words back.
+   ``cuMemcpyBatchAsync`` (CUDA 12.8+) for all of them, checked by reading the words back,
+   both on a stream of their own (the batched call refuses the legacy default stream;
+   ``batched_error_on_current_stream`` records its answer there).
 
 Prints and writes one JSON object.  Runs only on a GPU.
 """
@@ -133,7 +135,11 @@ def batched_copies(rng) -> dict:
     host[:] = rng.integers(-2**31, 2**31 - 1, n_words, dtype=np.int64).astype(np.int32)
     dev = torch.zeros(n_words, dtype=torch.int32, device="cuda")
     hp, dp = host.ctypes.data, dev.data_ptr()
-    stream = stream_handle(dev)
+    # a stream of its own: the batched copy refuses the legacy default stream (torch's
+    # current stream unless the caller set another; CUDA_ERROR_INVALID_VALUE there at 5a4b675)
+    default_stream = stream_handle(dev)
+    side = torch.cuda.Stream()
+    stream = side.cuda_stream
     lib = ctypes.CDLL("libcuda.so.1")
     one = lib.cuMemcpyHtoDAsync_v2
     one.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
@@ -167,6 +173,11 @@ def batched_copies(rng) -> dict:
     sizes = (ctypes.c_size_t * k)(*[4 * (b - a) for a, b in spans])
     attrs = Attrs(1, Loc(0, 0), Loc(0, 0), 0)       # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
     idx = (ctypes.c_size_t * 1)(0)
+    dev.zero_()
+    torch.cuda.synchronize()
+    out["batched_error_on_current_stream"] = int(batch(dsts, srcs, sizes, k, ctypes.byref(attrs), idx, 1,
+                                                       default_stream))
+    torch.cuda.synchronize()
     dev.zero_()
     torch.cuda.synchronize()
     err = batch(dsts, srcs, sizes, k, ctypes.byref(attrs), idx, 1, stream)
