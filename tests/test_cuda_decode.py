@@ -482,6 +482,24 @@ def test_decode_path_is_chosen_by_the_tuning_not_the_environment(monkeypatch):
         np.testing.assert_allclose(o, golden(b), atol=TOL["f32"], rtol=TOL["f32"])
 
 
+def test_warp_min_blocks_sets_the_warp_paths_launch_bound():
+    """``DecodeTuning.warp_min_blocks`` (0: the rule by heads a CTA) is the warp build's
+    CTAs-an-SM bound; the other paths ignore it; a negative count is refused by name."""
+    from nbattn.variants import Variant
+    for heads, rule in ((4, 4), (8, 3)):      # (heads a CTA at group 8, the rule's bound)
+        warp = DECODE.replace(path="warp", warp_max_heads=heads)
+        args = ("f16", 128, 8, "NHD", Variant(pos_encoding_mode="ROPE_LLAMA"), True)
+        assert DEC.make_config(*args, tuning=warp).min_blocks == rule
+        for mb in (1, 2, 3, 5):
+            cfg = DEC.make_config(*args, tuning=warp.replace(warp_min_blocks=mb))
+            assert (cfg.path, cfg.heads_per_cta, cfg.min_blocks) == ("warp", heads, mb)
+    smem = DEC.make_config("f32", 32, 2, "NHD", Variant(), True, tuning=DECODE.replace(path="smem",
+                                                                                       warp_min_blocks=2))
+    assert smem.path == "smem"
+    with pytest.raises(ValueError, match="warp_min_blocks"):
+        DECODE.replace(warp_min_blocks=-1)
+
+
 @pytest.mark.parametrize("bad", ["warp", {"path": "warp"}, object()])
 def test_tuning_of_another_type_raises_before_launch(monkeypatch, bad):
     from nbattn.cuda import single_decode

@@ -97,6 +97,9 @@ class DecodeTuning(_Tuning):
     #: Tokens per row per step on the warp path (0: chosen by heads per CTA).
     #: benchmarks/results/experiments/decode_h200_2026-11-29.json, field "unroll".
     warp_unroll: int = 0
+    #: CTAs an SM the warp path's launch bounds ask for, which caps its registers a
+    #: thread (0: 3 for CTAs of more than 4 heads, else 4; 4 caps at 128 registers).
+    warp_min_blocks: int = 0
     #: Smallest GQA group that takes the tensor-core path on a GPU (0: never unless
     #: ``path="tc"``). benchmarks/results/decode.json, batch 64 x 4k-32k: group 8 on "tc"
     #: at 0.79-0.85 of copy bandwidth against 0.29-0.30 on "warp"; group 4 0.95-0.98
@@ -138,8 +141,8 @@ class DecodeTuning(_Tuning):
     def __post_init__(self):
         if self.path not in DECODE_PATHS:
             raise ValueError(f"DecodeTuning.path must be one of {DECODE_PATHS}, got {self.path!r}")
-        self._nonneg("smem_budget", "warp_max_heads", "warp_warps", "warp_unroll", "tc_min_group",
-                     "prefetch_steps", "prefetch_max_heads", "fp8_warp_max_heads")
+        self._nonneg("smem_budget", "warp_max_heads", "warp_warps", "warp_unroll", "warp_min_blocks",
+                     "tc_min_group", "prefetch_steps", "prefetch_max_heads", "fp8_warp_max_heads")
         if self.warp_warps < 1 or self.warp_max_heads < 1 or self.fp8_warp_max_heads < 1:
             raise ValueError("DecodeTuning.warp_warps, warp_max_heads and fp8_warp_max_heads must be >= 1")
         for name in ("tc_split_shape", "tc_shape", "tc_shape_wide"):

@@ -195,7 +195,7 @@ def _make_config(code: str, head_dim: int, group: int, kv_layout: str, variant: 
         # tokens in flight per row: as many as the register cap holds without spills
         # (ptxas, sm_90, 128 registers: HG = 4 fits 3, fewer heads fit 4; HG = 8 needs
         # 168 registers, i.e. 3 CTAs per SM, and fits 2)
-        min_blocks = 3 if hg > 4 else 4
+        min_blocks = tuning.warp_min_blocks or (3 if hg > 4 else 4)
         # fp8: a lane holds 16 dims (VEC = 16), so q and acc take twice the registers of
         # fp16 per head; 2 heads and 2 tokens in flight fit 128 registers (an estimate)
         auto = (2 if hg >= 2 else 4) if kv_code else (2 if hg > 4 else 3 if hg >= 3 else 4)
