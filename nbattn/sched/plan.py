@@ -370,7 +370,10 @@ def _plan_core(qo_lens, kv_lens, group, tile_q, num_ctas, alpha, beta, overhead,
         total_cost += cost[j]
         max_cost = max(max_cost, cost[j])
     lower_bound = max(total_cost / num_ctas, max_cost)
-    return words, cta_cost, chunk_limit, n, M, P, lower_bound
+    makespan = 0.0
+    for c in range(num_ctas):
+        makespan = max(makespan, cta_cost[c])
+    return words, cta_cost, chunk_limit, n, M, P, lower_bound, makespan
 
 
 def _lengths(values, name: str) -> np.ndarray:
@@ -502,8 +505,8 @@ def plan_lengths(
             limit, mode, predicted = choose_plan(t_rows, t_kv, num_ctas, alpha, beta, overhead, mc, mr, ml, mt,
                                                  launch, solo, spec, two)
             limit = int(limit)
-    words, cta_cost, chunk_limit, n, M, P, lower_bound = _plan_core(qo, kv, group, tile_q, num_ctas, alpha, beta,
-                                                                    overhead, bool(causal), limit, mode)
+    words, cta_cost, chunk_limit, n, M, P, lower_bound, makespan = _plan_core(
+        qo, kv, group, tile_q, num_ctas, alpha, beta, overhead, bool(causal), limit, mode)
     if cost is not None and not np.isfinite(predicted):
         predicted = float(plan_span(t_rows, t_kv, int(chunk_limit), mode, num_ctas, alpha, beta, overhead,
                                     mc, mr, ml, mt, launch, solo, two))
@@ -532,7 +535,7 @@ def plan_lengths(
         merge_request=merge_request, merge_qo_tile=merge_qo_tile, merge_slots=merge_slots,
         num_partials=int(P),
         cta_cost=cta_cost,
-        makespan=float(cta_cost.max()),
+        makespan=makespan,
         lower_bound=float(lower_bound),
         placement="lpt" if mode == LPT_ORDER else "request",
         cost_model=cost,
