@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# One GPU visit (two calls of under 10 minutes) for the changes parked in one commit until a GPU
-# has run them: the plain decode call's host trims (issue 16), the wrapper's programmatic
-# fixed-grid merge (issue 21) and the RoPE prefill tile's order of work (issue 19).
-#   git revert <the parking commit>           # this tree: the changes back
-#   mkdir -p _ab/B && git archive <parking commit> nbattn benchmarks tests pyproject.toml | tar -x -C _ab/B
+# One GPU visit (two calls of under 10 minutes) for the changes parked until a GPU has run
+# them: the plain decode call's host trims and the decode plan's two copies (the workspace
+# as rows, one cuMemcpy2DAsync; issue 16), the wrapper's programmatic fixed-grid merge
+# (issue 21) and the RoPE prefill tile's order of work (issue 19).
+#   git revert <each parking commit>          # this tree: the changes back
+#   mkdir -p _ab/B && git archive <the last parking commit> nbattn benchmarks tests pyproject.toml | tar -x -C _ab/B
 #   COMMIT=<sha> BASE=B STAGE=1 bash benchmarks/gpu_visit_parked.sh      # then STAGE=2
 # STAGE=1 (about 7 minutes):
 #   1. the GPU tests of the wrappers, the plain decode call, the scheduler's wrapper cost, the
-#      variants and the RoPE cascade, in this tree;
+#      driver and staging, the variants and the RoPE cascade, in this tree;
 #   2. benchmarks/gpu_eager.py --quick (decode and plan() only) of _ab/$BASE and of this tree in
 #      turn, twice: $OUT/eager_<tree><round>.json (the plain call's host time is what the
 #      trims change; each file has its same-run SDPA).
@@ -39,7 +40,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$OUT/visit.
 if [ "${STAGE:?pass STAGE=1 or 2}" = 1 ]; then
   export PYTHONPATH=$root
   KEEP=20 step tests ${TESTS_S:-300} python3 -m pytest -p no:cacheprovider -q -rfE -n 12 -m gpu \
-      tests/test_cuda_wrappers.py tests/test_decode_call.py tests/test_sched_wrapper_cost.py \
+      tests/test_cuda_wrappers.py tests/test_decode_call.py tests/test_sched_wrapper_cost.py tests/test_driver.py \
       tests/test_gpu_variants.py tests/test_cuda_sparse_cascade.py
   pkill -f "exec\(eval\(sys.stdin" ; sleep 1      # xdist workers a timeout left behind
   for r in 1 2; do
