@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU visit (two calls of under 10 minutes) for the changes parked until a GPU has run
-# them: the plain decode call's host trims and the decode plan's two copies (the workspace
-# as rows, one cuMemcpy2DAsync; issue 16), the wrapper's programmatic fixed-grid merge
-# (issue 21) and the RoPE prefill tile's order of work (issue 19).
+# them: the plain decode call's host trims, the decode plan's two copies (the workspace
+# as rows, one cuMemcpy2DAsync) and run() without an empty merge outside a graph capture
+# (issue 16), the wrapper's programmatic fixed-grid merge (issue 21) and the RoPE prefill
+# tile's order of work (issue 19).
 #   git revert <each parking commit>          # this tree: the changes back
 #   mkdir -p _ab/B && git archive <the last parking commit> nbattn benchmarks tests pyproject.toml | tar -x -C _ab/B
 #   COMMIT=<sha> BASE=B STAGE=1 bash benchmarks/gpu_visit_parked.sh      # then STAGE=2
