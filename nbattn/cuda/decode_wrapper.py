@@ -40,7 +40,7 @@ from .fp8 import plan_kv_code, run_scales
 from .blocks.variants import cached_variant, user_state
 from .host import arrays as A
 from .host import hostwork as HW
-from .host.driver import BoundLaunch, sm_count
+from .host.driver import BoundLaunch, sm_count, stream_capturing
 from .kernels.decode_common import WorkList, make_config
 from .merge import MergeMap, merge_partials_fixed_launch, merge_partials_launch
 from .plan_run import H_NUM_MERGES, PlanRunWrapper, data_code, plan_page_table
@@ -193,6 +193,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         self._flush(stream)
         self._slopes_for(hq, stream)
         self._plan, self._variant, self._code, self._cfg, self._mode = p, var, code, cfg, mode
+        self._merges = p.num_merges > 0
         self._user_state = user_state(var)
         self._kv_code, self._sm_scale = fp8, var.scale(D)
         self._num_qo_heads, self._num_kv_heads, self._group = hq, hk, group
@@ -272,7 +273,9 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
             dec.set_scalar(ix["sm_scale"], self._sm_scale * ks)       # k_scale joins the score scale
             dec.set_scalar(ix["v_scale"], vs)
         dec(stream)
-        if merge is not None:
+        # a plan with nothing to merge skips the merge, except into a CUDA graph, whose
+        # replays may follow plans that have some
+        if merge is not None and (self._merges or stream_capturing(stream)):
             merge.set(ix["merge_out"], out_dev)
             merge.set(ix["merge_lse"], lse_dev)
             merge(stream)

@@ -46,7 +46,7 @@ from ..blocks.primitives import SIMULATOR
 log = logging.getLogger("nbattn")
 
 __all__ = ["jit_kernel", "stable_key", "sm_count", "compute_capability", "BoundLaunch", "launch", "launch_programmatic",
-           "data_ptr", "stream_handle", "torch_stream", "handle_of", "libcuda"]
+           "data_ptr", "stream_handle", "torch_stream", "stream_capturing", "handle_of", "libcuda"]
 
 
 class _Unstable(Exception):
@@ -223,6 +223,17 @@ def torch_stream(index: int) -> int:
 _RAW_STREAM: list = []
 
 
+def stream_capturing(stream: int) -> bool:
+    """Whether work on driver stream ``stream`` is being captured into a CUDA graph
+    (``cuStreamIsCapturing``; an error answers yes, the safe side).  False in the
+    simulator."""
+    if SIMULATOR:
+        return False
+    status = ctypes.c_int(0)
+    err = libcuda().stream_is_capturing(stream, ctypes.byref(status))
+    return bool(err or status.value)
+
+
 class _Libcuda:
     """``cuLaunchKernelEx`` (and the copies and events the staging uses) of the driver
     library through ctypes: a launch is one foreign call with a prebuilt config and
@@ -248,6 +259,9 @@ class _Libcuda:
         self.memcpy_htod_async = lib.cuMemcpyHtoDAsync_v2
         self.memcpy_htod_async.argtypes = [ctypes.c_uint64, vp, ctypes.c_size_t, vp]
         self.memcpy_htod_async.restype = ctypes.c_int
+        self.stream_is_capturing = lib.cuStreamIsCapturing
+        self.stream_is_capturing.argtypes = [vp, vp]
+        self.stream_is_capturing.restype = ctypes.c_int
         self.event_create = lib.cuEventCreate
         self.event_create.argtypes = [vp, u]
         self.event_record = lib.cuEventRecord
