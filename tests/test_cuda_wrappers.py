@@ -253,6 +253,41 @@ def test_gpu_graph_captured_without_merges_replays_a_plan_with_merges():
     torch.cuda.synchronize()
     ref = R.batch_decode_paged(q.cpu().numpy(), cache.cpu().numpy(), indptr2, indices2, last2)
     np.testing.assert_allclose(out.float().cpu().numpy(), ref, rtol=4e-3, atol=4e-3)
+@pytest.mark.parametrize("ws, items", [(WS, None), (1 << 16, 8)])
+def test_decode_plan_is_one_row_copy_and_the_page_ids(monkeypatch, ws, items):
+    """A decode plan reaches the workspace as one 2-D copy of the rows (each
+    per-request or per-item array a row; the small arrays row 0 where they fit in
+    one, else a copy before) and one copy of the page ids; every array's front on the
+    device is then the plan's, and run() agrees with the golden model."""
+    from nbattn.cuda.host.staging import HostToDevice
+    rng = np.random.default_rng(41)
+    calls = []
+    for name in ("copy", "copy_rows"):
+        real = getattr(HostToDevice, name)
+        monkeypatch.setattr(HostToDevice, name, lambda self, *a, _n=name, _f=real, **k:
+                            calls.append((_n, a[1:5] if _n == "copy_rows" else a[1:3])) or _f(self, *a, **k))
+    w = BatchDecodeWithPagedKVCacheWrapper(workspace(ws), num_ctas=C, max_work_items=items)
+    lay = w.layout
+    assert lay.rows >= 6 and lay.pitch * 4 >= max(cap * 4 for off, cap in lay.arrays.values()
+                                                  if off >= lay.row0 * 4 and off < (lay.row0 + lay.rows * lay.pitch) * 4)
+    assert (lay.row0 == 0) == (ws == WS)             # the small arrays share row 0 only where they fit one
+    for lens in ([37, 3, 0, 22, 9], [2, 41]):
+        b = decode_batch(rng, lens)
+        calls.clear()
+        w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, chunk_overhead=0.0, chunk_limit=None)
+        p = w.last_plan
+        rows = [c for c in calls if c[0] == "copy_rows"]
+        assert len(rows) == 1 and len(calls) == (2 if lay.row0 == 0 else 3), calls
+        (first, pitch, width, height), = [c[1] for c in rows]
+        assert (first, pitch, height) == (lay.row0, lay.pitch, lay.rows)
+        row0_end = lay.arrays["merge_slots"][0] // 4 + p.merge_slots.size      # the last array of row 0
+        assert width == max(len(b["indptr"]), p.num_items, *((row0_end,) if lay.row0 == 0 else ()))
+        want = {"kv_indptr": b["indptr"], "kv_last": b["last"], "kv_indices": b["indices"], "request": p.request,
+                "kv_start": p.kv_start, "kv_end": p.kv_end, "out_slot": p.out_slot, "cta_indptr": p.cta_indptr,
+                "merge_indptr": p.merge_indptr, "merge_slots": p.merge_slots}
+        for name, arr in want.items():
+            np.testing.assert_array_equal(w._view(name).copy_to_host()[:len(arr)], arr, err_msg=name)
+        close(w.run(b["q"], b["cache"], return_lse=True), ref_decode(b))
 
 
 def test_workspace_too_small_names_the_rule_before_any_launch():

@@ -248,6 +248,15 @@ class _Libcuda:
                     ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
                     ("attrs", ctypes.c_void_p), ("numAttrs", ctypes.c_uint)]
 
+    class Copy2D(ctypes.Structure):            # CUDA_MEMCPY2D (v2): source, destination, extent
+        _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int),
+                    ("srcHost", ctypes.c_void_p), ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
+                    ("srcPitch", ctypes.c_size_t),
+                    ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t), ("dstMemoryType", ctypes.c_int),
+                    ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
+                    ("dstPitch", ctypes.c_size_t), ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t)]
+
+    MEMORYTYPE_HOST, MEMORYTYPE_DEVICE = 1, 2  # CUmemorytype
     PROGRAMMATIC_STREAM_SERIALIZATION = 6      # CUlaunchAttributeID
 
     def __init__(self):
@@ -262,6 +271,9 @@ class _Libcuda:
         self.stream_is_capturing = lib.cuStreamIsCapturing
         self.stream_is_capturing.argtypes = [vp, vp]
         self.stream_is_capturing.restype = ctypes.c_int
+        self.memcpy_2d_async = lib.cuMemcpy2DAsync_v2
+        self.memcpy_2d_async.argtypes = [vp, vp]
+        self.memcpy_2d_async.restype = ctypes.c_int
         self.event_create = lib.cuEventCreate
         self.event_create.argtypes = [vp, u]
         self.event_record = lib.cuEventRecord
