@@ -7,7 +7,8 @@ its queue ``cta_indptr[c]:cta_indptr[c+1]``
 (:func:`nbattn.cuda.decode.run_decode_work`), reading the queue bounds from the
 workspace; the merge is the split-KV contraction on a fixed grid of G CTAs
 (:func:`nbattn.cuda.merge.merge_partials_fixed_launch`, an LPT plan: the merge
-count is read on the device) or :func:`nbattn.cuda.merge.merge_partials_launch` sized
+count is read on the device, and on a GPU the launch is programmatic, so it
+becomes resident while the decode finishes) or :func:`nbattn.cuda.merge.merge_partials_launch` sized
 to the plan (a ``"split"`` plan; the one-round form where it fits).  For an
 LPT plan G is the configuration's planner CTAs (:func:`decode_plan_ctas`, or the
 plan's ``num_ctas`` where that is larger), so every plan of one configuration
@@ -328,7 +329,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
             k, g, t, a = merge_partials_fixed_launch(
                 self._view("header")[H_NUM_MERGES:H_NUM_MERGES + 1], po.reshape(2 * self.num_ctas, hq, D),
                 pl.reshape(2 * self.num_ctas, hq), mmap, A.flat(out0), A.flat(lse0), code=code,
-                num_ctas=grid_ctas, use_sigmoid=var.use_sigmoid)
+                num_ctas=grid_ctas, use_sigmoid=var.use_sigmoid, programmatic=cfg.tuning.programmatic)
             ix = dict(ix, merge_out=6, merge_lse=7)
         if split and not self._plan.num_partials:
             merge = None
