@@ -127,7 +127,7 @@ def test_the_prefill_tiles_word_turn_rounds_like_rotating_first():
     def pack2(lo, hi):
         return uint32(f32_to_f16_bits(lo)) | (uint32(f32_to_f16_bits(hi)) << 16)
 
-    turn_words, _ = word_rotation(D, f16x2_to_f32, pack2)
+    turn_words = word_rotation(D, f16x2_to_f32, pack2)
 
     @cuda.jit
     def kern(words, pos, turns):

@@ -197,99 +197,6 @@ def test_decode_bitwise_repeatable_and_out_in_place():
     assert o1.tobytes() == out.tobytes() and l1.tobytes() == lse.tobytes()
 
 
-def test_decode_run_skips_an_empty_merge_except_into_a_graph(monkeypatch):
-    """An LPT plan that splits nothing runs the decode launch alone; one that splits runs
-    the merge after it; while the stream is being captured (faked here; the ``gpu`` test
-    below captures for real) the merge is launched even with nothing to merge, since a
-    replay may follow a plan that splits."""
-    import nbattn.cuda.decode_wrapper as DW
-    from nbattn.cuda.host.driver import BoundLaunch
-    launched = []
-    real = BoundLaunch.__call__
-    monkeypatch.setattr(BoundLaunch, "__call__", lambda self, *a, **k: launched.append(self) or real(self, *a, **k))
-    capturing = [False]
-    monkeypatch.setattr(DW, "stream_capturing", lambda stream: capturing[0])
-    rng = np.random.default_rng(42)
-    b = decode_batch(rng, [8, 8, 8, 8])
-    w = BatchDecodeWithPagedKVCacheWrapper(workspace(WS), num_ctas=C)
-    for lens, merges in (([8, 8, 8, 8], 0), ([41, 2, 3, 5], 1), ([8, 8, 8, 8], 0)):
-        b = decode_batch(rng, lens)
-        w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, schedule="lpt", chunk_overhead=0.0,
-               chunk_limit=None if merges else 64)
-        assert (w.last_plan.num_merges > 0) == bool(merges)
-        for capturing[0] in (False, True):
-            launched.clear()
-            close(w.run(b["q"], b["cache"], return_lse=True), ref_decode(b))
-            assert len(launched) == (2 if merges or capturing[0] else 1)
-
-
-@gpu
-def test_gpu_graph_captured_without_merges_replays_a_plan_with_merges():
-    import torch
-    hq, hk, d, page = 32, 8, 128, 16
-    b1, q, cache = _torch_decode([2048, 2048, 2048, 2048], 23)
-    rng = np.random.default_rng(24)
-    pool = int(cache.shape[0])
-    ws = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
-    w = BatchDecodeWithPagedKVCacheWrapper(ws, num_ctas=16)
-    w.plan(b1["indptr"], b1["indices"], b1["last"], hq, hk, d, page, schedule="lpt", chunk_limit=4096)
-    assert w.last_plan.num_merges == 0
-    out = torch.empty_like(q)
-    w.run(q, cache, out=out)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        w.run(q, cache, out=out)
-    lens2 = [20, 6000, 100, 33]
-    n2 = [-(-n // page) for n in lens2]
-    indices2 = rng.permutation(pool)[:sum(n2)].astype(np.int32)
-    indptr2 = np.concatenate([[0], np.cumsum(n2)]).astype(np.int32)
-    last2 = np.array([n - (k - 1) * page for n, k in zip(lens2, n2)], np.int32)
-    w.plan(indptr2, indices2, last2, hq, hk, d, page, schedule="lpt")
-    assert w.last_plan.num_merges >= 1
-    q.copy_(torch.randn_like(q))
-    out.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
-    ref = R.batch_decode_paged(q.cpu().numpy(), cache.cpu().numpy(), indptr2, indices2, last2)
-    np.testing.assert_allclose(out.float().cpu().numpy(), ref, rtol=4e-3, atol=4e-3)
-@pytest.mark.parametrize("ws, items", [(WS, None), (1 << 16, 8)])
-def test_decode_plan_is_one_row_copy_and_the_page_ids(monkeypatch, ws, items):
-    """A decode plan reaches the workspace as one 2-D copy of the rows (each
-    per-request or per-item array a row; the small arrays row 0 where they fit in
-    one, else a copy before) and one copy of the page ids; every array's front on the
-    device is then the plan's, and run() agrees with the golden model."""
-    from nbattn.cuda.host.staging import HostToDevice
-    rng = np.random.default_rng(41)
-    calls = []
-    for name in ("copy", "copy_rows"):
-        real = getattr(HostToDevice, name)
-        monkeypatch.setattr(HostToDevice, name, lambda self, *a, _n=name, _f=real, **k:
-                            calls.append((_n, a[1:5] if _n == "copy_rows" else a[1:3])) or _f(self, *a, **k))
-    w = BatchDecodeWithPagedKVCacheWrapper(workspace(ws), num_ctas=C, max_work_items=items)
-    lay = w.layout
-    assert lay.rows >= 6 and lay.pitch * 4 >= max(cap * 4 for off, cap in lay.arrays.values()
-                                                  if off >= lay.row0 * 4 and off < (lay.row0 + lay.rows * lay.pitch) * 4)
-    assert (lay.row0 == 0) == (ws == WS)             # the small arrays share row 0 only where they fit one
-    for lens in ([37, 3, 0, 22, 9], [2, 41]):
-        b = decode_batch(rng, lens)
-        calls.clear()
-        w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, chunk_overhead=0.0, chunk_limit=None)
-        p = w.last_plan
-        rows = [c for c in calls if c[0] == "copy_rows"]
-        assert len(rows) == 1 and len(calls) == (2 if lay.row0 == 0 else 3), calls
-        (first, pitch, width, height), = [c[1] for c in rows]
-        assert (first, pitch, height) == (lay.row0, lay.pitch, lay.rows)
-        row0_end = lay.arrays["merge_slots"][0] // 4 + p.merge_slots.size      # the last array of row 0
-        assert width == max(len(b["indptr"]), p.num_items, *((row0_end,) if lay.row0 == 0 else ()))
-        want = {"kv_indptr": b["indptr"], "kv_last": b["last"], "kv_indices": b["indices"], "request": p.request,
-                "kv_start": p.kv_start, "kv_end": p.kv_end, "out_slot": p.out_slot, "cta_indptr": p.cta_indptr,
-                "merge_indptr": p.merge_indptr, "merge_slots": p.merge_slots}
-        for name, arr in want.items():
-            np.testing.assert_array_equal(w._view(name).copy_to_host()[:len(arr)], arr, err_msg=name)
-        close(w.run(b["q"], b["cache"], return_lse=True), ref_decode(b))
-
-
 def test_workspace_too_small_names_the_rule_before_any_launch():
     rng = np.random.default_rng(4)
     b = decode_batch(rng, [20, 3])
@@ -725,9 +632,7 @@ def test_decode_run_python_work_is_constant(monkeypatch):
     for lens in ([5, 9], list(rng.integers(1, 30, size=40))):
         b = decode_batch(rng, lens)
         w = BatchDecodeWithPagedKVCacheWrapper(workspace(WS), "NHD", num_ctas=C)
-        # neither plan splits (a plan with merges launches one kernel more)
-        w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, schedule="lpt", chunk_limit=1 << 20)
-        assert w.last_plan.num_merges == 0
+        w.plan(b["indptr"], b["indices"], b["last"], HQ, HK, D, PAGE, schedule="lpt")
         names = _count_run_calls(w, b, monkeypatch)
         metadata_work = {"validate", "as_int32", "from_cache", "plan", "host_meta", "split_work", "build_work",
                          "check_causal_lengths", "kv_lens", "_page_table"}

@@ -173,29 +173,6 @@ def test_staging_ring_stage_packs_each_array_where_its_span_says():
             assert got.dtype == (np.float32 if a.dtype == np.float32 else np.int32)
 
 
-@pytest.mark.parametrize("first", [0, 37, pytest.param(37, marks=pytest.mark.gpu, id="gpu")])
-def test_copy_rows_sends_each_rows_front_and_nothing_else(first):
-    """HostToDevice.copy_rows: words ``[first + r*pitch, + width)`` of every row
-    ``r < height`` reach the device array, every other word keeps what it held (on a
-    GPU one cuMemcpy2DAsync, so the ``gpu`` case checks the driver's struct too)."""
-    from numba import cuda
-    rng = np.random.default_rng()
-    pitch, width, height = 64, 23, 5
-    n = first + pitch * height + 11
-    h = S.HostToDevice(n)
-    h.host[:] = rng.integers(-2**31, 2**31, n, dtype=np.int64).astype(np.int32)
-    before = rng.integers(-2**31, 2**31, n, dtype=np.int64).astype(np.int32)
-    dev = cuda.to_device(before)
-    h.begin()
-    h.copy_rows(dev, first, pitch, width, height, 0)
-    h.end(0)
-    cuda.synchronize()
-    want = before.copy()
-    for s in range(first, first + height * pitch, pitch):
-        want[s:s + width] = h.host[s:s + width]
-    np.testing.assert_array_equal(dev.copy_to_host(), want)
-
-
 def test_cpu_helpers_cache_under_the_package_digest(tmp_path):
     """Every on-disk-cached CPU helper of the package goes through njit_cached, whose
     index key carries the package digest: a callee edited in another module

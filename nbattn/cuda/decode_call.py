@@ -52,14 +52,6 @@ def _alloc(like, kind: str, shape: tuple, code: str):
     return cuda.device_array(shape, A.RAW[code])
 
 
-def _alloc_out(q, kind: str, shape: tuple, code: str):
-    """The output: q's shape and element type (q is contiguous, so ``empty_like`` is)."""
-    if kind == "torch":
-        import torch
-        return torch.empty_like(q)
-    return _alloc(q, kind, shape, code)
-
-
 class _Call:
     """What the checks of a plain call decided for one input signature (:func:`_signature`):
     everything but the page table, which is checked on every call."""
@@ -137,8 +129,6 @@ def _checked_call(q, cache, meta, kind, kv_layout, return_lse, out, lse, variant
     c.n_hb = hq // c.cfg.heads_per_cta
     c.kv_words = math.prod(cache.shape) // ELEM_WORDS[fp8 or code]
     c.slopes = _slopes(hq, var.has_alibi)
-    if not SIMULATOR:
-        c.slopes = data_ptr(c.slopes)           # a bound GPU launch takes the address (kept in _SLOPES)
     c.sm_scale = var.scale(D) * ks              # fp8: k_scale joins the score scale
     c.bound, c.merges = None, {}
     return c
@@ -193,11 +183,10 @@ def fast_decode(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, paged_kv_l
         offs, lens = info[6:17].tolist(), info[17:28].tolist()
         np.copyto(stage.host.host[offs[1]:offs[1] + lens[1]], tables[1])     # the page ids (a memcpy)
         stage.send(words, stream)
-        o_dev = out if out is not None else _alloc_out(q, kind, shape, code)
+        o_dev = out if out is not None else _alloc(q, kind, shape, code)
         l_dev = lse if lse is not None else (_alloc(q, kind, shape[:2], "f32") if return_lse
                                              else _scratch(q, kind, shape[:2]))
-        bound = call.bound is not None and (not n_slots or most in call.merges)
-        po, pl, _held = _partials(q, kind, n_slots, hq, D, bound)   # _held: their memory, to the end
+        po, pl = _partials(q, kind, n_slots, hq, D)
         if call.bound is None or SIMULATOR:
             parts = [Span(stage.dev, stage.dev_ptr, o, n) for o, n in zip(offs, lens)]
         else:                                         # a GPU launch bound before takes addresses
@@ -254,23 +243,17 @@ def _scratch(like, kind: str, shape: tuple):
     return hit
 
 
-def _partials(like, kind: str, n_slots: int, hq: int, D: int, addresses: bool = False):
-    """(partial_o, partial_lse, what holds their memory) of a split call.  With torch one
-    allocation holds both, and where the launches that read them are bound already
-    (``addresses``) they are its two device addresses, not views of it.  Nothing split:
-    a one-float array bound where no partial state is written."""
+def _partials(like, kind: str, n_slots: int, hq: int, D: int):
+    """(partial_o, partial_lse) of a split call; with torch one allocation holds both.
+    Nothing split: a one-float array bound where no partial state is written."""
     if not n_slots:
         po = _unused(like, kind)
-        return po, po, None
+        return po, po
     if kind == "torch" and not SIMULATOR:
         import torch
-        n = n_slots * hq * D
-        buf = torch.empty(n + n_slots * hq, dtype=torch.float32, device=like.device)
-        if addresses:
-            at = buf.data_ptr()
-            return at, at + 4 * n, buf
-        return buf[:n].view(n_slots, hq, D), buf[n:].view(n_slots, hq), buf
-    return _alloc(like, kind, (n_slots, hq, D), "f32"), _alloc(like, kind, (n_slots, hq), "f32"), None
+        buf = torch.empty(n_slots * hq * (D + 1), dtype=torch.float32, device=like.device)
+        return buf[:n_slots * hq * D].view(n_slots, hq, D), buf[n_slots * hq * D:].view(n_slots, hq)
+    return _alloc(like, kind, (n_slots, hq, D), "f32"), _alloc(like, kind, (n_slots, hq), "f32")
 
 
 ELEM_WORDS = {"f16": 2, "bf16": 2, "f32": 1, "e4m3": 4, "e5m2": 4}     # elements a 32-bit word

@@ -7,8 +7,7 @@ its queue ``cta_indptr[c]:cta_indptr[c+1]``
 (:func:`nbattn.cuda.decode.run_decode_work`), reading the queue bounds from the
 workspace; the merge is the split-KV contraction on a fixed grid of G CTAs
 (:func:`nbattn.cuda.merge.merge_partials_fixed_launch`, an LPT plan: the merge
-count is read on the device, and on a GPU the launch is programmatic, so it
-becomes resident while the decode finishes) or :func:`nbattn.cuda.merge.merge_partials_launch` sized
+count is read on the device) or :func:`nbattn.cuda.merge.merge_partials_launch` sized
 to the plan (a ``"split"`` plan; the one-round form where it fits).  For an
 LPT plan G is the configuration's planner CTAs (:func:`decode_plan_ctas`, or the
 plan's ``num_ctas`` where that is larger), so every plan of one configuration
@@ -41,7 +40,7 @@ from .fp8 import plan_kv_code, run_scales
 from .blocks.variants import cached_variant, user_state
 from .host import arrays as A
 from .host import hostwork as HW
-from .host.driver import BoundLaunch, sm_count, stream_capturing
+from .host.driver import BoundLaunch, sm_count
 from .kernels.decode_common import WorkList, make_config
 from .merge import MergeMap, merge_partials_fixed_launch, merge_partials_launch
 from .plan_run import H_NUM_MERGES, PlanRunWrapper, data_code, plan_page_table
@@ -194,7 +193,6 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
         self._flush(stream)
         self._slopes_for(hq, stream)
         self._plan, self._variant, self._code, self._cfg, self._mode = p, var, code, cfg, mode
-        self._merges = p.num_merges > 0
         self._user_state = user_state(var)
         self._kv_code, self._sm_scale = fp8, var.scale(D)
         self._num_qo_heads, self._num_kv_heads, self._group = hq, hk, group
@@ -274,9 +272,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
             dec.set_scalar(ix["sm_scale"], self._sm_scale * ks)       # k_scale joins the score scale
             dec.set_scalar(ix["v_scale"], vs)
         dec(stream)
-        # a plan with nothing to merge skips the merge, except into a CUDA graph, whose
-        # replays may follow plans that have some
-        if merge is not None and (self._merges or stream_capturing(stream)):
+        if merge is not None:
             merge.set(ix["merge_out"], out_dev)
             merge.set(ix["merge_lse"], lse_dev)
             merge(stream)
@@ -329,7 +325,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PlanRunWrapper):
             k, g, t, a = merge_partials_fixed_launch(
                 self._view("header")[H_NUM_MERGES:H_NUM_MERGES + 1], po.reshape(2 * self.num_ctas, hq, D),
                 pl.reshape(2 * self.num_ctas, hq), mmap, A.flat(out0), A.flat(lse0), code=code,
-                num_ctas=grid_ctas, use_sigmoid=var.use_sigmoid, programmatic=cfg.tuning.programmatic)
+                num_ctas=grid_ctas, use_sigmoid=var.use_sigmoid)
             ix = dict(ix, merge_out=6, merge_lse=7)
         if split and not self._plan.num_partials:
             merge = None

@@ -117,20 +117,17 @@ def merge_partials_launch(partial_o, partial_lse, merge_map: MergeMap, out, lse,
 
 
 def merge_partials_fixed_launch(num_merges, partial_o, partial_lse, merge_map: MergeMap, out, lse, *,
-                                code: str, num_ctas: int, use_sigmoid: bool = False,
-                                programmatic: bool = False):
+                                code: str, num_ctas: int, use_sigmoid: bool = False):
     """``(kernel, grid, threads, args)`` of the split-KV contraction on a fixed grid of
     ``num_ctas`` CTAs per head (:func:`~nbattn.cuda.kernels.merge_split.partials_kernel`
     with ``fixed_grid``): the merge count ``num_merges[0]`` is read on the device, so
     one bound launch serves every plan.  One warp a CTA; ``out`` at ``args[6]``,
-    ``lse`` at ``args[7]``.  ``programmatic``: the kernel to launch programmatically
-    behind the decode (it waits for the decode in every CTA)."""
+    ``lse`` at ``args[7]``."""
     num_heads, head_dim = int(partial_o.shape[1]), int(partial_o.shape[2])
     po = A.flat(partial_o)
     vec = _partial_vec(po, head_dim)
     nb = partials_threads(1.0)
-    k = partials_kernel(code, head_dim, bool(use_sigmoid), vec, nb, fixed_grid=True,
-                        programmatic=bool(programmatic))
+    k = partials_kernel(code, head_dim, bool(use_sigmoid), vec, nb, fixed_grid=True)
     return k, (int(num_ctas), num_heads), nb, (
         num_merges, po, A.flat(partial_lse), merge_map.merge_indptr, merge_map.merge_row,
         merge_map.merge_slots, A.flat(out), A.flat(lse), num_heads)

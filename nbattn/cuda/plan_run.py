@@ -148,46 +148,23 @@ class WorkspaceLayout:
     """Byte offsets of the plan arrays (int32) and the start of the partial region.
 
     ``arrays[name] = (byte_offset, capacity_in_elements)``.  Computed once per
-    wrapper from its capacities; nothing here depends on a plan.  With rows
-    (``rows`` of ``pitch`` words from word ``row0``), each row array starts a row of
-    its own, so the fronts of all of them go to the device in one 2-D copy
-    (``PlanRunWrapper._flush``); the arrays before them share the first row where
-    they fit in one.
+    wrapper from its capacities; nothing here depends on a plan.
     """
     arrays: dict
     plan_bytes: int
     total_bytes: int
-    pitch: int = 0
-    rows: int = 0
-    row0: int = 0
 
     @property
     def partial_bytes(self) -> int:
         return self.total_bytes - self.plan_bytes
 
     @classmethod
-    def build(cls, total_bytes: int, sizes: dict, rows: tuple = ()) -> "WorkspaceLayout":
-        """``sizes``: capacity (int32 elements) of each array, in workspace order;
-        ``rows``: consecutive names of ``sizes`` laid out as rows (see the class doc)."""
-        names = list(sizes)
-        first = names.index(rows[0]) if rows else len(names)
-        assert names[first:first + len(rows)] == list(rows), "rows must be consecutive names of sizes"
+    def build(cls, total_bytes: int, sizes: dict) -> "WorkspaceLayout":
         arrays, off = {}, 0
-        for name in names[:first]:
-            arrays[name] = (off, int(sizes[name]))
-            off = _round_up(off + 4 * max(int(sizes[name]), 1))
-        pitch = row0 = n_rows = 0
-        if rows:
-            pitch = _round_up(max(4 * max(int(sizes[n]), 1) for n in rows))
-            row0, skip = (0, 1) if off <= pitch else (off, 0)     # the arrays before: a row of their own?
-            for k, name in enumerate(rows):
-                arrays[name] = (row0 + (k + skip) * pitch, int(sizes[name]))
-            n_rows = len(rows) + skip
-            off = row0 + n_rows * pitch
-        for name in names[first + len(rows):]:
-            arrays[name] = (off, int(sizes[name]))
-            off = _round_up(off + 4 * max(int(sizes[name]), 1))
-        return cls(arrays, off, int(total_bytes), pitch // 4, n_rows, row0 // 4)
+        for name, count in sizes.items():
+            arrays[name] = (off, int(count))
+            off = _round_up(off + 4 * max(int(count), 1))
+        return cls(arrays, off, int(total_bytes))
 
 
 def _workspace_bytes(buf: Any):
@@ -258,9 +235,7 @@ class PlanRunWrapper:
                          part_rows=8 * 2 * C, final_rows=8 * I, row_pos=self.max_qo_rows,
                          row_kvoff=self.max_qo_rows, row_req=self.max_qo_rows)
         sizes.update(kv_indices=self.max_num_pages)
-        # decode: the per-request and per-item arrays one row each, the small ones row 0
-        rows = ("kv_indptr", "kv_last", "request", "kv_start", "kv_end", "out_slot") if self._decode else ()
-        self.layout = WorkspaceLayout.build(nbytes, sizes, rows)
+        self.layout = WorkspaceLayout.build(nbytes, sizes)
         if self.layout.plan_bytes >= nbytes:
             raise ValueError(
                 f"float_workspace_buffer: {nbytes} bytes cannot hold the plan region of "
@@ -353,23 +328,12 @@ class PlanRunWrapper:
     def _flush(self, stream) -> None:
         """Write the staged arrays into the pinned image and copy them to the workspace
         (:func:`nbattn.cuda.host.hostwork.stage_arrays`): arrays
-        closer than 4096 words go in one copy, and the small ones sit together.  A
-        layout with rows sends the fronts of its rows in one 2-D copy, as wide as the
-        longest front (what it sends past a shorter front is never read)."""
+        closer than 4096 words go in one copy, and the small ones sit together."""
         staged, self._dirty = self._dirty, []
         staged.sort(key=_FIRST)
         spans = HW.stage_arrays(self._host, [o for o, _ in staged], [a for _, a in staged], 4096)
         if self._ints_ptr is None and not SIMULATOR:
             self._ints_ptr = data_ptr(self._ints)
-        pitch, row0 = self.layout.pitch, self.layout.row0
-        if pitch:
-            end = row0 + self.layout.rows * pitch
-            width = max(((o - row0) % pitch + a.shape[0] for o, a in staged if row0 <= o < end), default=0)
-            if width:
-                self._h2d.copy_rows(self._ints, row0, pitch, width, self.layout.rows, stream, self._ints_ptr)
-            # what lies outside the rows: spans cut at their edges
-            spans = [(a, min(b, row0)) for a, b in spans if a < row0] + [(max(a, end), b) for a, b in spans
-                                                                            if b > end]
         for a, b in spans:
             self._h2d.copy(self._ints, a, b, stream, self._ints_ptr)
         self._h2d.end(stream)

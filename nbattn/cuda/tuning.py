@@ -116,9 +116,7 @@ class DecodeTuning(_Tuning):
     #: into one wave. benchmarks/results/decode_b1.json, fields "warps", "min_blocks".
     tc_split_shape: tuple = (8, 1)
     #: Whether the one-wave split shape launches programmatically (FlashInfer's
-    #: ``enable_pdl``), and the decode wrapper's fixed-grid merge behind an LPT plan's
-    #: decode. benchmarks/results/decode_b1.json, field "decode_programmatic";
-    #: benchmarks/results/experiments/pdl_merge_2026-12-07.
+    #: ``enable_pdl``). benchmarks/results/decode_b1.json, field "decode_programmatic".
     programmatic: bool = not SIMULATOR
     #: K/V steps of the first work item prefetched into L2 before the programmatic
     #: dependency wait, for CTAs of at most ``prefetch_max_heads`` heads.

@@ -204,31 +204,25 @@ def fast_rotation(head_dim: int, vec: int):
 
 
 def word_rotation(head_dim: int, unpack2, pack2):
-    """Device functions ``(turn_words, turn_words_by)`` for a row of 16-bit values held
-    as 32-bit words from ``words[o]`` (the tensor-core prefill tile's shared-memory
-    rows).  ``turn_words(words, o, m, pos, turns)``: word ``m < D/4`` (elements
-    ``2m``, ``2m + 1``) and its partner word ``m + D/4`` (elements ``2m + D/2``,
-    ``2m + 1 + D/2``) turned to ``pos`` in place, two pairs at once;
-    ``turn_words_by(words, o, m, c0, s0, c1, s1)`` the same turn by the given cosines
-    and sines of pairs ``2m`` and ``2m + 1``.  ``unpack2(w) -> (lo, hi)`` and
+    """Device function ``turn_words(words, o, m, pos, turns)`` for a row of 16-bit
+    values held as 32-bit words from ``words[o]`` (the tensor-core prefill tile's
+    shared-memory rows): word ``m < D/4`` (elements ``2m``, ``2m + 1``) and its
+    partner word ``m + D/4`` (elements ``2m + D/2``, ``2m + 1 + D/2``) turned to
+    ``pos`` in place, two pairs at once.  ``unpack2(w) -> (lo, hi)`` and
     ``pack2(lo, hi) -> w`` convert a word; the turned values are rounded back to
     the row's type."""
     quarter = head_dim // 4
     cos_sin = turn_angle(head_dim)
 
     @device_fn
-    def turn_words_by(words, o, m, c0, s0, c1, s1):
+    def turn_words(words, o, m, pos, turns):
+        p = uint32(max(pos, 0))
         a0, a1 = unpack2(words[o + m])
         b0, b1 = unpack2(words[o + m + quarter])
+        c0, s0 = cos_sin(p, 2 * m, turns)
+        c1, s1 = cos_sin(p, 2 * m + 1, turns)
         # x1' = x1 c - x2 s;  x2' = x2 c + x1 s
         words[o + m] = pack2(a0 * c0 - b0 * s0, a1 * c1 - b1 * s1)
         words[o + m + quarter] = pack2(b0 * c0 + a0 * s0, b1 * c1 + a1 * s1)
 
-    @device_fn
-    def turn_words(words, o, m, pos, turns):
-        p = uint32(max(pos, 0))
-        c0, s0 = cos_sin(p, 2 * m, turns)
-        c1, s1 = cos_sin(p, 2 * m + 1, turns)
-        turn_words_by(words, o, m, c0, s0, c1, s1)
-
-    return turn_words, turn_words_by
+    return turn_words

@@ -46,7 +46,7 @@ from ..blocks.primitives import SIMULATOR
 log = logging.getLogger("nbattn")
 
 __all__ = ["jit_kernel", "stable_key", "sm_count", "compute_capability", "BoundLaunch", "launch", "launch_programmatic",
-           "data_ptr", "stream_handle", "torch_stream", "stream_capturing", "handle_of", "libcuda"]
+           "data_ptr", "stream_handle", "torch_stream", "handle_of", "libcuda"]
 
 
 class _Unstable(Exception):
@@ -223,17 +223,6 @@ def torch_stream(index: int) -> int:
 _RAW_STREAM: list = []
 
 
-def stream_capturing(stream: int) -> bool:
-    """Whether work on driver stream ``stream`` is being captured into a CUDA graph
-    (``cuStreamIsCapturing``; an error answers yes, the safe side).  False in the
-    simulator."""
-    if SIMULATOR:
-        return False
-    status = ctypes.c_int(0)
-    err = libcuda().stream_is_capturing(stream, ctypes.byref(status))
-    return bool(err or status.value)
-
-
 class _Libcuda:
     """``cuLaunchKernelEx`` (and the copies and events the staging uses) of the driver
     library through ctypes: a launch is one foreign call with a prebuilt config and
@@ -248,15 +237,6 @@ class _Libcuda:
                     ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
                     ("attrs", ctypes.c_void_p), ("numAttrs", ctypes.c_uint)]
 
-    class Copy2D(ctypes.Structure):            # CUDA_MEMCPY2D (v2): source, destination, extent
-        _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int),
-                    ("srcHost", ctypes.c_void_p), ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
-                    ("srcPitch", ctypes.c_size_t),
-                    ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t), ("dstMemoryType", ctypes.c_int),
-                    ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
-                    ("dstPitch", ctypes.c_size_t), ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t)]
-
-    MEMORYTYPE_HOST, MEMORYTYPE_DEVICE = 1, 2  # CUmemorytype
     PROGRAMMATIC_STREAM_SERIALIZATION = 6      # CUlaunchAttributeID
 
     def __init__(self):
@@ -268,12 +248,6 @@ class _Libcuda:
         self.memcpy_htod_async = lib.cuMemcpyHtoDAsync_v2
         self.memcpy_htod_async.argtypes = [ctypes.c_uint64, vp, ctypes.c_size_t, vp]
         self.memcpy_htod_async.restype = ctypes.c_int
-        self.stream_is_capturing = lib.cuStreamIsCapturing
-        self.stream_is_capturing.argtypes = [vp, vp]
-        self.stream_is_capturing.restype = ctypes.c_int
-        self.memcpy_2d_async = lib.cuMemcpy2DAsync_v2
-        self.memcpy_2d_async.argtypes = [vp, vp]
-        self.memcpy_2d_async.restype = ctypes.c_int
         self.event_create = lib.cuEventCreate
         self.event_create.argtypes = [vp, u]
         self.event_record = lib.cuEventRecord

@@ -41,7 +41,6 @@ class HostToDevice:
         self._lib = libcuda()
         self._event = ctypes.c_void_p()
         self._pending = False
-        self._rows = None              # the 2-D copy's driver struct (copy_rows), made once
         err = self._lib.event_create(ctypes.byref(self._event), 2)     # CU_EVENT_DISABLE_TIMING
         if err:
             raise RuntimeError(f"nbattn: cuEventCreate failed with CUDA error {err}")
@@ -71,29 +70,6 @@ class HostToDevice:
                                           4 * (last - first), stream)
         if err:
             raise RuntimeError(f"nbattn: cuMemcpyHtoDAsync failed with CUDA error {err}")
-
-    def copy_rows(self, dst, first: int, pitch: int, width: int, height: int, stream: int = 0,
-                  dst_ptr: int | None = None) -> None:
-        """``host[s : s + width]`` into the same words of ``dst`` for every row start
-        ``s = first + r*pitch``, ``r < height``, in one driver call (a 2-D copy whose
-        rows are ``pitch`` words apart on both sides)."""
-        if SIMULATOR:
-            for s in range(first, first + height * pitch, pitch):
-                dst[s:s + width].copy_to_device(self.host[s:s + width])
-            return
-        if self._rows is None:
-            lib = self._lib
-            self._rows = c = lib.Copy2D()
-            c.srcMemoryType, c.dstMemoryType = lib.MEMORYTYPE_HOST, lib.MEMORYTYPE_DEVICE
-            self._rows_ref = ctypes.byref(c)
-        c = self._rows
-        c.srcHost = self._base + 4 * first
-        c.dstDevice = (data_ptr(dst) if dst_ptr is None else dst_ptr) + 4 * first
-        c.srcPitch = c.dstPitch = 4 * pitch
-        c.WidthInBytes, c.Height = 4 * width, height
-        err = self._lib.memcpy_2d_async(self._rows_ref, stream)
-        if err:
-            raise RuntimeError(f"nbattn: cuMemcpy2DAsync failed with CUDA error {err}")
 
     def end(self, stream: int = 0) -> None:
         if not SIMULATOR:

@@ -131,7 +131,7 @@ def vec_loader(vw: int):
 
 
 def partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, threads: int,
-                    fixed_grid: bool = False, programmatic: bool = False):
+                    fixed_grid: bool = False):
     """One CTA per (merge, head), in two passes so that no load waits on the
     previous partial.
 
@@ -148,18 +148,12 @@ def partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, threa
 
     ``fixed_grid``: the kernel takes the merge count ``num_merges[0]`` (read on
     the device) as its first argument and CTA x merges ``x, x + gridDim.x, ...``,
-    so one launch serves every plan (the plan/run wrappers' fixed grid).  With
-    ``programmatic`` (fixed grid only) it may be launched programmatically behind the
-    decode that writes the partials: its CTAs become resident and read the merge count
-    while the decode finishes, then every CTA waits for it (``griddepcontrol.wait``),
-    those without a merge too, so that the launch ends only after the decode has."""
-    assert fixed_grid or not programmatic
-    key = ("partials", code, head_dim, use_sigmoid, vec, threads, bool(fixed_grid), bool(programmatic))
+    so one launch serves every plan (the plan/run wrappers' fixed grid)."""
+    key = ("partials", code, head_dim, use_sigmoid, vec, threads, bool(fixed_grid))
     if key in KERNELS:
         return KERNELS[key]
     D, NB, SIGMOID, VW = head_dim, threads, use_sigmoid, vec
     DL = D // VW                 # vectors per row
-    PDL = programmatic
     DT = min(DL, NB)             # threads along the row
     KS = NB // DT                # partial streams
     RED = max(KS * D, 1)
@@ -232,12 +226,7 @@ def partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, threa
             sm_l = cuda.shared.array(NB, np.float32)
             acc = cuda.local.array(ACC, np.float32)
             ov = cuda.local.array(ACC, np.float32)
-            n = num_merges[0]               # the plan's, copied before the decode ran
-            if PDL:
-                # Every CTA waits, even one with no merge: the stream's next kernel waits only
-                # for this grid to end, so this grid must not end before the decode does.
-                grid_dependency_wait()
-            for m in range(cuda.blockIdx.x, n, cuda.gridDim.x):
+            for m in range(cuda.blockIdx.x, num_merges[0], cuda.gridDim.x):
                 merge_one(m, cuda.blockIdx.y, cuda.threadIdx.x, red, sm_m, sm_l, acc, ov, part_o, part_lse,
                           merge_indptr, merge_row, merge_slots, out, lse, num_heads)
                 cuda.syncthreads()      # the next merge reuses the shared arrays
@@ -252,7 +241,6 @@ def partials_kernel(code: str, head_dim: int, use_sigmoid: bool, vec: int, threa
                       part_lse, merge_indptr, merge_row, merge_slots, out, lse, num_heads)
 
     KERNELS[key] = jit_kernel(kernel)
-    KERNELS[key].programmatic = PDL       # only a kernel that waits may be launched so
     return KERNELS[key]
 
 

@@ -33,7 +33,7 @@ from numba import cuda, float32, int32, uint32, uint64
 from ..blocks import mma as _mma
 from ..blocks import nanrule as NR
 from ..blocks.primitives import bf16x2_to_f32, device_fn, f16x2_to_f32
-from ..blocks.rope import turn_angle, turns_table, word_rotation
+from ..blocks.rope import turns_table, word_rotation
 from ..blocks.variants import LOG2E, sigmoid_weight
 from ..host.prefill_launch import nan_row_at
 from .prefill_common import (NO_KEY, KernelSpec, compile_functions, kv_reader, pow2_shift, scale_only, tile_item,
@@ -281,10 +281,7 @@ def pipelined_tile(spec: KernelSpec):
     ROPE = var.has_rope                  # q rows and each K tile turned where they land
     TURNS = turns_table(var, D)
     TURNS_LEN, ROW_WORDS, QUARTER = TURNS.size, ROW // 4, D // 4
-    turn_words, turn_words_by = word_rotation(D, bf16x2_to_f32 if spec.kind == "bf16" else f16x2_to_f32, pack)
-    cos_sin = turn_angle(D)
-    STEP = NT // QUARTER                 # keys between a thread's rows of a K tile (its word m is fixed)
-    assert NT % QUARTER == 0 and T_k % STEP == 0
+    turn_words = word_rotation(D, bf16x2_to_f32 if spec.kind == "bf16" else f16x2_to_f32, pack)
 
     env = {"float32": float32, "uint32": uint32, "mma": mma, "pack": pack, "ldsm": _mma.ldsm_x4,
            "ldsm_t": _mma.ldsm_x4_t, "score": tile_score(spec, positional), "cuda": cuda, "math": math,
@@ -333,35 +330,12 @@ def pipelined_tile(spec: KernelSpec):
     @device_fn
     def turn_rows(buf, first, pos_of, at, n, offset, tid, turns):
         """RoPE: rows 0..n-1 of the tile at word ``first`` of ``buf``, row j turned to
-        ``pos_of[at + j] + offset`` (the Q rows; a row at NO_KEY is left alone)."""
+        ``pos_of[at + j] + offset`` (a row at NO_KEY holds zeros and is left alone)."""
         for e in range(tid, n * QUARTER, NT):
             j = e // QUARTER
             pos = pos_of[at + j]
             if pos != NO_KEY:
                 turn_words(buf, first + j * ROW_WORDS, e % QUARTER, pos + offset, turns)
-
-    @device_fn
-    def turn_k_tile(buf, first, s_kpos, at, offset, tid, turns, sc0, ss0, sc1, ss1):
-        """RoPE: the K tile at word ``first`` of ``buf``, key j turned to
-        ``s_kpos[at + j] + offset`` (a key at NO_KEY is left alone).  A thread turns word m = tid %
-        D/4 of every STEP-th key, so its next key usually sits STEP positions on: its
-        cosines and sines then advance by the turn of STEP positions (``sc0 ..``, 4
-        multiply-adds) instead of being taken afresh; a key elsewhere, the first
-        included, takes them afresh."""
-        m = tid % QUARTER
-        expect = int32(-1)
-        c0 = s0 = c1 = s1 = float32(0.0)
-        for jj in range(tid // QUARTER, T_k, STEP):
-            pos = s_kpos[at + jj]
-            if pos != NO_KEY:
-                p = pos + offset
-                if p != expect:
-                    c0, s0 = cos_sin(uint32(max(p, 0)), 2 * m, turns)
-                    c1, s1 = cos_sin(uint32(max(p, 0)), 2 * m + 1, turns)
-                turn_words_by(buf, first + jj * ROW_WORDS, m, c0, s0, c1, s1)
-                c0, s0 = c0 * sc0 - s0 * ss0, s0 * sc0 + c0 * ss0
-                c1, s1 = c1 * sc1 - s1 * ss1, s1 * sc1 + c1 * ss1
-                expect = p + STEP
 
     @device_fn
     def tile(wi, q, k_src, v_src, kv_indices, work, row_pos, row_kvoff, row_req, slopes,
@@ -400,13 +374,10 @@ def pipelined_tile(spec: KernelSpec):
                                  s_qpos, s_diag, s_req, s_range)
 
         kvoff = 0
-        sc0 = ss0 = sc1 = ss1 = float32(0.0)
         if ROPE:        # q rows turned to their positions; a key's position is kvoff + s_kpos
             cuda.syncthreads()
             turn_rows(buf, k_word, s_qpos, 0, n_rows, 0, tid, s_turns)
             kvoff = s_qpos[0] - s_diag[0]
-            sc0, ss0 = cos_sin(uint32(STEP), 2 * (tid % QUARTER), s_turns)       # the turn of STEP positions
-            sc1, ss1 = cos_sin(uint32(STEP), 2 * (tid % QUARTER) + 1, s_turns)
             cuda.syncthreads()
         row_base = warp * 16
         r_lo = row_base + g
@@ -448,10 +419,8 @@ def pipelined_tile(spec: KernelSpec):
             commit()
             wait_all()
             cuda.syncthreads()
-            if ROPE and t0 < hi:            # V lands while K turns
-                issue(s_v, s_vaddr, s_vpos, 0, tid)
-                commit()
-                turn_k_tile(buf, k_word, s_kpos, 0, kvoff, tid, s_turns, sc0, ss0, sc1, ss1)
+            if ROPE and t0 < hi:
+                turn_rows(buf, k_word, s_kpos, 0, T_k, kvoff, tid, s_turns)
                 cuda.syncthreads()
 
             o = o_zero()
@@ -466,8 +435,7 @@ def pipelined_tile(spec: KernelSpec):
                 # next tile's page ids: loaded now, used after the math below
                 t = t1 + jk
                 page, slot, pos = loc(kv_indices, kv_ptr, kv_base, min(t, hi - 1), block, n_keys, shift)
-                if not ROPE:                # (RoPE: issued before the K tile's turn)
-                    issue(s_v, s_vaddr, s_vpos, base, tid)
+                issue(s_v, s_vaddr, s_vpos, base, tid)
                 commit()
                 s = qk(qf, k_lane)
                 last = t0 + T_k - 1
@@ -491,10 +459,8 @@ def pipelined_tile(spec: KernelSpec):
                 o = pv(o, p, v_lane, alpha_lo, alpha_hi)
                 wait_all()
                 cuda.syncthreads()
-                if ROPE and t1 < hi:        # V(next) lands while K(next) turns
-                    issue(s_v, s_vaddr, s_vpos, nbase, tid)
-                    commit()
-                    turn_k_tile(buf, k_word, s_kpos, nbase, kvoff, tid, s_turns, sc0, ss0, sc1, ss1)
+                if ROPE and t1 < hi:
+                    turn_rows(buf, k_word, s_kpos, nbase, T_k, kvoff, tid, s_turns)
                     cuda.syncthreads()
                 t0 = t1
                 base = nbase
