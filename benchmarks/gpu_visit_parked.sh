@@ -4,8 +4,8 @@
 # as rows, one cuMemcpy2DAsync) and run() without an empty merge outside a graph capture
 # (issue 16), the wrapper's programmatic fixed-grid merge (issue 21) and the RoPE prefill
 # tile's order of work (issue 19).
-#   git revert <each parking commit>          # this tree: the changes back
-#   mkdir -p _ab/B && git archive <the last parking commit> nbattn benchmarks tests pyproject.toml | tar -x -C _ab/B
+#   git revert <the parking commit>           # this tree: the changes back (one commit, e0d757a)
+#   mkdir -p _ab/B && git archive <the parking commit> nbattn benchmarks tests pyproject.toml | tar -x -C _ab/B
 #   COMMIT=<sha> BASE=B STAGE=1 bash benchmarks/gpu_visit_parked.sh      # then STAGE=2
 # STAGE=1 (about 7 minutes):
 #   1. the GPU tests of the wrappers, the plain decode call, the scheduler's wrapper cost, the
