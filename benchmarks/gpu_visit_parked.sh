@@ -6,19 +6,19 @@
 # tile's order of work (issue 19).
 #   git revert <the parking commit>           # this tree: the changes back (one commit, e0d757a)
 #   mkdir -p _ab/B && git archive <the parking commit> nbattn benchmarks tests pyproject.toml | tar -x -C _ab/B
-#   COMMIT=<sha> BASE=B STAGE=1 bash benchmarks/gpu_visit_parked.sh      # then STAGE=2
+#   COMMIT=<sha> BASE=B STAGE=1 bash benchmarks/gpu_visit_parked.sh      # then STAGE=2, STAGE=3
 # STAGE=1 (about 7 minutes):
 #   1. the GPU tests of the wrappers, the plain decode call, the scheduler's wrapper cost, the
 #      driver and staging, the variants and the RoPE cascade, in this tree;
 #   2. benchmarks/gpu_eager.py --quick (decode and plan() only) of _ab/$BASE and of this tree in
-#      turn, twice: $OUT/eager_<tree><round>.json (the plain call's host time is what the
-#      trims change; each file has its same-run SDPA).
-# STAGE=2 (about 8 minutes):
+#      turn, ROUNDS (1) times: $OUT/eager_<tree><round>.json (plan() and the plain call's host
+#      times are what the changes move; each file has its same-run SDPA).
+# STAGE=2 (about 5 minutes):
 #   3. benchmarks/diag_small_batch.py of both trees (the batch-16 steps, LPT against the fixed
 #      split, CUDA graphs): $OUT/diag_<tree>.json;
-#   4. benchmarks/gpu_variants.py --parts rope_prefill of both trees: $OUT/rope_<tree>.json;
-#   5. benchmarks/gpu_rope_warp_diag.py (RoPE decode under other register budgets) and
-#      benchmarks/gpu_plan_host.py, in this tree.
+#   4. benchmarks/gpu_variants.py --parts rope_prefill of both trees: $OUT/rope_<tree>.json.
+# STAGE=3 (about 4 minutes): benchmarks/gpu_rope_warp_diag.py (RoPE decode under other register
+#   budgets) and benchmarks/gpu_plan_host.py, in this tree.
 # Each script runs inside the tree it measures (this tree's copy of it); logs in $OUT/visit.log.
 set -u
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
@@ -38,13 +38,13 @@ intree() {  # tree (. or a name under _ab/), script, args...
   cp "$root/benchmarks/$s" "$d/benchmarks/visit_$s"
   (cd "$d" && PYTHONPATH=$d python3 "$d/benchmarks/visit_$s" "$@"); }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$OUT/visit.log"
-if [ "${STAGE:?pass STAGE=1 or 2}" = 1 ]; then
+if [ "${STAGE:?pass STAGE=1, 2 or 3}" = 1 ]; then
   export PYTHONPATH=$root
   KEEP=20 step tests ${TESTS_S:-300} python3 -m pytest -p no:cacheprovider -q -rfE -n 12 -m gpu \
       tests/test_cuda_wrappers.py tests/test_decode_call.py tests/test_sched_wrapper_cost.py tests/test_driver.py \
       tests/test_gpu_variants.py tests/test_cuda_sparse_cascade.py
   pkill -f "exec\(eval\(sys.stdin" ; sleep 1      # xdist workers a timeout left behind
-  for r in 1 2; do
+  for r in $(seq ${ROUNDS:-1}); do
     for t in "$B" .; do
       n=$t c=$t; [ "$t" = . ] && n=now c=$C
       KEEP=8 step eager_$n$r ${EAGER_S:-120} intree "$t" gpu_eager.py --commit "$c" --quick \
@@ -52,7 +52,7 @@ if [ "${STAGE:?pass STAGE=1 or 2}" = 1 ]; then
       cp /tmp/eager_$n$r/eager.json "$OUT/eager_$n$r.json" 2>/dev/null
     done
   done
-else
+elif [ "$STAGE" = 2 ]; then
   for t in "$B" .; do
     n=$t c=$t; [ "$t" = . ] && n=now c=$C
     KEEP=4 step diag_$n ${DIAG_S:-150} intree "$t" diag_small_batch.py --out /tmp/diag_$n --commit "$c"
@@ -61,6 +61,7 @@ else
         --out /tmp/rope_$n
     cp /tmp/rope_$n/variants.json "$OUT/rope_$n.json" 2>/dev/null
   done
+else
   export PYTHONPATH=$root
   KEEP=20 step rope_warp ${RW_S:-200} python3 benchmarks/gpu_rope_warp_diag.py --commit "$C" \
       --out "$OUT/rope_warp_$C.json"
